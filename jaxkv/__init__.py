@@ -1,0 +1,12 @@
+"""jaxkv: KV caches for JAX as immutable pytrees.
+
+* ``jaxkv.formats`` — FP8 / FP4 / ds_mla quantized layouts (jnp, bit-exact).
+* ``jaxkv.frame`` — the streaming frame cache of a reconstruction transformer.
+* ``jaxkv.check`` — raise the faults a jitted operation recorded in a state.
+"""
+
+from jaxkv import formats, frame
+from jaxkv.errors import CacheError, Fault, check, clear_errors
+
+__version__ = "0.1.0"
+__all__ = ["CacheError", "Fault", "check", "clear_errors", "formats", "frame", "__version__"]

@@ -1,0 +1,67 @@
+"""Sticky error bits: how a jitted cache operation reports a data-dependent fault.
+
+Inside ``jit`` a cache cannot raise, so a faulty operation leaves the cache as it was and
+ORs a bit into the state's ``error`` field (a uint32 per stream or request). The bit
+stays set until ``clear_errors``. ``check(state)`` reads the field on the host — never do
+that inside a per-frame step — and raises ``CacheError`` naming every fault.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Fault(enum.IntFlag):
+    SPECIAL_CAPACITY = 1 << 0
+    ROLLBACK_NOTHING_PENDING = 1 << 1
+    APPEND_WHILE_PENDING = 1 << 2
+    LAYER_OUT_OF_RANGE = 1 << 3
+    POOL_EXHAUSTED = 1 << 4
+    POSITION_BACKWARDS = 1 << 5
+    SLOT_OUT_OF_RANGE = 1 << 6
+
+
+_MESSAGES = {
+    Fault.SPECIAL_CAPACITY: "special-token capacity exhausted: the frame was not appended "
+    "(raise max_frames at init, or grow the cache with jaxkv.frame.grow)",
+    Fault.ROLLBACK_NOTHING_PENDING: "rollback with nothing to roll back: no deferred frame is pending",
+    Fault.APPEND_WHILE_PENDING: "append while a deferred frame is pending: commit or roll it back first",
+    Fault.LAYER_OUT_OF_RANGE: "layer index out of range: the write was skipped",
+    Fault.POOL_EXHAUSTED: "block pool exhausted: no free block for a flush",
+    Fault.POSITION_BACKWARDS: "position went backwards for a request",
+    Fault.SLOT_OUT_OF_RANGE: "request slot out of range",
+}
+
+
+class CacheError(RuntimeError):
+    """A data-dependent fault recorded in a cache's sticky error field."""
+
+    def __init__(self, faults: dict[int, Fault], kind: str = "stream"):
+        self.faults = faults
+        lines = []
+        for idx, f in sorted(faults.items()):
+            msgs = "; ".join(_MESSAGES[b] for b in Fault if b in f)
+            lines.append(f"{kind} {idx}: {msgs}")
+        super().__init__("jaxkv cache fault(s):\n  " + "\n  ".join(lines))
+
+
+def record(error, fault_mask, fault: Fault):
+    """error: u32[...], fault_mask: bool[...] -> error with ``fault`` ORed where the mask holds."""
+    return error | jnp.where(fault_mask, jnp.uint32(int(fault)), jnp.uint32(0))
+
+
+def check(state) -> None:
+    """Raise ``CacheError`` if any sticky error bit of ``state`` is set (a host sync)."""
+    err = np.asarray(jax.device_get(state.error)).reshape(-1)
+    bad = {int(i): Fault(int(e)) for i, e in enumerate(err) if e}
+    if bad:
+        raise CacheError(bad, kind=getattr(state, "error_axis_name", "stream"))
+
+
+def clear_errors(state):
+    """Return ``state`` with its sticky error bits cleared."""
+    return state.replace(error=jnp.zeros_like(state.error))

@@ -1,0 +1,71 @@
+"""FP8 E4M3 with a float32 scale per entry, or a power-of-two (UE8M0) scale per 64-element tile.
+
+Both store ``q = x / s`` rounded to nearest-even in ``float8_e4m3fn`` (values beyond
+±448 saturate) and dequantize as ``q * s``.
+
+Non-finite input: a NaN or ±inf anywhere in a scale group makes that group's scale NaN,
+so every element of the group dequantizes to NaN.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv.formats._common import FP8_MAX, check_float, check_groups, e8m0_to_float, exact_div, group, ue8m0_scale, ungroup
+
+TILE = 64
+UE8M0_MIN_SCALE = 1e-4  # FlashMLA's clamp: s = 2**ceil(log2(max(amax/448, 1e-4)))
+
+
+def _to_fp8(y):
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def quantize_fp8_per_entry(x):
+    """Per-entry FP8 (the dsv4 seed's entries and SWA ring).
+
+    Args:
+      x: float[..., d]
+    Returns:
+      q: float8_e4m3fn[..., d]
+      scale: f32[...]  dequantization multiplier ``amax / 448`` (the seed calls it
+        ``inv_scale``: the inverse of the quantization multiplier 448/amax). An all-zero
+        entry has scale 0 and q 0.
+    """
+    check_float(x)
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(jnp.isfinite(amax), exact_div(amax, FP8_MAX), jnp.nan)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = _to_fp8(jnp.where((scale > 0)[..., None], xf / safe[..., None], 0.0))
+    return q, scale
+
+
+def dequantize_fp8_per_entry(q, scale, dtype=jnp.bfloat16):
+    """q: float8_e4m3fn[..., d], scale: f32[...] -> dtype[..., d]."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def quantize_fp8_ue8m0(x, tile: int = TILE):
+    """FP8 with one power-of-two scale per ``tile`` elements (FlashMLA / DeepSeek-V4 rule).
+
+    Args:
+      x: float[..., d], d a multiple of ``tile``
+    Returns:
+      q: float8_e4m3fn[..., d]
+      scale_e8m0: uint8[..., d/tile]  biased exponent bytes, scale = 2**(byte-127)
+    """
+    check_float(x)
+    check_groups(x, tile)
+    xg = group(x.astype(jnp.float32), tile)
+    amax = jnp.max(jnp.abs(xg), axis=-1)
+    s, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
+    q = _to_fp8(xg / s[..., None])
+    return ungroup(q), byte
+
+
+def dequantize_fp8_ue8m0(q, scale_e8m0, dtype=jnp.bfloat16, tile: int = TILE):
+    """q: float8_e4m3fn[..., d], scale_e8m0: uint8[..., d/tile] -> dtype[..., d]."""
+    check_groups(q, tile, "q")
+    s = e8m0_to_float(scale_e8m0)
+    return ungroup(group(q.astype(jnp.float32), tile) * s[..., None]).astype(dtype)

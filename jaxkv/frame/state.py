@@ -1,0 +1,137 @@
+"""FrameCacheState: the frame cache as a pytree, and the functions that make or resize one."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._pytree import cache_dataclass, static_field
+from jaxkv.frame.spec import FrameSpec
+
+# ``pending`` values: which kind of deferred frame awaits commit or rollback.
+NONE, IN_SLOT, STAGED = 0, 1, 2
+
+
+@cache_dataclass
+class FrameCacheState:
+    """All arrays of a frame cache; ``spec`` is static. Counters are per stream ``[B]``.
+
+    k, v: dtype[L, B, T, H, D]  keys (RoPE applied) and values, layout in ``FrameSpec``
+    token_id: i32[B, T]  ``frame * tokens_per_frame + token`` of each row, -1 for none
+    num_frames: i32[B]  frames appended and not rolled back (the seed's frame_count)
+    num_scale: i32[B]  filled scale slots (<= S)
+    num_window: i32[B]  filled window slots (<= W)
+    window_head: i32[B]  ring offset of the oldest window frame
+    num_special: i32[B]  special tokens stored
+    pending: i32[B]  NONE, IN_SLOT or STAGED: the deferred frame awaiting commit/rollback
+    write_patch_row: i32[B]  where the current frame's patches go (set by begin_frame)
+    write_special_row: i32[B]  where the current frame's specials go
+    write_ok: bool[B]  whether the current frame was accepted (its writes are skipped if not)
+    write_patches: bool[B]  whether its patches are stored (not when W == 0 and it is evicted at once)
+    error: u32[B]  sticky fault bits (``jaxkv.errors.Fault``)
+    """
+
+    k: jax.Array
+    v: jax.Array
+    token_id: jax.Array
+    num_frames: jax.Array
+    num_scale: jax.Array
+    num_window: jax.Array
+    window_head: jax.Array
+    num_special: jax.Array
+    pending: jax.Array
+    write_patch_row: jax.Array
+    write_special_row: jax.Array
+    write_ok: jax.Array
+    write_patches: jax.Array
+    error: jax.Array
+    spec: FrameSpec = static_field()
+
+    @property
+    def num_slots_used(self):
+        """i32[B]: occupied patch slots."""
+        return self.num_scale + self.num_window
+
+    @property
+    def num_valid(self):
+        """i32[B]: visible rows form the prefix ``[0, num_valid)`` of each buffer."""
+        s = self.spec
+        staged = jnp.where(self.pending == STAGED, s.patches_per_frame, 0)
+        return self.num_slots_used * s.page_size + self.num_special + staged
+
+
+def _zeros(b, dtype=jnp.int32):
+    return jnp.zeros((b,), dtype)
+
+
+def init(spec: FrameSpec) -> FrameCacheState:
+    """An empty cache. K/V rows start as zeros and are never visible until written."""
+    B = spec.num_streams
+    shape = (spec.num_layers, B, spec.capacity, spec.num_heads, spec.head_dim)
+    return FrameCacheState(
+        k=jnp.zeros(shape, spec.jnp_dtype),
+        v=jnp.zeros(shape, spec.jnp_dtype),
+        token_id=jnp.full((B, spec.capacity), -1, jnp.int32),
+        num_frames=_zeros(B),
+        num_scale=_zeros(B),
+        num_window=_zeros(B),
+        window_head=_zeros(B),
+        num_special=_zeros(B),
+        pending=_zeros(B),
+        write_patch_row=_zeros(B),
+        write_special_row=_zeros(B),
+        write_ok=_zeros(B, jnp.bool_),
+        write_patches=_zeros(B, jnp.bool_),
+        error=_zeros(B, jnp.uint32),
+        spec=spec,
+    )
+
+
+def _stream_mask(state, streams):
+    B = state.spec.num_streams
+    if streams is None:
+        return jnp.ones((B,), jnp.bool_)
+    m = jnp.asarray(streams)
+    if m.dtype != jnp.bool_ or m.shape != (B,):
+        raise ValueError(f"streams: expected bool[{B}] or None, got {m.dtype}{list(m.shape)}")
+    return m
+
+
+def reset(state: FrameCacheState, streams=None) -> FrameCacheState:
+    """Empty the given streams (bool[B], default all) for a new video, errors included.
+
+    K/V rows are left as they are: nothing beyond ``num_valid`` is ever read.
+    """
+    m = _stream_mask(state, streams)
+    z = lambda x: jnp.where(m, jnp.zeros_like(x), x)  # noqa: E731
+    return state.replace(
+        token_id=jnp.where(m[:, None], -1, state.token_id),
+        num_frames=z(state.num_frames),
+        num_scale=z(state.num_scale),
+        num_window=z(state.num_window),
+        window_head=z(state.window_head),
+        num_special=z(state.num_special),
+        pending=z(state.pending),
+        write_ok=jnp.where(m, False, state.write_ok),
+        write_patches=jnp.where(m, False, state.write_patches),
+        error=z(state.error),
+    )
+
+
+def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
+    """A copy of ``state`` with room for the specials of ``max_frames`` frames (eager, reallocates).
+
+    Positions in the layout do not depend on the capacity, so growing only pads rows.
+    """
+    spec = state.spec
+    if max_frames < spec.max_frames:
+        raise ValueError(f"max_frames: expected >= the current {spec.max_frames}, got {max_frames}")
+    new = spec.with_max_frames(max_frames)
+    extra = new.capacity - spec.capacity
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+    return state.replace(
+        k=pad(state.k),
+        v=pad(state.v),
+        token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),
+        spec=new,
+    )

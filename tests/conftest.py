@@ -1,0 +1,27 @@
+import jax
+import numpy as np
+import pytest
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = pytest.mark.skip(reason="needs a CUDA GPU visible to jax")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng(request):
+    # Fresh random inputs per test, reproducible from the test's name.
+    seed = abs(hash(request.node.nodeid)) % 2**32
+    return np.random.default_rng(seed)
