@@ -1,10 +1,16 @@
-"""Attention of a query frame over a frame cache: ``reference`` (jnp, float32), ``xla``, ``cudnn``.
+"""Attention of a query frame over a frame cache: ``reference``, ``xla`` and ``cudnn``.
 
 Non-causal, no positional encoding (RoPE is applied before append). The visible keys of
-each stream are the prefix ``[0, num_valid)`` of its buffer (see ``FrameSpec``), so the
-fused backends only need a per-stream key length: nothing is gathered or masked. With
-power-of-two pages the prefix has padding rows, which need an explicit mask: ``auto``
-then uses ``xla``.
+each stream are the prefix ``[0, num_valid)`` of its buffer (see ``FrameSpec``), so no
+backend gathers anything:
+
+* ``reference``: plain softmax over every row with a mask, float32 (the tests' oracle).
+* ``xla``: online softmax over key blocks in a ``while`` loop that stops at the last
+  visible block, float32 accumulation: work proportional to what is visible, any device.
+* ``cudnn``: ``jax.nn.dot_product_attention`` with the prefix length as the key length.
+
+With power-of-two pages the prefix holds padding rows: ``cudnn`` cannot mask them, so
+``auto`` picks ``xla`` there.
 """
 
 from __future__ import annotations
@@ -38,6 +44,50 @@ def ref_attention(q, k, v, mask, scale=None):
     return out.reshape(B, Tq, Hq, D)
 
 
+XLA_BLOCK = 512  # key rows per step of the ``xla`` backend
+
+
+def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XLA_BLOCK):
+    """Online-softmax attention over the key prefix ``[0, num_valid)``, one block per loop step.
+
+    q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; num_valid: i32[B];
+    row_mask: bool[B, T] or None (rows inside the prefix to skip: page padding)
+    returns q.dtype[B, Tq, Hq, D]
+    """
+    B, Tq, Hq, D = q.shape
+    T, H = k.shape[1], k.shape[2]
+    G = Hq // H
+    block = min(block, T)
+    scale = D**-0.5 if scale is None else scale
+    qf = (q.astype(jnp.float32) * scale).reshape(B, Tq, H, G, D)
+
+    def body(i, carry):
+        m, l, acc = carry
+        start = jnp.minimum(i * block, T - block)  # the last block may overlap the one before
+        kb = lax.dynamic_slice_in_dim(k, start, block, axis=1).astype(jnp.float32)
+        vb = lax.dynamic_slice_in_dim(v, start, block, axis=1).astype(jnp.float32)
+        rows = start + jnp.arange(block)
+        ok = (rows[None] >= i * block) & (rows[None] < num_valid[:, None])  # [B, block]
+        if row_mask is not None:
+            ok &= lax.dynamic_slice_in_dim(row_mask, start, block, axis=1)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kb)
+        s = jnp.where(ok[:, None, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vb)
+        return m_new, l, acc
+
+    init = (jnp.full((B, H, G, Tq), -jnp.inf, jnp.float32), jnp.zeros((B, H, G, Tq), jnp.float32),
+            jnp.zeros((B, H, G, Tq, D), jnp.float32))
+    steps = (jnp.max(num_valid) + block - 1) // block
+    _, l, acc = lax.fori_loop(0, steps, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tq, Hq, D).astype(q.dtype)
+
+
 def default_impl(spec) -> str:
     """The fastest backend available for ``spec`` on the default device."""
     on_gpu = jax.default_backend() == "gpu"
@@ -48,8 +98,6 @@ def default_impl(spec) -> str:
 
 def _layer_kv(state: FrameCacheState, layer):
     if isinstance(layer, int):
-        if not 0 <= layer < state.spec.num_layers:
-            raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
         return state.k[layer], state.v[layer]
     layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, state.spec.num_layers - 1)
     return (lax.dynamic_index_in_dim(state.k, layer, keepdims=False),
@@ -77,19 +125,27 @@ def attention(state: FrameCacheState, q, layer, *, impl: str = "auto", scale=Non
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = default_impl(state.spec)
+    if isinstance(layer, int):
+        if not 0 <= layer < state.spec.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
+        return _attention_static(state, q, layer=layer, impl=impl, scale=scale)
+    return _attention_traced(state, q, layer, impl=impl, scale=scale)
+
+
+def _attention(state: FrameCacheState, q, layer, impl: str, scale):
     k, v = _layer_kv(state, layer)
     if impl == "reference":
         return ref_attention(q, k, v, visible_mask(state), scale).astype(q.dtype)
     if q.dtype != k.dtype:
         raise ValueError(f"q: expected dtype {k.dtype} (the cache's) for impl={impl!r}, got {q.dtype}")
     n = state.num_valid
+    if impl == "xla":
+        return xla_attention(q, k, v, n, state.token_id >= 0 if state.spec.pow2_pages else None, scale)
     if state.spec.pow2_pages:
-        if impl == "cudnn":
-            raise ValueError("impl='cudnn' needs exact pages (pow2_pages=False): padded rows need a mask")
-        mask = visible_mask(state)[:, None, None, :]
-        out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="xla")
-    else:
-        out = jax.nn.dot_product_attention(
-            q, k, v, scale=scale, key_value_seq_lengths=n, implementation=impl
-        )
+        raise ValueError("impl='cudnn' needs exact pages (pow2_pages=False): padded rows need a mask")
+    out = jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=n, implementation="cudnn")
     return jnp.where((n > 0)[:, None, None, None], out, jnp.zeros_like(out))
+
+
+_attention_static = jax.jit(_attention, static_argnames=("layer", "impl", "scale"))
+_attention_traced = jax.jit(_attention, static_argnames=("impl", "scale"))

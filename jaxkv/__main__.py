@@ -1,0 +1,24 @@
+"""Command line: ``python -m jaxkv demo --help``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m jaxkv", description="jaxkv command line")
+    sub = p.add_subparsers(dest="command", required=True)
+    from jaxkv import demo
+
+    d = sub.add_parser("demo", help="stream random frames through a lingbot-map-shaped frame cache",
+                       description=demo.__doc__)
+    demo.add_arguments(d)
+    args = p.parse_args(argv)
+    if args.command == "demo":
+        demo.run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The fused attention backends on the GPU against the float32 reference, at lingbot-map-like shapes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import frame
+
+pytestmark = pytest.mark.gpu
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.mark.parametrize("patches,frames,defer_last", [(256, 90, False), (999, 12, True), (37, 20, True)])
+def test_cudnn_and_xla_match_reference(rng, patches, frames, defer_last):
+    spec = frame.FrameSpec(num_layers=2, num_heads=16, head_dim=64, patches_per_frame=patches,
+                           scale_frames=8, sliding_window=6, max_frames=128, num_streams=2)
+    state = frame.init(spec)
+    shape = (2, 2, spec.tokens_per_frame, 16, 64)
+    for t in range(frames):
+        k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        v = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        state = frame.append(state, k, v, defer=defer_last and t == frames - 1)
+    jaxkv.check(state)
+    q = jnp.asarray(rng.standard_normal((2, spec.tokens_per_frame, 16, 64)), jnp.bfloat16)
+    for layer in range(2):
+        ref = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
+        for impl in ("cudnn", "xla"):
+            out = frame.attention(state, q, layer, impl=impl)
+            assert out.dtype == jnp.bfloat16
+            assert rel_err(out, ref) < 1e-2, impl  # bf16 operands
+
+
+def test_auto_is_cudnn_on_gpu():
+    spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=64, patches_per_frame=8)
+    assert frame.default_impl(spec) == "cudnn"
+
+
+def test_gqa_queries(rng):
+    spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=64, patches_per_frame=64, max_frames=16)
+    state = frame.init(spec)
+    for _ in range(5):
+        kv = jnp.asarray(rng.standard_normal((1, 1, 70, 2, 64)), jnp.bfloat16)
+        state = frame.append(state, kv, -kv)
+    q = jnp.asarray(rng.standard_normal((1, 70, 8, 64)), jnp.bfloat16)
+    ref = frame.attention(state, q, 0, impl="reference").astype(jnp.float32)
+    assert rel_err(frame.attention(state, q, 0, impl="cudnn"), ref) < 1e-2
+
+
+def test_frame_state_lives_on_gpu():
+    spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=64, patches_per_frame=8)
+    state = frame.init(spec)
+    assert all(d.platform == "gpu" for d in state.k.devices())
