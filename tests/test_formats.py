@@ -244,3 +244,19 @@ def test_fp4_saturation_and_nonfinite():
     assert np.asarray(e).tolist() == [[125, 255]]  # 1/6 -> 2^-2
     back = np.asarray(F.dequantize_mxfp4(p, e, jnp.float32))
     assert np.all(back[0, :32] == 1.0) and np.all(np.isnan(back[0, 32:]))
+
+
+def test_div_rn_is_correctly_rounded(rng):
+    from jaxkv.formats._common import div_rn
+
+    x = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 30, 200_000))).astype(np.float32)
+    y = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 30, 200_000))).astype(np.float32)
+    x[:6] = [0.0, -0.0, np.inf, np.nan, 4.6875, 3163.328613]
+    y[:6] = [3.0, 2.0, 5.0, 1.0, 0.9375, 3163.328613]
+    want = (x.astype(np.float64) / y.astype(np.float64)).astype(np.float32)
+    normal = np.isnan(want) | (np.abs(want) >= np.finfo(np.float32).tiny) | (want == 0)
+    got = np.asarray(jax.jit(div_rn)(jnp.asarray(x), jnp.asarray(y)))
+    np.testing.assert_array_equal(got[normal], want[normal])
+    assert got[4] == 5.0 and got[5] == 1.0
+    np.testing.assert_array_equal(np.asarray(div_rn(jnp.asarray(x[6:]), 448.0)),
+                                  (x[6:].astype(np.float64) / 448).astype(np.float32))

@@ -108,7 +108,7 @@ def test_errors_are_sticky_and_leave_cache_unchanged(rng):
     state = frame.rollback(state)  # nothing pending: another bit, still nothing changed
     with pytest.raises(CacheError, match="nothing to roll back"):
         jaxkv.check(state)
-    np.testing.assert_array_equal(np.asarray(state.k), before.k)
+    np.testing.assert_array_equal(np.stack(state.k), before.k)
     state = jaxkv.clear_errors(state)
     jaxkv.check(state)
 
@@ -157,10 +157,10 @@ def test_traced_layer_out_of_range_is_recorded(rng):
     spec = frame.FrameSpec(**SMALL)
     state = frame.begin_frame(frame.init(spec))
     k, v = rand_frame(rng, spec, per_layer=True)
-    before = np.asarray(state.k)
+    before = np.stack(state.k)
     state = jax.jit(frame.write_layer)(state, jnp.int32(7), k, v)
     assert int(state.error[0]) & Fault.LAYER_OUT_OF_RANGE
-    np.testing.assert_array_equal(np.asarray(state.k), before)
+    np.testing.assert_array_equal(np.stack(state.k), before)
 
 
 def test_per_layer_equals_all_layers(rng):
@@ -176,8 +176,8 @@ def test_per_layer_equals_all_layers(rng):
             a, b = frame.rollback(a), frame.rollback(b)
     va, vb = np.asarray(frame.visible_mask(a)), np.asarray(frame.visible_mask(b))
     np.testing.assert_array_equal(va, vb)
-    np.testing.assert_array_equal(np.asarray(a.k)[:, va], np.asarray(b.k)[:, vb])
-    np.testing.assert_array_equal(np.asarray(a.v)[:, va], np.asarray(b.v)[:, vb])
+    np.testing.assert_array_equal(np.stack(a.k)[:, va], np.stack(b.k)[:, vb])
+    np.testing.assert_array_equal(np.stack(a.v)[:, va], np.stack(b.v)[:, vb])
 
 
 def test_streams_are_independent(rng):

@@ -55,4 +55,32 @@ def test_gqa_queries(rng):
 def test_frame_state_lives_on_gpu():
     spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=64, patches_per_frame=8)
     state = frame.init(spec)
-    assert all(d.platform == "gpu" for d in state.k.devices())
+    assert all(d.platform == "gpu" for d in state.k[0].devices())
+
+
+@pytest.mark.parametrize("splits", [1, 2, 4, 8, 16])
+def test_cudnn_split_kv_matches_reference(rng, splits):
+    from jaxkv.frame.attention import cudnn_attention
+
+    B, T, H, D, Tq = 2, 4096, 4, 64, 262
+    k = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((B, Tq, H, D)), jnp.bfloat16)
+    n = jnp.asarray([3001, 700], jnp.int32)  # chunks past the prefix are empty
+    mask = jnp.arange(T)[None] < n[:, None]
+    ref = frame.ref_attention(q, k, v, mask)
+    out = jax.jit(cudnn_attention, static_argnames="splits")(q, k, v, n, splits=splits)
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_traced_layer_attention(rng):
+    spec = frame.FrameSpec(num_layers=3, num_heads=4, head_dim=64, patches_per_frame=100, max_frames=16)
+    state = frame.init(spec)
+    for _ in range(4):
+        kv = jnp.asarray(rng.standard_normal((3, 1, 106, 4, 64)), jnp.bfloat16)
+        state = frame.append(state, kv, kv * 0.5)
+    q = jnp.asarray(rng.standard_normal((1, 106, 4, 64)), jnp.bfloat16)
+    for layer in range(3):
+        a = frame.attention(state, q, jnp.int32(layer))
+        b = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
+        assert rel_err(a, b) < 1e-2

@@ -93,7 +93,7 @@ class FrameCacheMachine(RuleBasedStateMachine):
         mask = np.asarray(frame.visible_mask(before))[b]
         for name in ("num_frames", "num_scale", "num_window", "window_head", "num_special", "pending"):
             assert getattr(after, name)[b] == getattr(before, name)[b], name
-        np.testing.assert_array_equal(after.k[:, b][:, mask], before.k[:, b][:, mask])
+        np.testing.assert_array_equal(np.stack(after.k)[:, b][:, mask], np.stack(before.k)[:, b][:, mask])
         np.testing.assert_array_equal(after.token_id[b][mask], before.token_id[b][mask])
 
     @invariant()
@@ -110,8 +110,8 @@ class FrameCacheMachine(RuleBasedStateMachine):
             rows = np.nonzero(mask[b])[0]
             for r in rows[:: max(1, len(rows) // 7)]:
                 kk, vv = self.kv[b][int(ids[b, r])]
-                np.testing.assert_array_equal(np.asarray(self.state.k[:, b, r]), kk)
-                np.testing.assert_array_equal(np.asarray(self.state.v[:, b, r]), vv)
+                np.testing.assert_array_equal(np.stack([x[b, r] for x in self.state.k]), kk)
+                np.testing.assert_array_equal(np.stack([x[b, r] for x in self.state.v]), vv)
         np.testing.assert_array_equal(np.asarray(self.state.error), self.expected_error)
         pt = frame.page_table(self.state)
         for b in range(B):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.formats._common import FP4_MAX, FP8_MAX, check_float, check_groups, e8m0_to_float, exact_div, group, ue8m0_scale, ungroup
+from jaxkv.formats._common import FP4_MAX, FP8_MAX, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -74,7 +74,7 @@ def quantize_mxfp4(x):
     xg = group(x.astype(jnp.float32), MXFP4_GROUP)
     amax = jnp.max(jnp.abs(xg), axis=-1)
     s, byte = ue8m0_scale(exact_div(jnp.maximum(amax, MXFP4_MIN_AMAX), FP4_MAX))
-    codes = e2m1_encode(xg / s[..., None])
+    codes = e2m1_encode(div_rn(xg, s[..., None]))
     return pack_nibbles(ungroup(codes)), byte
 
 
@@ -110,10 +110,10 @@ def quantize_nvfp4(x, global_scale=None):
     g = nvfp4_global_scale(xf) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
     xg = group(xf, NVFP4_GROUP)
     amax = jnp.max(jnp.abs(xg), axis=-1)
-    bs = jnp.where(jnp.isfinite(amax), exact_div(amax, FP4_MAX) / g, jnp.nan)
+    bs = jnp.where(jnp.isfinite(amax), div_rn(exact_div(amax, FP4_MAX), g), jnp.nan)
     bs8 = jnp.clip(bs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
     denom = bs8.astype(jnp.float32) * g
-    y = jnp.where((denom > 0)[..., None], xg / jnp.where(denom > 0, denom, 1.0)[..., None], 0.0)
+    y = jnp.where((denom > 0)[..., None], div_rn(xg, jnp.where(denom > 0, denom, 1.0)[..., None]), 0.0)
     return pack_nibbles(ungroup(e2m1_encode(y))), bs8, g
 
 

@@ -7,7 +7,11 @@ backend gathers anything:
 * ``reference``: plain softmax over every row with a mask, float32 (the tests' oracle).
 * ``xla``: online softmax over key blocks in a ``while`` loop that stops at the last
   visible block, float32 accumulation: work proportional to what is visible, any device.
-* ``cudnn``: ``jax.nn.dot_product_attention`` with the prefix length as the key length.
+* ``cudnn``: cuDNN flash attention with the prefix length as the key length. A frame
+  has few queries (262 at 224x224: 3 query tiles x 16 heads, under half an H100's SMs),
+  so the keys are split into equal chunks (a free reshape: the capacity is a multiple of
+  16 x 128 rows), each chunk attended as its own batch entry, and the chunks merged by
+  their log-sum-exp — FlashInfer's split-KV, on cuDNN.
 
 With power-of-two pages the prefix holds padding rows: ``cudnn`` cannot mask them, so
 ``auto`` picks ``xla`` there.
@@ -88,6 +92,65 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tq, Hq, D).astype(q.dtype)
 
 
+def _cudnn_fwd(q, k, v, kv_len, scale):
+    """cuDNN attention returning (out, float32 log-sum-exp [B, Hq, Tq]).
+
+    ``jax.nn.dot_product_attention`` rounds the log-sum-exp to the output dtype (bf16),
+    too coarse to merge chunks; the cuDNN op underneath returns it in float32.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    B, Tq = q.shape[:2]
+    out, lse = fa.dot_product_attention(
+        q, k, v, q_seqlen=jnp.full((B,), Tq, jnp.int32), kv_seqlen=kv_len, scale=scale,
+        mask_type=fa.MaskType.PADDING, return_residual=True,
+    )
+    return out, lse
+
+
+def cudnn_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
+    """Key chunks so that (query tiles x heads x chunks) fills about four waves of SMs."""
+    tiles = -(-q_len // 128) * q_heads
+    n = 1
+    while n < 16 and tiles * n * 2 <= 4 * sm_count and rows % (2 * n * 128) == 0:
+        n *= 2
+    return n
+
+
+def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
+    """cuDNN flash attention over the key prefix ``[0, num_valid)``, split over key chunks.
+
+    q: bf16/f16[B, Tq, Hq, D]; k, v: same dtype [B, T, H, D]; num_valid: i32[B]
+    splits: key chunks (T must split into whole 128-row tiles); None = ``cudnn_splits``
+    returns q.dtype[B, Tq, Hq, D]
+    """
+    B, Tq, Hq, D = q.shape
+    T, H = k.shape[1], k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    if splits is None:
+        dev = jax.devices()[0]
+        splits = cudnn_splits(Tq, Hq, T, getattr(dev, "core_count", 132) or 132)
+    if splits == 1:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=num_valid,
+                                            implementation="cudnn")
+    if T % (splits * 128):
+        raise ValueError(f"splits: {T} key rows do not split into {splits} chunks of whole 128-row tiles")
+    C = T // splits
+    starts = jnp.arange(splits, dtype=jnp.int32) * C
+    lens = jnp.clip(num_valid[:, None] - starts[None], 0, C)  # [B, n]
+    qc = jnp.broadcast_to(q[:, None], (B, splits, Tq, Hq, D)).reshape(B * splits, Tq, Hq, D)
+    out, lse = _cudnn_fwd(qc, k.reshape(B * splits, C, H, D), v.reshape(B * splits, C, H, D),
+                          jnp.maximum(lens, 1).reshape(-1), scale)
+    out = out.reshape(B, splits, Tq, Hq, D).astype(jnp.float32)
+    lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq), (0, 1, 3, 2))  # [B, n, Tq, Hq]
+    live = (lens > 0)[:, :, None, None]
+    m = jnp.max(jnp.where(live, lse, -jnp.inf), axis=1, keepdims=True)
+    w = jnp.where(live, jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    total = jnp.sum(w, axis=1)
+    merged = jnp.sum(jnp.where(live[..., None], out, 0.0) * w[..., None], axis=1)
+    return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
+
+
 def default_impl(spec) -> str:
     """The fastest backend available for ``spec`` on the default device."""
     on_gpu = jax.default_backend() == "gpu"
@@ -96,12 +159,6 @@ def default_impl(spec) -> str:
     return "xla"
 
 
-def _layer_kv(state: FrameCacheState, layer):
-    if isinstance(layer, int):
-        return state.k[layer], state.v[layer]
-    layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, state.spec.num_layers - 1)
-    return (lax.dynamic_index_in_dim(state.k, layer, keepdims=False),
-            lax.dynamic_index_in_dim(state.v, layer, keepdims=False))
 
 
 def _check_q(state, q):
@@ -133,7 +190,11 @@ def attention(state: FrameCacheState, q, layer, *, impl: str = "auto", scale=Non
 
 
 def _attention(state: FrameCacheState, q, layer, impl: str, scale):
-    k, v = _layer_kv(state, layer)
+    if not isinstance(layer, int):  # a traced index picks the layer's branch: no copy of its buffer
+        layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, state.spec.num_layers - 1)
+        branches = [lambda st, q, l=l: _attention(st, q, l, impl, scale) for l in range(state.spec.num_layers)]
+        return lax.switch(layer, branches, state, q)
+    k, v = state.k[layer], state.v[layer]
     if impl == "reference":
         return ref_attention(q, k, v, visible_mask(state), scale).astype(q.dtype)
     if q.dtype != k.dtype:
@@ -143,7 +204,7 @@ def _attention(state: FrameCacheState, q, layer, impl: str, scale):
         return xla_attention(q, k, v, n, state.token_id >= 0 if state.spec.pow2_pages else None, scale)
     if state.spec.pow2_pages:
         raise ValueError("impl='cudnn' needs exact pages (pow2_pages=False): padded rows need a mask")
-    out = jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=n, implementation="cudnn")
+    out = cudnn_attention(q, k, v, n, scale)
     return jnp.where((n > 0)[:, None, None, None], out, jnp.zeros_like(out))
 
 

@@ -8,6 +8,7 @@ then), and grows the special capacity when it would run out (``special_overflow=
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,7 +92,7 @@ class FrameCache:
     @property
     def nbytes(self) -> int:
         """Device bytes of the whole state."""
-        return int(sum(x.nbytes for x in (self.state.k, self.state.v, self.state.token_id)))
+        return int(sum(x.nbytes for x in jax.tree.leaves(self.state)))
 
     def __repr__(self):
         s = self.spec

@@ -18,28 +18,33 @@ from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState
 
 
 # ---------------------------------------------------------------- row-block helpers
-def _rows(buf, b, start, n, layer=None):
-    """Read rows [start, start+n) of stream b: buf [L, B, T, ...] or [B, T]."""
-    if buf.ndim == 2:
-        return lax.dynamic_slice(buf, (b, start), (1, n))
-    L = buf.shape[0] if layer is None else 1
-    lo = 0 if layer is None else layer
-    return lax.dynamic_slice(buf, (lo, b, start) + (0,) * (buf.ndim - 3), (L, 1, n) + buf.shape[3:])
+def _rows(buf, b, start, n):
+    """Rows [start, start+n) of stream b of ``buf`` [B, T, ...] -> [1, n, ...]."""
+    return lax.dynamic_slice(buf, (b, start) + (0,) * (buf.ndim - 2), (1, n) + buf.shape[2:])
 
 
-def _put_rows(buf, b, start, block, ok, layer=None):
-    """Write ``block`` at rows [start, ...) of stream b where ``ok``; else keep the old rows."""
-    old = _rows(buf, b, start, block.shape[-3] if buf.ndim > 2 else block.shape[-1], layer)
-    new = jnp.where(ok, block, old)
-    if buf.ndim == 2:
-        return lax.dynamic_update_slice(buf, new, (b, start))
-    lo = 0 if layer is None else layer
-    return lax.dynamic_update_slice(buf, new, (lo, b, start) + (0,) * (buf.ndim - 3))
+def _put_rows(buf, b, start, block, ok):
+    """Write ``block`` [1, n, ...] at rows [start, ...) of stream b where ``ok``; else keep the old rows.
+
+    Reading the old rows back costs one block read, and keeps every write an in-place
+    dynamic-update-slice (no conditional around a large buffer).
+    """
+    new = jnp.where(ok, block, _rows(buf, b, start, block.shape[1]))
+    return lax.dynamic_update_slice(buf, new, (b, start) + (0,) * (buf.ndim - 2))
 
 
-def _move_rows(state_arrays, b, src, dst, n, ok):
-    """Copy rows [src, src+n) to [dst, dst+n) of stream b in k, v and token_id, where ``ok``."""
-    return tuple(_put_rows(x, b, dst, _rows(x, b, src, n), ok) for x in state_arrays)
+def _move_rows(arrays, b, src, dst, n, ok):
+    """Copy rows [src, src+n) to [dst, dst+n) of stream b in every array, where ``ok``."""
+    return tuple(_put_rows(x, b, dst, _rows(x, b, src, n), ok) for x in arrays)
+
+
+def _all_rows(state):
+    return (*state.k, *state.v, state.token_id)
+
+
+def _split_rows(state, arrays):
+    L = state.spec.num_layers
+    return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])
 
 
 def _as_streams(x, B, name, dtype=jnp.bool_):
@@ -78,10 +83,11 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
     # Claiming slot f: the specials sitting in its rows move to the tail's end.
     move = ok & room & (ns > 0)
     reloc_dst = jnp.maximum((f + 1) * ps, f * ps + ns)
-    arrays = (state.k, state.v, state.token_id)
+    arrays = _all_rows(state)
     for b in range(B):
         arrays = _move_rows(arrays, b, f[b] * ps, reloc_dst[b], ps, move[b])
-    k, v, token_id = arrays
+    moved = _split_rows(state, arrays)
+    token_id = moved["token_id"]
 
     # Token ids of the new frame (patch slot rows beyond P are padding: -1).
     base = state.num_frames * s.tokens_per_frame
@@ -102,8 +108,8 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
     evict = ok & ~room & ~defer & (W > 0)
     upd = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
     return state.replace(
-        k=k,
-        v=v,
+        k=moved["k"],
+        v=moved["v"],
         token_id=token_id,
         num_frames=upd(state.num_frames + 1, state.num_frames),
         num_scale=upd(state.num_scale + fill_scale, state.num_scale),
@@ -133,37 +139,41 @@ def _check_frame_kv(state, k, v, per_layer: bool):
 
 
 def _write(state: FrameCacheState, layer, k, v) -> FrameCacheState:
-    """Write K/V ([L or 1, B, tokens_per_frame, H, D]) at the rows begin_frame chose."""
+    """Write a frame's K/V at the rows begin_frame chose.
+
+    layer None: k, v are [L, B, tokens_per_frame, H, D] for every layer. A Python int:
+    [B, tokens_per_frame, H, D] into that layer's buffer alone. A traced i32: the same,
+    by a masked write to every layer's buffer (L times the traffic: prefer an int).
+    """
     s = state.spec
     NS, P, ps = s.num_special, s.patches_per_frame, s.page_size
-    kbuf, vbuf = state.k, state.v
-    layer_ok = True
-    if layer is not None:
-        layer_ok = (layer >= 0) & (layer < s.num_layers)
-        layer = jnp.clip(layer, 0, s.num_layers - 1)
-    for b in range(s.num_streams):
-        ok_sp = state.write_ok[b] & layer_ok
-        ok_pt = state.write_patches[b] & layer_ok
-        full_slot = state.write_patch_row[b] < s.num_slots * ps  # a slot write covers the padding too
-        for name, x in (("k", k), ("v", v)):
-            buf = kbuf if name == "k" else vbuf
-            xb = x[:, b : b + 1]
-            if NS:
-                buf = _put_rows(buf, b, state.write_special_row[b], xb[:, :, :NS], ok_sp, layer)
-            patches = xb[:, :, NS:]
-            if ps > P:
-                pad = jnp.zeros(patches.shape[:2] + (ps - P,) + patches.shape[3:], patches.dtype)
-                old = _rows(buf, b, state.write_patch_row[b] + P, ps - P, layer)
-                patches = jnp.concatenate([patches, jnp.where(full_slot, pad, old)], axis=2)
-            buf = _put_rows(buf, b, state.write_patch_row[b], patches, ok_pt, layer)
-            if name == "k":
-                kbuf = buf
-            else:
-                vbuf = buf
+    kbufs, vbufs = list(state.k), list(state.v)
     error = state.error
-    if layer is not None:
-        error = record(error, jnp.broadcast_to(~layer_ok, error.shape), Fault.LAYER_OUT_OF_RANGE)
-    return state.replace(k=kbuf, v=vbuf, error=error)
+    if layer is None:
+        targets = [(l, True, k[l], v[l]) for l in range(s.num_layers)]
+    elif isinstance(layer, int):
+        targets = [(layer, True, k, v)]
+    else:
+        hit = [(layer == l) for l in range(s.num_layers)]
+        targets = [(l, hit[l], k, v) for l in range(s.num_layers)]
+        bad = (layer < 0) | (layer >= s.num_layers)
+        error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
+    for l, layer_ok, kl, vl in targets:
+        for bufs, x in ((kbufs, kl), (vbufs, vl)):
+            buf = bufs[l]
+            for b in range(s.num_streams):
+                xb = x[b : b + 1]  # [1, tokens_per_frame, H, D]
+                if NS:
+                    buf = _put_rows(buf, b, state.write_special_row[b], xb[:, :NS], state.write_ok[b] & layer_ok)
+                patches = xb[:, NS:]
+                if ps > P:  # a slot write also zeroes the slot's padding rows
+                    row = state.write_patch_row[b]
+                    full_slot = row < s.num_slots * ps
+                    old = _rows(buf, b, row + P, ps - P)
+                    patches = jnp.concatenate([patches, jnp.where(full_slot, jnp.zeros_like(old), old)], axis=1)
+                buf = _put_rows(buf, b, state.write_patch_row[b], patches, state.write_patches[b] & layer_ok)
+            bufs[l] = buf
+    return state.replace(k=tuple(kbufs), v=tuple(vbufs), error=error)
 
 
 # ---------------------------------------------------------------- commit / rollback
@@ -182,7 +192,7 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
 
     f = state.num_slots_used
     ns = state.num_special
-    arrays = (state.k, state.v, state.token_id)
+    arrays = _all_rows(state)
     # Commit a staged frame: its patches replace the oldest window frame's.
     stage_row = f * ps + ns
     oldest_row = (S + state.window_head) * ps
@@ -194,14 +204,12 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
     back_src = jnp.maximum(f * ps, f0 * ps + ns0)
     for b in range(B):
         arrays = _move_rows(arrays, b, back_src[b], f0[b] * ps, ps, undo_slot[b] & (ns0[b] > 0))
-    k, v, token_id = arrays
+    moved = _split_rows(state, arrays)
 
     from_window = undo_slot & (state.num_window > 0)
     from_scale = undo_slot & ~from_window
     return state.replace(
-        k=k,
-        v=v,
-        token_id=token_id,
+        **moved,
         num_frames=state.num_frames - undo,
         num_scale=state.num_scale - from_scale,
         num_window=state.num_window - from_window,
@@ -230,21 +238,29 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
     return _begin_frame(state, defer)
 
 
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
+def _write_layer_static(state, k, v, layer):
+    return _write(state, layer, k, v)
+
+
 @_donate
-def _write_layer(state, layer, k, v):
-    return _write(state, layer, k[None], v[None])
+def _write_layer_traced(state, layer, k, v):
+    return _write(state, layer, k, v)
 
 
 def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     """Store one layer's K/V of the frame started by ``begin_frame``.
 
     k, v: dtype[B, tokens_per_frame, H, D]  specials first, then patches, RoPE applied
-    layer: int or i32[]  (a traced index out of range sets LAYER_OUT_OF_RANGE, writes nothing)
+    layer: int, or a traced i32[] (out of range: LAYER_OUT_OF_RANGE, nothing written; it
+      writes through a mask on every layer's buffer, so prefer an int where you can)
     """
     _check_frame_kv(state, k, v, per_layer=True)
-    if isinstance(layer, int) and not 0 <= layer < state.spec.num_layers:
-        raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
-    return _write_layer(state, jnp.asarray(layer, jnp.int32), k, v)
+    if isinstance(layer, int):
+        if not 0 <= layer < state.spec.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
+        return _write_layer_static(state, k, v, layer=layer)
+    return _write_layer_traced(state, jnp.asarray(layer, jnp.int32), k, v)
 
 
 @_donate

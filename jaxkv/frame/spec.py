@@ -26,6 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 
+ROW_QUANTUM = 2048  # capacity granularity: 16 chunks of 128 rows
+
+
 @dataclasses.dataclass(frozen=True)
 class FrameSpec:
     """Static configuration of a frame cache (hashable; a pytree's static field).
@@ -94,12 +97,17 @@ class FrameSpec:
 
     @property
     def capacity(self) -> int:
-        """Token rows per layer and stream: slots + specials + one staged frame, whole pages."""
+        """Token rows per layer and stream: slots + specials + one staged frame.
+
+        Rounded up to a multiple of ``ROW_QUANTUM`` so attention can split the buffer
+        into 2..16 equal key chunks of whole 128-row tiles by a free reshape.
+        """
         rows = (self.num_slots + 1) * self.page_size + self.special_capacity
-        return -(-rows // self.page_size) * self.page_size
+        return -(-rows // ROW_QUANTUM) * ROW_QUANTUM
 
     @property
     def max_pages(self) -> int:
+        """Whole pages in a buffer (rows past ``max_pages * page_size`` are never visible)."""
         return self.capacity // self.page_size
 
     @property

@@ -16,7 +16,8 @@ NONE, IN_SLOT, STAGED = 0, 1, 2
 class FrameCacheState:
     """All arrays of a frame cache; ``spec`` is static. Counters are per stream ``[B]``.
 
-    k, v: dtype[L, B, T, H, D]  keys (RoPE applied) and values, layout in ``FrameSpec``
+    k, v: tuple of L dtype[B, T, H, D]  keys (RoPE applied) and values, one buffer per layer
+      so attention reads a layer in place; layout in ``FrameSpec``
     token_id: i32[B, T]  ``frame * tokens_per_frame + token`` of each row, -1 for none
     num_frames: i32[B]  frames appended and not rolled back (the seed's frame_count)
     num_scale: i32[B]  filled scale slots (<= S)
@@ -31,8 +32,8 @@ class FrameCacheState:
     error: u32[B]  sticky fault bits (``jaxkv.errors.Fault``)
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple
+    v: tuple
     token_id: jax.Array
     num_frames: jax.Array
     num_scale: jax.Array
@@ -67,10 +68,10 @@ def _zeros(b, dtype=jnp.int32):
 def init(spec: FrameSpec) -> FrameCacheState:
     """An empty cache. K/V rows start as zeros and are never visible until written."""
     B = spec.num_streams
-    shape = (spec.num_layers, B, spec.capacity, spec.num_heads, spec.head_dim)
+    shape = (B, spec.capacity, spec.num_heads, spec.head_dim)
     return FrameCacheState(
-        k=jnp.zeros(shape, spec.jnp_dtype),
-        v=jnp.zeros(shape, spec.jnp_dtype),
+        k=tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.num_layers)),
+        v=tuple(jnp.zeros(shape, spec.jnp_dtype) for _ in range(spec.num_layers)),
         token_id=jnp.full((B, spec.capacity), -1, jnp.int32),
         num_frames=_zeros(B),
         num_scale=_zeros(B),
@@ -128,10 +129,10 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
         raise ValueError(f"max_frames: expected >= the current {spec.max_frames}, got {max_frames}")
     new = spec.with_max_frames(max_frames)
     extra = new.capacity - spec.capacity
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
     return state.replace(
-        k=pad(state.k),
-        v=pad(state.v),
+        k=tuple(map(pad, state.k)),
+        v=tuple(map(pad, state.v)),
         token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),
         spec=new,
     )

@@ -13,8 +13,8 @@ from jaxkv.frame.state import FrameCacheState
 class PageTable:
     """The visible pages of each stream, for paged-attention kernels (FlashInfer's convention).
 
-    Page ``p`` of a layer is rows ``[p*page_size, (p+1)*page_size)`` of ``state.k[layer, b]``
-    (reshape to ``[max_pages, page_size, H, D]``). For stream ``b`` the visible pages are
+    Page ``p`` of a layer is rows ``[p*page_size, (p+1)*page_size)`` of ``state.k[layer][b]``
+    (its first ``max_pages * page_size`` rows reshaped to ``[max_pages, page_size, H, D]``). For stream ``b`` the visible pages are
     ``indices[b, :num_pages[b]]`` in the order scale slots -> window slots (oldest first)
     -> tail pages (specials, and a staged frame); every page is full except the last,
     which holds ``last_page_len[b]`` rows. Entries past ``num_pages`` are 0.
