@@ -260,3 +260,15 @@ def test_div_rn_is_correctly_rounded(rng):
     assert got[4] == 5.0 and got[5] == 1.0
     np.testing.assert_array_equal(np.asarray(div_rn(jnp.asarray(x[6:]), 448.0)),
                                   (x[6:].astype(np.float64) / 448).astype(np.float32))
+
+
+def test_fp8_encoder_matches_ml_dtypes_everywhere(rng):
+    """Our integer E4M3 rounding equals ml_dtypes' over normals, subnormals and edges."""
+    from jaxkv.formats._common import fp8_e4m3_encode
+
+    y = (rng.standard_normal(300_000) * np.exp(rng.uniform(-16, 7, 300_000))).astype(np.float32)
+    y[:10] = [0.0, -0.0, 448.0, 464.0, 500.0, -1e9, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 0.0146484375]
+    want = np_fp8(y).view(np.uint8)
+    got = np.asarray(jax.jit(fp8_e4m3_encode)(jnp.asarray(y))).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+    assert np.isnan(np.asarray(fp8_e4m3_encode(jnp.asarray([np.nan]))).astype(np.float32)[0])

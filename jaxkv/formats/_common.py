@@ -52,7 +52,7 @@ def div_rn(x, y):
         q = (q << 7) | d
         r = r - d * My
     qs = (q << 1) | (r != 0).astype(jnp.int32)  # guard/sticky: rounds like the exact quotient
-    mag = jnp.ldexp(qs.astype(jnp.float32), ex - ey - 29)
+    mag = ldexp(qs.astype(jnp.float32), ex - ey - 29)
     res = jnp.where(jnp.signbit(x) ^ jnp.signbit(y), -mag, mag)
     special = (x == 0) | (y == 0) | ~jnp.isfinite(x) | ~jnp.isfinite(y)
     return jnp.where(special, x / y, res)
@@ -86,10 +86,42 @@ def ue8m0_scale(v):
 
 
 def e8m0_to_float(byte):
-    """UE8M0 byte -> float32 ``2**(byte-127)``; 0xFF -> NaN."""
+    """UE8M0 byte -> float32 ``2**(byte-127)``, built from its bits; 0xFF -> NaN."""
     b = byte.astype(jnp.int32)
-    val = jnp.ldexp(jnp.ones(b.shape, jnp.float32), b - E8M0_BIAS)
+    val = lax.bitcast_convert_type(jnp.where(b == 0, 1 << 22, b << 23), jnp.float32)
     return jnp.where(b == E8M0_NAN, jnp.nan, val)
+
+
+def pow2(e):
+    """float32 ``2**e`` for int e in [-126, 127], built from its bits (exact on every backend)."""
+    return lax.bitcast_convert_type((jnp.asarray(e, jnp.int32) + 127) << 23, jnp.float32)
+
+
+def ldexp(x, e):
+    """``x * 2**e`` by two exact power-of-two multiplies (normal results are exact)."""
+    e1 = jnp.clip(e, -126, 127)
+    return x * pow2(e1) * pow2(jnp.clip(e - e1, -126, 127))
+
+
+def fp8_e4m3_encode(y):
+    """float32 -> float8_e4m3fn, round-to-nearest-even, saturating at ±448, subnormals exact.
+
+    Done with integer arithmetic, not XLA's convert, so every backend gives the same bytes
+    (XLA's GPU conversion disagrees with ml_dtypes / CUDA in the subnormal range).
+    NaN -> NaN (0x7F, sign kept).
+    """
+    y = jnp.asarray(y, jnp.float32)
+    a = jnp.minimum(jnp.abs(y), 448.0)
+    _, e = jnp.frexp(a)  # a = m * 2**e, m in [0.5, 1)
+    exp = jnp.where(a > 0, jnp.maximum(e - 1, -6), -6)  # unbiased exponent; subnormals use -6
+    # a in ulps of 2**(exp-3), rounded half to even: [8, 16) for normals (the leading 1 is
+    # bit 3, so it adds 8 to the biased exponent field), [0, 8] for subnormals; a carry
+    # to 16 moves into the next exponent by plain addition.
+    steps = jnp.round(a * pow2(3 - exp)).astype(jnp.int32)
+    code = ((exp + 6) << 3) + steps
+    code = jnp.where(jnp.isnan(y), 0x7F, jnp.minimum(code, 0x7E))
+    byte = (code | (jnp.signbit(y).astype(jnp.int32) << 7)).astype(jnp.uint8)
+    return lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
 
 
 def group(x, size: int):

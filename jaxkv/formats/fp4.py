@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.formats._common import FP4_MAX, FP8_MAX, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
+from jaxkv.formats._common import FP4_MAX, FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -111,7 +111,7 @@ def quantize_nvfp4(x, global_scale=None):
     xg = group(xf, NVFP4_GROUP)
     amax = jnp.max(jnp.abs(xg), axis=-1)
     bs = jnp.where(jnp.isfinite(amax), div_rn(exact_div(amax, FP4_MAX), g), jnp.nan)
-    bs8 = jnp.clip(bs, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    bs8 = fp8_e4m3_encode(bs)
     denom = bs8.astype(jnp.float32) * g
     y = jnp.where((denom > 0)[..., None], div_rn(xg, jnp.where(denom > 0, denom, 1.0)[..., None]), 0.0)
     return pack_nibbles(ungroup(e2m1_encode(y))), bs8, g

@@ -27,6 +27,7 @@ from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
 
 IMPLS = ("auto", "reference", "xla", "cudnn")
+HIGHEST = lax.Precision.HIGHEST  # float32 math means float32 on GPUs too (not TF32)
 
 
 def ref_attention(q, k, v, mask, scale=None):
@@ -39,12 +40,13 @@ def ref_attention(q, k, v, mask, scale=None):
     H = k.shape[2]
     scale = D**-0.5 if scale is None else scale
     qf = q.astype(jnp.float32).reshape(B, Tq, H, Hq // H, D)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32)) * scale
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32), precision=HIGHEST) * scale
     logits = jnp.where(mask[:, None, None, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32))
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32),
+                     precision=HIGHEST)
     return out.reshape(B, Tq, Hq, D)
 
 
@@ -74,14 +76,14 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
         ok = (rows[None] >= i * block) & (rows[None] < num_valid[:, None])  # [B, block]
         if row_mask is not None:
             ok &= lax.dynamic_slice_in_dim(row_mask, start, block, axis=1)
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kb)
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qf, kb, precision=HIGHEST)
         s = jnp.where(ok[:, None, None, None], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
         p = jnp.exp(s - m_safe[..., None])
         corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
         l = l * corr + jnp.sum(p, axis=-1)
-        acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vb)
+        acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vb, precision=HIGHEST)
         return m_new, l, acc
 
     init = (jnp.full((B, H, G, Tq), -jnp.inf, jnp.float32), jnp.zeros((B, H, G, Tq), jnp.float32),

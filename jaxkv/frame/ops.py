@@ -18,31 +18,36 @@ from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState
 
 
 # ---------------------------------------------------------------- row-block helpers
-def _rows(buf, b, start, n):
+# A skipped write is not masked: it is sent to the trash rows at the end of the buffer
+# (``FrameSpec.trash_row``), which nothing reads. Every write stays one in-place
+# dynamic-update-slice with no read of the old rows.
+def _read(buf, b, start, n):
     """Rows [start, start+n) of stream b of ``buf`` [B, T, ...] -> [1, n, ...]."""
     return lax.dynamic_slice(buf, (b, start) + (0,) * (buf.ndim - 2), (1, n) + buf.shape[2:])
 
 
-def _put_rows(buf, b, start, block, ok):
-    """Write ``block`` [1, n, ...] at rows [start, ...) of stream b where ``ok``; else keep the old rows.
+def _write(buf, b, row, block):
+    """Write ``block`` [1, n, ...] at rows [row, row+n) of stream b."""
+    return lax.dynamic_update_slice(buf, block.astype(buf.dtype), (b, row) + (0,) * (buf.ndim - 2))
 
-    Reading the old rows back costs one block read, and keeps every write an in-place
-    dynamic-update-slice (no conditional around a large buffer).
+
+def _move_rows(state, moves, n):
+    """Copy ``n`` rows per ``(stream, src, dst, ok)`` in every K/V buffer and token_id.
+
+    Skipped when no ``ok`` holds (the steady state), so a frame pays for moves only when
+    it makes one.
     """
-    new = jnp.where(ok, block, _rows(buf, b, start, block.shape[1]))
-    return lax.dynamic_update_slice(buf, new, (b, start) + (0,) * (buf.ndim - 2))
+    trash = state.spec.trash_row
+    arrays = (*state.k, *state.v, state.token_id)
 
+    def run(arrays):
+        for b, src, dst, ok in moves:
+            dst = jnp.where(ok, dst, trash)
+            arrays = tuple(_write(x, b, dst, _read(x, b, src, n)) for x in arrays)
+        return arrays
 
-def _move_rows(arrays, b, src, dst, n, ok):
-    """Copy rows [src, src+n) to [dst, dst+n) of stream b in every array, where ``ok``."""
-    return tuple(_put_rows(x, b, dst, _rows(x, b, src, n), ok) for x in arrays)
-
-
-def _all_rows(state):
-    return (*state.k, *state.v, state.token_id)
-
-
-def _split_rows(state, arrays):
+    any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))
+    arrays = lax.cond(any_ok, run, lambda a: a, arrays)
     L = state.spec.num_layers
     return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])
 
@@ -72,36 +77,26 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
 
     room = f < S + W  # a free slot: scale or window still filling
     staged = ~room & defer
-    # Where this frame's patches and specials go.
+    # Where this frame's patches and specials go (the trash rows when skipped).
     patch_row = jnp.where(room, f * ps, jnp.where(staged, f * ps + ns + NS, (S + state.window_head) * ps))
     special_row = jnp.where(room, (f + 1) * ps + ns, f * ps + ns)
-    if W == 0:  # the window holds nothing: a committed frame's patches are never visible
-        patch_ok = ok & (room | staged)
-    else:
-        patch_ok = ok
+    patch_ok = ok & (room | staged) if W == 0 else ok  # W == 0: a committed frame's patches are never visible
+    patch_row = jnp.where(patch_ok, patch_row, s.trash_row)
+    special_row = jnp.where(ok, special_row, s.trash_row)
 
     # Claiming slot f: the specials sitting in its rows move to the tail's end.
     move = ok & room & (ns > 0)
     reloc_dst = jnp.maximum((f + 1) * ps, f * ps + ns)
-    arrays = _all_rows(state)
-    for b in range(B):
-        arrays = _move_rows(arrays, b, f[b] * ps, reloc_dst[b], ps, move[b])
-    moved = _split_rows(state, arrays)
-    token_id = moved["token_id"]
+    moved = _move_rows(state, [(b, f[b] * ps, reloc_dst[b], move[b]) for b in range(B)], ps)
 
-    # Token ids of the new frame (patch slot rows beyond P are padding: -1).
+    # Token ids of the new frame: ps patch rows (padding rows of a page are -1), then specials.
+    token_id = moved["token_id"]
     base = state.num_frames * s.tokens_per_frame
+    rows = jnp.arange(ps, dtype=jnp.int32)
     for b in range(B):
-        sp_ids = base[b] + jnp.arange(NS, dtype=jnp.int32)[None]
-        n_patch_rows = jnp.where(room[b], ps, P)  # a claimed slot is rewritten whole
-        rows = jnp.arange(ps, dtype=jnp.int32)
-        pt_ids = jnp.where(rows < P, base[b] + NS + rows, -1)
-        if ps > P:  # staged frames write only P rows; keep what follows them
-            old = _rows(token_id, b, patch_row[b], ps)[0]
-            pt_ids = jnp.where(rows < n_patch_rows, pt_ids, old)
-        token_id = _put_rows(token_id, b, patch_row[b], pt_ids[None], patch_ok[b])
+        token_id = _write(token_id, b, patch_row[b], jnp.where(rows < P, base[b] + NS + rows, -1)[None])
         if NS:
-            token_id = _put_rows(token_id, b, special_row[b], sp_ids, ok[b])
+            token_id = _write(token_id, b, special_row[b], (base[b] + jnp.arange(NS, dtype=jnp.int32))[None])
 
     fill_scale = room & (state.num_scale < S)
     fill_window = room & ~fill_scale
@@ -119,8 +114,6 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
         pending=upd(jnp.where(defer, jnp.where(room, IN_SLOT, STAGED), NONE), state.pending),
         write_patch_row=patch_row,
         write_special_row=special_row,
-        write_ok=ok,
-        write_patches=patch_ok,
         error=error,
     )
 
@@ -138,12 +131,13 @@ def _check_frame_kv(state, k, v, per_layer: bool):
             )
 
 
-def _write(state: FrameCacheState, layer, k, v) -> FrameCacheState:
+def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     """Write a frame's K/V at the rows begin_frame chose.
 
     layer None: k, v are [L, B, tokens_per_frame, H, D] for every layer. A Python int:
     [B, tokens_per_frame, H, D] into that layer's buffer alone. A traced i32: the same,
-    by a masked write to every layer's buffer (L times the traffic: prefer an int).
+    written to every layer's buffer with the other layers' rows sent to the trash (L
+    times the traffic: prefer an int).
     """
     s = state.spec
     NS, P, ps = s.num_special, s.patches_per_frame, s.page_size
@@ -154,24 +148,21 @@ def _write(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     elif isinstance(layer, int):
         targets = [(layer, True, k, v)]
     else:
-        hit = [(layer == l) for l in range(s.num_layers)]
-        targets = [(l, hit[l], k, v) for l in range(s.num_layers)]
+        targets = [(l, layer == l, k, v) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
-    for l, layer_ok, kl, vl in targets:
+    for l, hit, kl, vl in targets:
         for bufs, x in ((kbufs, kl), (vbufs, vl)):
             buf = bufs[l]
             for b in range(s.num_streams):
                 xb = x[b : b + 1]  # [1, tokens_per_frame, H, D]
                 if NS:
-                    buf = _put_rows(buf, b, state.write_special_row[b], xb[:, :NS], state.write_ok[b] & layer_ok)
+                    buf = _write(buf, b, jnp.where(hit, state.write_special_row[b], s.trash_row), xb[:, :NS])
                 patches = xb[:, NS:]
-                if ps > P:  # a slot write also zeroes the slot's padding rows
-                    row = state.write_patch_row[b]
-                    full_slot = row < s.num_slots * ps
-                    old = _rows(buf, b, row + P, ps - P)
-                    patches = jnp.concatenate([patches, jnp.where(full_slot, jnp.zeros_like(old), old)], axis=1)
-                buf = _put_rows(buf, b, state.write_patch_row[b], patches, state.write_patches[b] & layer_ok)
+                if ps > P:  # a page's padding rows are zeros
+                    pad = jnp.zeros((1, ps - P) + patches.shape[2:], patches.dtype)
+                    patches = jnp.concatenate([patches, pad], axis=1)
+                buf = _write(buf, b, jnp.where(hit, state.write_patch_row[b], s.trash_row), patches)
             bufs[l] = buf
     return state.replace(k=tuple(kbufs), v=tuple(vbufs), error=error)
 
@@ -192,19 +183,15 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
 
     f = state.num_slots_used
     ns = state.num_special
-    arrays = _all_rows(state)
-    # Commit a staged frame: its patches replace the oldest window frame's.
+    f0, ns0 = f - 1, ns - NS
+    # Commit a staged frame: its patches replace the oldest window frame's (a whole page,
+    # so power-of-two padding comes along). Roll back a frame that claimed a slot: the
+    # specials it displaced move back into the slot.
     stage_row = f * ps + ns
     oldest_row = (S + state.window_head) * ps
-    for b in range(B):
-        arrays = _move_rows(arrays, b, stage_row[b], oldest_row[b], P, commit_staged[b])
-    # Roll back a frame that claimed a slot: move the displaced specials back into it.
-    f0 = f - 1
-    ns0 = ns - NS
     back_src = jnp.maximum(f * ps, f0 * ps + ns0)
-    for b in range(B):
-        arrays = _move_rows(arrays, b, back_src[b], f0[b] * ps, ps, undo_slot[b] & (ns0[b] > 0))
-    moved = _split_rows(state, arrays)
+    moved = _move_rows(state, [(b, stage_row[b], oldest_row[b], commit_staged[b]) for b in range(B)]
+                       + [(b, back_src[b], f0[b] * ps, undo_slot[b] & (ns0[b] > 0)) for b in range(B)], ps)
 
     from_window = undo_slot & (state.num_window > 0)
     from_scale = undo_slot & ~from_window
@@ -216,8 +203,8 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
         window_head=jnp.where(commit_staged, (state.window_head + 1) % max(W, 1), state.window_head),
         num_special=jnp.where(undo, ns0, ns),
         pending=jnp.where(nothing, pend, NONE),
-        write_ok=jnp.zeros_like(state.write_ok),
-        write_patches=jnp.zeros_like(state.write_patches),
+        write_patch_row=jnp.full_like(state.write_patch_row, s.trash_row),
+        write_special_row=jnp.full_like(state.write_special_row, s.trash_row),
         error=error,
     )
 
@@ -240,12 +227,12 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
 def _write_layer_static(state, k, v, layer):
-    return _write(state, layer, k, v)
+    return _write_kv(state, layer, k, v)
 
 
 @_donate
 def _write_layer_traced(state, layer, k, v):
-    return _write(state, layer, k, v)
+    return _write_kv(state, layer, k, v)
 
 
 def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
@@ -270,7 +257,7 @@ def append(state: FrameCacheState, k, v, defer=False) -> FrameCacheState:
     k, v: dtype[L, B, tokens_per_frame, H, D]
     """
     _check_frame_kv(state, k, v, per_layer=False)
-    return _write(_begin_frame(state, defer), None, k, v)
+    return _write_kv(_begin_frame(state, defer), None, k, v)
 
 
 @_donate

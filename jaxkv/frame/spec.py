@@ -2,8 +2,8 @@
 
 Layout of one layer of one stream (``T = spec.capacity`` token rows, ``ps = page_size``)::
 
-    [ slot 0 | slot 1 | ... | slot S+W-1 | tail ............................. ]
-      scale slots (S)  window ring (W)      specials, then a staged frame
+    [ slot 0 | slot 1 | ... | slot S+W-1 | tail ....................... | trash ]
+      scale slots (S)  window ring (W)      specials, then a staged frame   (ps rows)
 
 * A frame's patches live in one *slot* of ``ps`` rows (the first ``P`` rows hold the
   patches; with power-of-two pages the rest is zero padding). Slots ``0..S-1`` pin the
@@ -97,13 +97,18 @@ class FrameSpec:
 
     @property
     def capacity(self) -> int:
-        """Token rows per layer and stream: slots + specials + one staged frame.
+        """Token rows per layer and stream: slots + specials + a staged frame + trash rows.
 
         Rounded up to a multiple of ``ROW_QUANTUM`` so attention can split the buffer
         into 2..16 equal key chunks of whole 128-row tiles by a free reshape.
         """
-        rows = (self.num_slots + 1) * self.page_size + self.special_capacity
+        rows = (self.num_slots + 2) * self.page_size + self.special_capacity
         return -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+
+    @property
+    def trash_row(self) -> int:
+        """First of the last ``page_size`` rows: skipped writes land there, nothing reads them."""
+        return self.capacity - self.page_size
 
     @property
     def max_pages(self) -> int:

@@ -25,10 +25,9 @@ class FrameCacheState:
     window_head: i32[B]  ring offset of the oldest window frame
     num_special: i32[B]  special tokens stored
     pending: i32[B]  NONE, IN_SLOT or STAGED: the deferred frame awaiting commit/rollback
-    write_patch_row: i32[B]  where the current frame's patches go (set by begin_frame)
-    write_special_row: i32[B]  where the current frame's specials go
-    write_ok: bool[B]  whether the current frame was accepted (its writes are skipped if not)
-    write_patches: bool[B]  whether its patches are stored (not when W == 0 and it is evicted at once)
+    write_patch_row: i32[B]  where the current frame's patches go (set by begin_frame;
+      ``spec.trash_row`` when they are not to be stored: a fault, or W == 0)
+    write_special_row: i32[B]  where the current frame's specials go (likewise)
     error: u32[B]  sticky fault bits (``jaxkv.errors.Fault``)
     """
 
@@ -43,8 +42,6 @@ class FrameCacheState:
     pending: jax.Array
     write_patch_row: jax.Array
     write_special_row: jax.Array
-    write_ok: jax.Array
-    write_patches: jax.Array
     error: jax.Array
     spec: FrameSpec = static_field()
 
@@ -79,10 +76,8 @@ def init(spec: FrameSpec) -> FrameCacheState:
         window_head=_zeros(B),
         num_special=_zeros(B),
         pending=_zeros(B),
-        write_patch_row=_zeros(B),
-        write_special_row=_zeros(B),
-        write_ok=_zeros(B, jnp.bool_),
-        write_patches=_zeros(B, jnp.bool_),
+        write_patch_row=jnp.full((B,), spec.trash_row, jnp.int32),
+        write_special_row=jnp.full((B,), spec.trash_row, jnp.int32),
         error=_zeros(B, jnp.uint32),
         spec=spec,
     )
@@ -113,8 +108,8 @@ def reset(state: FrameCacheState, streams=None) -> FrameCacheState:
         window_head=z(state.window_head),
         num_special=z(state.num_special),
         pending=z(state.pending),
-        write_ok=jnp.where(m, False, state.write_ok),
-        write_patches=jnp.where(m, False, state.write_patches),
+        write_patch_row=jnp.where(m, state.spec.trash_row, state.write_patch_row),
+        write_special_row=jnp.where(m, state.spec.trash_row, state.write_special_row),
         error=z(state.error),
     )
 
@@ -122,7 +117,8 @@ def reset(state: FrameCacheState, streams=None) -> FrameCacheState:
 def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
     """A copy of ``state`` with room for the specials of ``max_frames`` frames (eager, reallocates).
 
-    Positions in the layout do not depend on the capacity, so growing only pads rows.
+    Positions in the layout do not depend on the capacity, so growing only pads rows (and
+    moves the trash rows to the new end).
     """
     spec = state.spec
     if max_frames < spec.max_frames:
@@ -134,5 +130,7 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
         k=tuple(map(pad, state.k)),
         v=tuple(map(pad, state.v)),
         token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),
+        write_patch_row=jnp.where(state.write_patch_row == spec.trash_row, new.trash_row, state.write_patch_row),
+        write_special_row=jnp.where(state.write_special_row == spec.trash_row, new.trash_row, state.write_special_row),
         spec=new,
     )
