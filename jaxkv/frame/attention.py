@@ -95,7 +95,7 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
 
 
 def _cudnn_fwd(q, k, v, kv_len, scale):
-    """cuDNN attention returning (out, float32 log-sum-exp [B, Tq, Hq]); kv_len None = no mask.
+    """cuDNN attention returning (out, float32 log-sum-exp [B, Hq, Tq]).
 
     ``jax.nn.dot_product_attention`` rounds the log-sum-exp to the output dtype (bf16),
     too coarse to merge chunks; the cuDNN op underneath returns it in float32.
@@ -103,25 +103,11 @@ def _cudnn_fwd(q, k, v, kv_len, scale):
     from jax._src.cudnn import fused_attention_stablehlo as fa
 
     B, Tq = q.shape[:2]
-    if kv_len is None:
-        out, lse = fa.dot_product_attention(q, k, v, scale=scale, mask_type=fa.MaskType.NO_MASK,
-                                            return_residual=True)
-    else:
-        out, lse = fa.dot_product_attention(
-            q, k, v, q_seqlen=jnp.full((B,), Tq, jnp.int32), kv_seqlen=kv_len, scale=scale,
-            mask_type=fa.MaskType.PADDING, return_residual=True,
-        )
-    return out.astype(jnp.float32), jnp.transpose(lse, (0, 2, 1))
-
-
-def _merge(out, lse, live):
-    """Combine partial attentions. out: f32[B, n, Tq, Hq, D], lse: f32[B, n, Tq, Hq], live: bool[B, n]."""
-    live = live[:, :, None, None]
-    m = jnp.max(jnp.where(live, lse, -jnp.inf), axis=1, keepdims=True)
-    w = jnp.where(live, jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    total = jnp.sum(w, axis=1)
-    merged = jnp.sum(jnp.where(live[..., None], out, 0.0) * w[..., None], axis=1)
-    return merged / jnp.where(total > 0, total, 1.0)[..., None]
+    out, lse = fa.dot_product_attention(
+        q, k, v, q_seqlen=jnp.full((B,), Tq, jnp.int32), kv_seqlen=kv_len, scale=scale,
+        mask_type=fa.MaskType.PADDING, return_residual=True,
+    )
+    return out, lse
 
 
 def cudnn_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
@@ -130,18 +116,11 @@ def cudnn_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> in
     n = 1
     while n < 16 and tiles * n * 2 <= 4 * sm_count and rows % (2 * n * 128) == 0:
         n *= 2
-    return max(n, 2) if rows % 256 == 0 else n
+    return n
 
 
 def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
     """cuDNN flash attention over the key prefix ``[0, num_valid)``, split over key chunks.
-
-    The buffer of T rows is viewed (free reshape) as ``splits`` chunks of C rows, each a
-    batch entry of one cuDNN call, merged by log-sum-exp. cuDNN's key-length mask costs
-    about a quarter of its speed, so once the prefix fills most of the buffer (>= 3/4) the
-    chunks run unmasked, chunks past the prefix are dropped from the merge, and only the
-    one chunk the prefix ends in is recomputed with a mask (C rows). Before that, every
-    chunk carries its own key length. Both are compiled; a ``lax.cond`` picks one.
 
     q: bf16/f16[B, Tq, Hq, D]; k, v: same dtype [B, T, H, D]; num_valid: i32[B]
     splits: key chunks (T must split into whole 128-row tiles); None = ``cudnn_splits``
@@ -158,31 +137,20 @@ def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
                                             implementation="cudnn")
     if T % (splits * 128):
         raise ValueError(f"splits: {T} key rows do not split into {splits} chunks of whole 128-row tiles")
-    n, C = splits, T // splits
-    qc = jnp.broadcast_to(q[:, None], (B, n, Tq, Hq, D)).reshape(B * n, Tq, Hq, D)
-    kc, vc = k.reshape(B * n, C, H, D), v.reshape(B * n, C, H, D)
-    chunk = jnp.arange(n, dtype=jnp.int32)[None]
-
-    def masked_chunks(_):
-        lens = jnp.clip(num_valid[:, None] - chunk * C, 0, C)  # [B, n]
-        out, lse = _cudnn_fwd(qc, kc, vc, jnp.maximum(lens, 1).reshape(-1), scale)
-        return _merge(out.reshape(B, n, Tq, Hq, D), lse.reshape(B, n, Tq, Hq), lens > 0)
-
-    def unmasked_chunks(_):
-        out, lse = _cudnn_fwd(qc, kc, vc, None, scale)
-        full = num_valid // C  # chunks wholly inside the prefix
-        rest = num_valid - full * C  # rows of the chunk the prefix ends in
-        start = jnp.minimum(full * C, T - C)
-        kp = jnp.concatenate([lax.dynamic_slice_in_dim(k[b : b + 1], start[b], C, axis=1) for b in range(B)])
-        vp = jnp.concatenate([lax.dynamic_slice_in_dim(v[b : b + 1], start[b], C, axis=1) for b in range(B)])
-        out_p, lse_p = _cudnn_fwd(q, kp, vp, jnp.maximum(rest, 1), scale)
-        outs = jnp.concatenate([out.reshape(B, n, Tq, Hq, D), out_p[:, None]], axis=1)
-        lses = jnp.concatenate([lse.reshape(B, n, Tq, Hq), lse_p[:, None]], axis=1)
-        live = jnp.concatenate([chunk < full[:, None], (rest > 0)[:, None]], axis=1)
-        return _merge(outs, lses, live)
-
-    mostly_full = jnp.all(num_valid * 4 >= T * 3)
-    return lax.cond(mostly_full, unmasked_chunks, masked_chunks, None).astype(q.dtype)
+    C = T // splits
+    starts = jnp.arange(splits, dtype=jnp.int32) * C
+    lens = jnp.clip(num_valid[:, None] - starts[None], 0, C)  # [B, n]
+    qc = jnp.broadcast_to(q[:, None], (B, splits, Tq, Hq, D)).reshape(B * splits, Tq, Hq, D)
+    out, lse = _cudnn_fwd(qc, k.reshape(B * splits, C, H, D), v.reshape(B * splits, C, H, D),
+                          jnp.maximum(lens, 1).reshape(-1), scale)
+    out = out.reshape(B, splits, Tq, Hq, D).astype(jnp.float32)
+    lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq), (0, 1, 3, 2))  # [B, n, Tq, Hq]
+    live = (lens > 0)[:, :, None, None]
+    m = jnp.max(jnp.where(live, lse, -jnp.inf), axis=1, keepdims=True)
+    w = jnp.where(live, jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+    total = jnp.sum(w, axis=1)
+    merged = jnp.sum(jnp.where(live[..., None], out, 0.0) * w[..., None], axis=1)
+    return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
 
 
 def default_impl(spec) -> str:
