@@ -59,14 +59,16 @@ def test_frame_state_lives_on_gpu():
 
 
 @pytest.mark.parametrize("splits", [1, 2, 4, 8, 16])
-def test_cudnn_split_kv_matches_reference(rng, splits):
+@pytest.mark.parametrize("lengths", [(3001, 700), (4096, 3072), (1, 2049)])
+def test_cudnn_split_kv_matches_reference(rng, splits, lengths):
+    """Chunks past the prefix are empty; a prefix may end on a chunk edge or fill the buffer."""
     from jaxkv.frame.attention import cudnn_attention
 
     B, T, H, D, Tq = 2, 4096, 4, 64, 262
     k = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((B, Tq, H, D)), jnp.bfloat16)
-    n = jnp.asarray([3001, 700], jnp.int32)  # chunks past the prefix are empty
+    n = jnp.asarray(lengths, jnp.int32)
     mask = jnp.arange(T)[None] < n[:, None]
     ref = frame.ref_attention(q, k, v, mask)
     out = jax.jit(cudnn_attention, static_argnames="splits")(q, k, v, n, splits=splits)
