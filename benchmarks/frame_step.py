@@ -189,7 +189,12 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
     p.add_argument("--skip", default="", help="comma-separated contenders to skip")
     p.add_argument("--json", default=None)
+    p.add_argument("--max-splits", type=int, default=None, help="override tuning.CUDNN_MAX_SPLITS")
     args = p.parse_args(argv)
+    if args.max_splits:
+        from jaxkv.frame import tuning
+
+        tuning.CUDNN_MAX_SPLITS = args.max_splits
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}  jax {jax.__version__}", flush=True)

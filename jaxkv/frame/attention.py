@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
 
@@ -111,10 +112,11 @@ def _cudnn_fwd(q, k, v, kv_len, scale):
 
 
 def cudnn_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
-    """Key chunks so that (query tiles x heads x chunks) fills about four waves of SMs."""
-    tiles = -(-q_len // 128) * q_heads
+    """Key chunks for ``cudnn_attention`` (rule and constants in ``jaxkv.frame.tuning``)."""
+    tiles = -(-q_len // tuning.CUDNN_Q_TILE) * q_heads
     n = 1
-    while n < 16 and tiles * n * 2 <= 4 * sm_count and rows % (2 * n * 128) == 0:
+    while (n < tuning.CUDNN_MAX_SPLITS and tiles * n < tuning.CUDNN_TARGET_CTAS_PER_SM * sm_count
+           and rows % (2 * n * 128) == 0):
         n *= 2
     return n
 
