@@ -1,0 +1,36 @@
+"""``python -m jaxkv demo`` runs, reports what it did, and keeps the right frames."""
+
+import subprocess
+import sys
+
+from jaxkv import demo
+from jaxkv.__main__ import main
+
+
+def test_demo_summary(capsys):
+    assert main(["demo", "--frames", "7", "--layers", "1", "--heads", "2", "--head-dim", "8",
+                 "--scale-frames", "2", "--window", "3"]) == 0
+    out = capsys.readouterr().out
+    for key in ("frames", "visible tokens", "cache memory", "ms/frame", "backend", "device"):
+        assert key in out
+    assert "frames                              7" in out
+    # visible: 2 scale + 3 window frames of 256 patches, and 7 x 6 specials
+    assert f"visible tokens                      {5 * 256 + 7 * 6}" in out
+
+
+def test_demo_keyframes_roll_back_the_rest():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    summary = demo.run(p.parse_args(["--frames", "9", "--layers", "1", "--heads", "2", "--head-dim", "8",
+                                     "--keyframe-every", "3"]))
+    assert summary["frames"] == 3  # frames 0, 3, 6 kept
+
+
+def test_demo_help_lists_every_flag():
+    out = subprocess.run([sys.executable, "-m", "jaxkv", "demo", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for flag in ("--frames", "--resolution", "--layers", "--heads", "--head-dim", "--scale-frames", "--window",
+                 "--special", "--keyframe-every", "--impl", "--dtype", "--seed"):
+        assert flag in out
