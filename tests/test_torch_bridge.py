@@ -15,7 +15,7 @@ def test_views_share_memory_both_ways(rng):
     x = jnp.asarray(rng.standard_normal((4, 8)), jnp.bfloat16)
     t = to_torch(x)
     assert t.data_ptr() == x.unsafe_buffer_pointer() and t.dtype == torch.bfloat16
-    np.testing.assert_array_equal(t.float().numpy(), np.asarray(x, np.float32))
+    np.testing.assert_array_equal(t.float().cpu().numpy(), np.asarray(x, np.float32))
     src = torch.randn(3, 5)
     y = from_torch(src)
     assert y.unsafe_buffer_pointer() == src.data_ptr()
@@ -41,7 +41,7 @@ def test_frame_cache_layer_view_and_donation_rule(rng):
     state = frame.append(state, k, -k)
     view = to_torch(state.k[1])  # [B, T, H, D], the layer's buffer itself
     rows = np.asarray(frame.visible_mask(state))[0]
-    np.testing.assert_array_equal(view[0].numpy()[rows][:4], np.asarray(k[1, 0, 2:]))
+    np.testing.assert_array_equal(view[0].cpu().numpy()[rows][:4], np.asarray(k[1, 0, 2:]))
     before = view.clone()
     if jax.default_backend() == "cpu":
         # the CPU client skips the donation (copies) instead of refusing; the view is untouched
