@@ -17,10 +17,10 @@ def cache_dataclass(cls):
     cls.replace = lambda self, **kw: dataclasses.replace(self, **kw)
     try:  # let an nnx.Module hold a cache state as an attribute
         from flax import nnx
-
+    except ImportError:  # flax is optional
+        return cls
+    if hasattr(nnx, "register_data_type"):
         nnx.register_data_type(cls)
-    except Exception:  # flax missing, or an NNX without register_data_type
-        pass
     return cls
 
 
