@@ -9,7 +9,6 @@ then), and grows the special capacity when it would run out (``special_overflow=
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.errors import check as _check
@@ -100,5 +99,3 @@ class FrameCache:
                 f"head_dim={s.head_dim}, P={s.patches_per_frame}+{s.num_special}, S={s.scale_frames}, "
                 f"W={s.sliding_window}, max_frames={s.max_frames}, {self.nbytes / 2**20:.1f} MiB)")
 
-
-del jnp

@@ -170,7 +170,7 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
 # ---------------------------------------------------------------- commit / rollback
 def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
     s = state.spec
-    B, ps, P, NS = s.num_streams, s.page_size, s.patches_per_frame, s.num_special
+    B, ps, NS = s.num_streams, s.page_size, s.num_special
     S, W = s.scale_frames, s.sliding_window
     keep = _as_streams(keep, B, "keep")
     pend = state.pending
