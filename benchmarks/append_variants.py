@@ -14,25 +14,18 @@ frames, one jitted step each with the buffers donated:
 from __future__ import annotations
 
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from _timing import times_ms
 from jaxkv import frame
 
 L, H, D, P, NS = 24, 16, 64, 999, 6
 
 
 def med(fn, n=60):
-    for _ in range(5):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(ts)
+    return statistics.median(times_ms(lambda i: fn(), n, warmup=5))
 
 
 def main():

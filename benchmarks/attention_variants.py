@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from _timing import times_ms
 from jaxkv.frame.attention import cudnn_attention
 
 H, D, NS = 16, 64, 6
 
 
 def bench(fn, *args, iters=50):
-    fn(*args).block_until_ready()
-    out = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn(*args).block_until_ready()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
+    return statistics.median(times_ms(lambda i: fn(*args).block_until_ready(), iters, warmup=1))
 
 
 def main():

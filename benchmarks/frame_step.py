@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -30,20 +29,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from _timing import times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 
 RES = {"224x224": 256, "518x378": 999}
 HLO_DIR = os.environ.get("JAXKV_HLO_DIR")  # write the compiled step's HLO there, to look for copies
 H, D, NS, S, W = 16, 64, 6, 8, 64
-
-
-def timed(fn, iters):
-    out = []
-    for i in range(iters):
-        t0 = time.perf_counter()
-        fn(i)
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
 
 
 # ----------------------------------------------------------------------------- jaxkv
@@ -76,7 +67,7 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True):
 
     for i in range(warm):
         one(i)
-    ms = timed(one, iters)
+    ms = times_ms(one, iters)
     visible = int(np.asarray(box["state"].num_valid)[0])
     del box
     return ms, visible
@@ -97,7 +88,7 @@ def bench_bare_cudnn(P, L, visible, iters):
 
     for _ in range(3):
         step(q, ks, vs, n).block_until_ready()
-    return timed(lambda i: step(q, ks, vs, n).block_until_ready(), iters)
+    return times_ms(lambda i: step(q, ks, vs, n).block_until_ready(), iters)
 
 
 # ----------------------------------------------------------------------------- FlashInfer (seed design)
@@ -177,7 +168,7 @@ def bench_flashinfer(P, L, fa3, warm, iters):
 
     for i in range(warm):
         one(i)
-    return timed(one, iters)
+    return times_ms(one, iters)
 
 
 # ----------------------------------------------------------------------------- main
