@@ -2,11 +2,12 @@
 
 * ``jaxkv.formats`` — FP8 / FP4 / ds_mla quantized layouts (jnp, bit-exact).
 * ``jaxkv.frame`` — the streaming frame cache of a reconstruction transformer.
+* ``jaxkv.hybrid`` — the DeepSeek-V4 hybrid compressed cache (SWA, CSA, HCA).
 * ``jaxkv.check`` — raise the faults a jitted operation recorded in a state.
 """
 
-from jaxkv import formats, frame
+from jaxkv import formats, frame, hybrid
 from jaxkv.errors import CacheError, Fault, check, clear_errors
 
 __version__ = "0.1.0"
-__all__ = ["CacheError", "Fault", "check", "clear_errors", "formats", "frame", "__version__"]
+__all__ = ["CacheError", "Fault", "check", "clear_errors", "formats", "frame", "hybrid", "__version__"]

@@ -23,6 +23,9 @@ class Fault(enum.IntFlag):
     POOL_EXHAUSTED = 1 << 4
     POSITION_BACKWARDS = 1 << 5
     SLOT_OUT_OF_RANGE = 1 << 6
+    POSITION_GAP = 1 << 7
+    SLOT_REPEATED = 1 << 8
+    CONTEXT_EXHAUSTED = 1 << 9
 
 
 _MESSAGES = {
@@ -31,21 +34,29 @@ _MESSAGES = {
     Fault.ROLLBACK_NOTHING_PENDING: "rollback with nothing to roll back: no deferred frame is pending",
     Fault.APPEND_WHILE_PENDING: "append while a deferred frame is pending: commit or roll it back first",
     Fault.LAYER_OUT_OF_RANGE: "layer index out of range: the write was skipped",
-    Fault.POOL_EXHAUSTED: "block pool exhausted: no free block for a flush",
-    Fault.POSITION_BACKWARDS: "position went backwards for a request",
-    Fault.SLOT_OUT_OF_RANGE: "request slot out of range",
+    Fault.POOL_EXHAUSTED: "block pool exhausted: the step's flushes needed more free blocks than were left; "
+    "the request's step was skipped (finish requests, or raise pool_tokens)",
+    Fault.POSITION_BACKWARDS: "position went backwards: the step's position is below the tokens the request "
+    "has seen; the step was skipped",
+    Fault.SLOT_OUT_OF_RANGE: "request slot out of range; the batch row was skipped",
+    Fault.POSITION_GAP: "position skips ahead: the step's position is above the tokens the request has seen; "
+    "the step was skipped",
+    Fault.SLOT_REPEATED: "a request slot appears twice in one batch; those rows were skipped",
+    Fault.CONTEXT_EXHAUSTED: "num_tokens out of range: negative, above the step's token axis, or past "
+    "max_context; the step was skipped",
 }
 
 
 class CacheError(RuntimeError):
     """A data-dependent fault recorded in a cache's sticky error field."""
 
-    def __init__(self, faults: dict[int, Fault], kind: str = "stream"):
+    def __init__(self, faults: dict[int, Fault], kind="stream"):
         self.faults = faults
         lines = []
         for idx, f in sorted(faults.items()):
             msgs = "; ".join(_MESSAGES[b] for b in Fault if b in f)
-            lines.append(f"{kind} {idx}: {msgs}")
+            owner = kind(idx) if callable(kind) else f"{kind} {idx}"
+            lines.append(f"{owner}: {msgs}")
         super().__init__("jaxkv cache fault(s):\n  " + "\n  ".join(lines))
 
 
@@ -59,7 +70,7 @@ def check(state) -> None:
     err = np.asarray(jax.device_get(state.error)).reshape(-1)
     bad = {int(i): Fault(int(e)) for i, e in enumerate(err) if e}
     if bad:
-        raise CacheError(bad, kind=getattr(state, "error_axis_name", "stream"))
+        raise CacheError(bad, kind=getattr(state, "fault_owner", getattr(state, "error_axis_name", "stream")))
 
 
 def clear_errors(state):

@@ -1,0 +1,52 @@
+"""The DeepSeek-V4 hybrid compressed cache: SWA rings, CSA / HCA compressors, paged pools.
+
+Functional API (pure functions over ``HybridCacheState``; writes are jitted, state donated)::
+
+    config = dataclasses.replace(jaxkv.hybrid.V4_FLASH, max_requests=8, max_context=8192)
+    state = init(config)
+    state, step = prepare_forward(state, slots, positions, num_tokens, chunk=T)
+    for layer in range(config.num_layers):
+        keys, key_pos = window_keys(state, step, layer, kv)       # before the ring write
+        state = write_window(state, step, layer, kv)
+        if config.compress_ratios[layer]:
+            state = compress(state, step, layer, ckv, cscore, params, index=...)  # CSA: index=(...)
+        ...  index_topk / gather_entries / all_entries, then sparse_attention
+    state = finish(state, done_slots)
+
+``Step`` is the boundary type between the cache and a model (its docstring defines the
+batch indexing); ``HybridCache`` is the eager wrapper that raises on recorded faults.
+"""
+
+from jaxkv.hybrid.attention import (
+    causal_entry_mask,
+    index_query,
+    index_scores,
+    index_topk,
+    query_positions,
+    sparse_attention,
+    window_mask,
+)
+from jaxkv.hybrid.compressor import ref_pool_sequence
+from jaxkv.hybrid.eager import HybridCache
+from jaxkv.hybrid.config import CSA, HCA, SWA, V4_FLASH, V4_PRO, HybridConfig, bytes_per_token
+from jaxkv.hybrid.ops import (
+    CompressorParams,
+    all_entries,
+    compress,
+    entry_count,
+    gather_entries,
+    index_keys,
+    window_keys,
+    write_window,
+)
+from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
+from jaxkv.hybrid.step import Step, finish, prepare_forward
+from jaxkv.hybrid.storage import STORAGES
+
+__all__ = [
+    "BlockAllocator", "CSA", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
+    "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
+    "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
+    "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",
+    "window_mask", "write_window",
+]

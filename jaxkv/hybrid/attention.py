@@ -1,0 +1,102 @@
+"""The lightning indexer (scores and top-k) and a reference sparse attention with a sink.
+
+Reference implementations in float32: the meaning that faster backends are tested against.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv.hybrid.config import CSA
+from jaxkv.hybrid.ops import check_layer, index_keys
+from jaxkv.hybrid.rope import hadamard
+from jaxkv.hybrid.state import HybridCacheState
+from jaxkv.hybrid.step import Step
+
+_HI = jax.lax.Precision.HIGHEST
+
+
+def index_query(state: HybridCacheState, q):
+    """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
+    cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim]."""
+    codec = state.config.storage_format.index_key(state.config.index_dim)
+    return codec.decode(codec.encode(hadamard(q).astype(jnp.bfloat16)))
+
+
+def query_positions(step: Step, T: int):
+    """i32[B, T] absolute position of each query row (padding rows continue the count)."""
+    return step.start[:, None] + jnp.arange(T)[None, :]
+
+
+def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights):
+    """Lightning-indexer scores ``I[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s])``.
+
+    q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
+    scales them by ``index_dim**-0.5 * H**-0.5``).
+    Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
+    are -inf.
+    """
+    check_layer(state, layer, (CSA,))
+    c = state.config
+    B, T, H, D = q.shape
+    if (B, D) != (step.slot.shape[0], c.index_dim) or weights.shape != (B, T, H):
+        raise ValueError(f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
+                         f"got {tuple(q.shape)} and {tuple(weights.shape)}")
+    keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]
+    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HI)
+    s = jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HI)
+    visible = jnp.arange(keys.shape[1])[None, None, :] < (query_positions(step, T) + 1)[..., None] // c.compress_ratios[layer]
+    return jnp.where(visible, s, -jnp.inf)
+
+
+def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None):
+    """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
+    best first. ``k = min(top_k or config.top_k, max_entries)``."""
+    s = index_scores(state, step, layer, q, weights)
+    k = min(top_k or state.config.top_k, s.shape[-1])
+    val, idx = jax.lax.top_k(s, k)
+    return jnp.where(jnp.isfinite(val), idx, -1)
+
+
+def window_mask(key_pos, step: Step, T: int, window: int):
+    """bool[B, T, K]: query t sees key k iff ``p - window < key_pos <= p`` (p its position)."""
+    p = query_positions(step, T)[..., None]
+    kp = key_pos[:, None, :]
+    return (kp >= 0) & (kp <= p) & (kp > p - window)
+
+
+def causal_entry_mask(count_or_n, step: Step, T: int, ratio: int):
+    """bool[B, T, N]: query at position p sees compressed entry s iff ``s < (p + 1) // ratio``."""
+    p = query_positions(step, T)[..., None]
+    s = jnp.arange(count_or_n)[None, None, :]
+    return s < (p + 1) // ratio
+
+
+def sparse_attention(q, parts, sink, scale: float):
+    """Reference MQA over per-query key sets, K = V, with an attention sink.
+
+    q: float[B, T, H, D]
+    parts: sequence of (keys float[B, T, K, D] or float[B, K, D] (shared by the row's
+      queries), mask bool[B, T, K]); the key sets are concatenated.
+    sink: f32[H] learnable logit added to every softmax denominator.
+    Returns f32[B, T, H, D]. A query with no visible key returns 0.
+    """
+    qf = q.astype(jnp.float32)
+    logits, values = [], []
+    for keys, mask in parts:
+        kf = keys.astype(jnp.float32)
+        eq = "bthd,bkd->bthk" if kf.ndim == 3 else "bthd,btkd->bthk"
+        l = jnp.einsum(eq, qf, kf, precision=_HI) * scale
+        logits.append(jnp.where(mask[:, :, None, :], l, -jnp.inf))
+        values.append(kf)
+    sink = jnp.asarray(sink, jnp.float32)[None, None, :]
+    m = jnp.maximum(jnp.max(jnp.concatenate(logits, axis=-1), axis=-1), sink)  # f32[B, T, H]
+    denom = jnp.exp(sink - m)
+    out = 0.0
+    for l, kf in zip(logits, values):
+        p = jnp.exp(l - m[..., None])
+        denom = denom + jnp.sum(p, axis=-1)
+        eq = "bthk,bkd->bthd" if kf.ndim == 3 else "bthk,btkd->bthd"
+        out = out + jnp.einsum(eq, p, kf, precision=_HI)
+    return out / denom[..., None]

@@ -1,0 +1,51 @@
+"""HybridCache: a stateful, eager wrapper for notebooks, scripts and tests.
+
+It holds a ``HybridCacheState``, calls the jitted functions and, with ``check=True``,
+raises ``CacheError`` as soon as an operation records a fault (each check is a host
+sync; a serving loop uses the functional API inside ``jit`` and calls ``jaxkv.check``
+now and then).
+"""
+
+from __future__ import annotations
+
+from jaxkv.errors import check as _check
+from jaxkv.hybrid import ops, step as _step, state as _state
+from jaxkv.hybrid.config import HybridConfig
+
+
+class HybridCache:
+    def __init__(self, config: HybridConfig, *, check: bool = True):
+        self.state = _state.init(config)
+        self.checks = check
+        self.step = None
+
+    @property
+    def config(self) -> HybridConfig:
+        return self.state.config
+
+    def _done(self, new_state):
+        self.state = new_state
+        if self.checks:
+            _check(new_state)
+        return self
+
+    def prepare_forward(self, slots, positions, num_tokens=None, *, chunk: int = 1):
+        """Start a step; the returned ``Step`` is also kept as ``self.step``."""
+        new_state, self.step = _step.prepare_forward(self.state, slots, positions, num_tokens, chunk=chunk)
+        self._done(new_state)
+        return self.step
+
+    def window_keys(self, layer: int, kv):
+        return ops.window_keys(self.state, self.step, layer, kv)
+
+    def write_window(self, layer: int, kv):
+        return self._done(ops.write_window(self.state, self.step, layer, kv))
+
+    def compress(self, layer: int, kv, score, params, index=None):
+        return self._done(ops.compress(self.state, self.step, layer, kv, score, params, index))
+
+    def finish(self, slots):
+        return self._done(_step.finish(self.state, slots))
+
+    def nbytes(self) -> int:
+        return _state.nbytes(self.state)

@@ -1,0 +1,238 @@
+"""Per-layer writes of the hybrid cache: the SWA ring and the compressors (append + flush).
+
+Each takes the ``Step`` from ``prepare_forward`` and a static layer index, and is jitted
+with the state donated. In a layer, read the window (``window_keys``) before
+``write_window`` — the ring is overwritten in place — and read compressed entries after
+``compress``, which writes the entries the step completes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._pytree import cache_dataclass
+from jaxkv.errors import Fault
+from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
+from jaxkv.hybrid.config import CSA, HCA, SWA
+from jaxkv.hybrid.rope import rope_freqs
+from jaxkv.hybrid.state import HybridCacheState
+from jaxkv.hybrid.step import Step
+from jaxkv.hybrid.storage import read_items, write_items
+
+
+@cache_dataclass
+class CompressorParams:
+    """The learned tensors a compressor's flush uses.
+
+    bias: f32[ratio, coff * c]  positional bias B (DeepSeek's ``ape``), added to the
+      score of the token at row ``pos % ratio`` of its window (coff = 2 for CSA)
+    norm: f32[c]  RMSNorm weight
+    """
+
+    bias: jnp.ndarray
+    norm: jnp.ndarray
+
+
+def check_layer(state: HybridCacheState, layer, kinds=None) -> str:
+    c = state.config
+    if not isinstance(layer, int) or not 0 <= layer < c.num_layers:
+        raise ValueError(f"layer: expected a static int in [0, {c.num_layers}), got {layer!r}")
+    kind = c.kind(layer)
+    if kinds is not None and kind not in kinds:
+        raise ValueError(f"layer: expected a {' or '.join(k.upper() for k in kinds)} layer, layer {layer} is {kind.upper()}")
+    return kind
+
+
+def check_tokens(name, x, step: Step, width: int, dtypes=None):
+    B = step.slot.shape[0]
+    if x.ndim != 3 or x.shape[0] != B or x.shape[2] != width:
+        raise ValueError(f"{name}: expected shape [{B}, T, {width}], got {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {' or '.join(str(jnp.dtype(d)) for d in dtypes)}, got {x.dtype}")
+
+
+def freqs_of(config):
+    return rope_freqs(config.rope_dim, config.rope_theta, config.rope_factor, config.original_seq_len,
+                      config.beta_fast, config.beta_slow)
+
+
+# --- sliding window -----------------------------------------------------------------------
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
+def write_window(state: HybridCacheState, step: Step, layer: int, kv):
+    """Write the step's tokens into layer ``layer``'s SWA ring.
+
+    kv: bf16[B, T, head_dim]  the layer's normalised, RoPE'd KV of the step's tokens.
+    Only each row's last ``window`` real tokens are written (earlier ones would be
+    overwritten within the same step).
+    """
+    c = state.config
+    check_layer(state, layer)
+    check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
+    fmt = c.storage_format
+    B, T, _ = kv.shape
+    t = jnp.arange(T)[None, :]
+    n = step.num_tokens[:, None]
+    valid = (t < n) & (t >= n - c.window)
+    blk = jnp.where(valid, step.write_slot[:, None], c.max_requests)
+    item = (step.start[:, None] + t) % c.window
+    ring = write_items(state.window[layer], blk.reshape(-1), item.reshape(-1),
+                       fmt.entry.encode(kv).reshape(B * T, -1), fmt.entry.segments)
+    return state.replace(window=state.window[:layer] + (ring,) + state.window[layer + 1:])
+
+
+# --- compressors ------------------------------------------------------------------------------
+def _compress_one(c, tails, pool, table, step, kv, score, params, ratio, overlap, rotate, codec, width):
+    """Fold one compressor's inputs, write the entries the step completes. Returns
+    (tails, pool, missing_block bool[B])."""
+    check_tokens("kv", kv, step, (2 if overlap else 1) * width)
+    check_tokens("score", score, step, (2 if overlap else 1) * width)
+    coff = 2 if overlap else 1
+    if params.bias.shape != (ratio, coff * width) or params.norm.shape != (width,):
+        raise ValueError(
+            f"params: expected bias f32[{ratio}, {coff * width}] and norm f32[{width}], "
+            f"got bias {tuple(params.bias.shape)} and norm {tuple(params.norm.shape)}"
+        )
+    B, T, _ = kv.shape
+    pos = step.start[:, None] + jnp.arange(T)[None, :]
+    z = score.astype(jnp.float32) + params.bias.astype(jnp.float32)[pos % ratio]
+    tail = tails[step.slot]
+    fold = functools.partial(fold_chunk, ratio=ratio, overlap=overlap)
+    wins, pooled, complete = jax.vmap(fold)(tail, kv.astype(jnp.float32), z, step.start, step.num_tokens)
+    new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=overlap))(
+        tail, wins, step.start, step.num_tokens)
+    tails = tails.at[step.write_slot].set(new_tail, mode="drop")
+
+    nw = pooled.shape[1]
+    entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
+    x = finalize(pooled, entry, ratio, params.norm.astype(jnp.float32), freqs_of(c), c.norm_eps, c.rope_dim, rotate)
+    bs = c.block_size
+    blk = table[step.slot[:, None], jnp.clip(entry // bs, 0, table.shape[1] - 1)]
+    write = complete & step.active[:, None]
+    missing = jnp.any(write & (blk < 0), axis=1)
+    blk = jnp.where(write & (blk >= 0), blk, pool.shape[0])
+    pool = write_items(pool, blk.reshape(-1), (entry % bs).reshape(-1), codec.encode(x).reshape(B * nw, -1), codec.segments)
+    return tails, pool, missing
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
+def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params: CompressorParams, index=None):
+    """Append the step's compressor inputs to layer ``layer``'s tails and flush every
+    window they complete, for all requests at once (masked; no host check).
+
+    kv, score: float[B, T, coff * head_dim]  C and Z of each token (CSA: ``[..., :c]`` the
+      b stream, ``[..., c:]`` the a stream; HCA: one stream), Z without the bias.
+    params: CompressorParams of the layer's compressor.
+    index: for CSA layers, ``(kv, score, params)`` of the indexer's compressor
+      (width ``index_dim``); its keys are rotated and stored in FP4. None for HCA.
+    A flush pools the window (eqs. 11-12 / 20-23), applies RMSNorm and RoPE at
+    ``entry * ratio``, quantizes and writes the entry at its block through the
+    request's block table (allocated by ``prepare_forward``).
+    """
+    c = state.config
+    kind = check_layer(state, layer, (CSA, HCA))
+    if (index is None) != (kind != CSA):
+        raise ValueError(f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
+                         f"{kind.upper()} and index is {'None' if index is None else 'given'}")
+    ratio = c.compress_ratios[layer]
+    al = state.allocator(layer)
+    ci = state.compressed_index(layer)
+    fmt = c.storage_format
+    tail, pool, missing = _compress_one(c, state.tails[ci], state.entries[ci], al.table, step, kv, score, params,
+                                        ratio, kind == CSA, False, fmt.entry, c.head_dim)
+    new = dict(tails=_put(state.tails, ci, tail), entries=_put(state.entries, ci, pool))
+    if kind == CSA:
+        ii = state.index_index(layer)
+        ikv, iscore, iparams = index
+        itail, ipool, imissing = _compress_one(c, state.index_tails[ii], state.index_keys[ii], al.table, step, ikv,
+                                               iscore, iparams, ratio, True, True, fmt.index_key(c.index_dim),
+                                               c.index_dim)
+        new.update(index_tails=_put(state.index_tails, ii, itail), index_keys=_put(state.index_keys, ii, ipool))
+        missing = missing | imissing
+    err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
+        state.error[step.slot] | jnp.uint32(int(Fault.POOL_EXHAUSTED)), mode="drop")
+    return state.replace(error=err, **new)
+
+
+def _put(tup, i, x):
+    return tup[:i] + (x,) + tup[i + 1:]
+
+
+# --- reads ------------------------------------------------------------------------------------------
+def window_keys(state: HybridCacheState, step: Step, layer: int, kv):
+    """The raw keys the step's queries may see in layer ``layer``: the ring as it was
+    before this step, then the step's own tokens, both as stored (quantized, dequantized).
+
+    kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store)
+    Returns keys bf16[B, window + T, head_dim] and their positions i32[B, window + T]
+    (-1: empty). Query at position p sees the keys with ``p - window < pos <= p``.
+    Call before ``write_window`` of the same step.
+    """
+    c = state.config
+    check_layer(state, layer)
+    check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
+    fmt = c.storage_format
+    B, T, _ = kv.shape
+    j = jnp.arange(c.window)[None, :]
+    p = step.start[:, None]
+    ring_pos = p - 1 - jnp.mod(p - 1 - j, c.window)  # latest position < start stored at item j
+    ring_pos = jnp.where(ring_pos >= 0, ring_pos, -1)
+    rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))
+    ring = fmt.entry.decode(read_items(state.window[layer], rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry.segments))
+    own = fmt.entry.decode(fmt.entry.encode(kv))
+    t = jnp.arange(T)[None, :]
+    own_pos = jnp.where(t < step.num_tokens[:, None], p + t, -1)
+    return jnp.concatenate([ring, own], axis=1), jnp.concatenate([ring_pos, own_pos], axis=1)
+
+
+def entry_count(step: Step, ratio: int):
+    """i32[B] compressed entries each request holds after the step."""
+    return (step.start + step.num_tokens) // ratio
+
+
+def _gather(pool, table, slot, idx, codec, bs):
+    valid = idx >= 0
+    e = jnp.maximum(idx, 0)
+    sl = slot.reshape(slot.shape + (1,) * (idx.ndim - 1))
+    blk = table[sl, jnp.clip(e // bs, 0, table.shape[1] - 1)]
+    items = codec.decode(read_items(pool, blk, e % bs, codec.segments))
+    return jnp.where((valid & (blk >= 0))[..., None], items, 0).astype(jnp.bfloat16)
+
+
+def gather_entries(state: HybridCacheState, step: Step, layer: int, idx):
+    """Compressed entries of layer ``layer`` by logical index, each request through its
+    own block table, dequantized: idx i32[B, ...] (-1: none) -> bf16[B, ..., head_dim]
+    (zeros where idx is -1). K = V: the one entry serves as key and value."""
+    check_layer(state, layer, (CSA, HCA))
+    c = state.config
+    return _gather(state.entries[state.compressed_index(layer)], state.allocator(layer).table, step.slot, idx,
+                   c.storage_format.entry, c.block_size)
+
+
+def all_entries(state: HybridCacheState, step: Step, layer: int):
+    """Every compressed entry slot of each request: (bf16[B, max_entries, head_dim],
+    count i32[B]); entries at or past ``count`` are zeros."""
+    c = state.config
+    ratio = c.compress_ratios[layer]
+    cnt = entry_count(step, ratio)
+    e = jnp.arange(c.max_entries(ratio))[None, :]
+    return gather_entries(state, step, layer, jnp.where(e < cnt[:, None], e, -1)), cnt
+
+
+def index_keys(state: HybridCacheState, step: Step, layer: int):
+    """Every indexer key of a CSA layer, dequantized: (bf16[B, max_entries, index_dim], count i32[B])."""
+    check_layer(state, layer, (CSA,))
+    c = state.config
+    ratio = c.compress_ratios[layer]
+    cnt = entry_count(step, ratio)
+    e = jnp.arange(c.max_entries(ratio))[None, :]
+    idx = jnp.where(e < cnt[:, None], e, -1)
+    keys = _gather(state.index_keys[state.index_index(layer)], state.allocator(layer).table, step.slot, idx,
+                   c.storage_format.index_key(c.index_dim), c.block_size)
+    return keys, cnt
+
+
+__all__ = ["CompressorParams", "SWA", "all_entries", "compress", "entry_count", "gather_entries", "index_keys",
+           "window_keys", "write_window"]

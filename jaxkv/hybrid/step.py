@@ -1,0 +1,191 @@
+"""Step: the boundary between the hybrid cache and a model's forward pass.
+
+``prepare_forward`` checks a batch against the cache, allocates every block the step's
+flushes will need (for every ratio, from the device-side free stacks, with no Python loop
+over requests) and returns a ``Step``; each layer then calls the layer operations with
+that ``Step``. ``finish`` returns a request's blocks and empties its slot.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv._pytree import cache_dataclass
+from jaxkv.errors import Fault
+from jaxkv.hybrid.compressor import empty_tail
+from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
+
+
+@cache_dataclass
+class Step:
+    """One forward step of a batch of B requests.
+
+    Batch row ``b`` is request slot ``slot[b]``. Its tokens have positions
+    ``start[b] .. start[b] + num_tokens[b] - 1`` and sit at ``[b, :num_tokens[b]]`` of every
+    per-token array a layer op takes (``[B, T, ...]``; later rows are padding, ignored).
+    Decode is ``T = 1``; prefill any ``T``; rows may sit at different positions.
+
+    A row that ``prepare_forward`` refused (a fault is recorded in the state) has
+    ``active[b] = False`` and ``num_tokens[b] = 0``: the layer ops leave its request
+    untouched and its outputs are meaningless.
+
+    slot: i32[B]        request slot, clamped into [0, R) (use it to read)
+    write_slot: i32[B]  slot, or R where inactive (scatters drop out-of-range rows)
+    start: i32[B]       position of the row's first token
+    num_tokens: i32[B]
+    active: bool[B]
+    """
+
+    slot: jnp.ndarray
+    write_slot: jnp.ndarray
+    start: jnp.ndarray
+    num_tokens: jnp.ndarray
+    active: jnp.ndarray
+
+
+def _as_i32(name, x, shape=None):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"{name}: expected an integer array, got dtype {x.dtype}")
+    if shape is not None and x.shape != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(x.shape)}")
+    return x.astype(jnp.int32)
+
+
+def _cumsum_excl(x):
+    return jnp.cumsum(x) - x
+
+
+@functools.partial(jax.jit, static_argnames="chunk", donate_argnums=0)
+def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, *, chunk: int = 1):
+    """Check a batch, allocate the blocks its flushes need, advance positions.
+
+    Args:
+      state: the cache (donated).
+      slots: i32[B] request slots. A slot at position 0 is a new request.
+      positions: i32[B] position of each row's first token; must equal the tokens the
+        request has seen (``state.position[slot]``).
+      num_tokens: i32[B] tokens per row, 0..chunk (default: ``chunk`` for every row).
+      chunk: T, the token axis of this step's per-token arrays (static; 1 = decode).
+    Returns:
+      (state, step). Rows with a bad slot, a position that goes backwards or skips, a
+      token count out of range, or blocks the pools cannot supply are refused: a fault
+      bit is recorded, the request is left as it was, other rows proceed.
+    """
+    c = state.config
+    R = c.max_requests
+    slots = _as_i32("slots", slots)
+    if slots.ndim != 1:
+        raise ValueError(f"slots: expected shape [B], got {tuple(slots.shape)}")
+    B = slots.shape[0]
+    positions = _as_i32("positions", positions, (B,))
+    n = jnp.full((B,), chunk, jnp.int32) if num_tokens is None else _as_i32("num_tokens", num_tokens, (B,))
+    if chunk < 1:
+        raise ValueError(f"chunk: expected a positive int, got {chunk}")
+
+    in_range = (slots >= 0) & (slots < R)
+    slot = jnp.where(in_range, slots, 0)
+    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
+    repeated = in_range & (count[slot] > 1)
+    seen = state.position[slot]
+    backwards = in_range & ~repeated & (positions < seen)
+    gap = in_range & ~repeated & (positions > seen)
+    bad_n = in_range & ~repeated & ((n < 0) | (n > chunk) | (positions + n > c.max_context))
+    ok = in_range & ~repeated & ~backwards & ~gap & ~bad_n
+
+    # blocks: need per ratio, granted to the rows that fit (a prefix of the rows that need any)
+    needs = []
+    fits = ok
+    for r, al in zip(c.ratios, state.alloc):
+        after = -(-((positions + n) // r) // c.block_size)  # blocks covering the entries after the step
+        need = jnp.where(ok, jnp.maximum(after - al.owned[slot], 0), 0)
+        fits = fits & (jnp.cumsum(need) <= al.num_free)
+        needs.append(need)
+    active = ok & fits
+    pool_short = ok & ~fits
+
+    write_slot = jnp.where(active, slot, R)
+    new_alloc = []
+    for r, al, need in zip(c.ratios, state.alloc, needs):
+        need = jnp.where(active, need, 0)
+        off = _cumsum_excl(need)
+        max_new = -(-chunk // (r * c.block_size)) + 1  # most blocks one row can need this step
+        table = al.table
+        for j in range(max_new):
+            take = j < need
+            blk = al.free[jnp.clip(al.num_free - 1 - off - j, 0, al.free.shape[0] - 1)]
+            table = table.at[jnp.where(take, write_slot, R), al.owned[slot] + j].set(blk, mode="drop")
+        new_alloc.append(
+            al.replace(
+                table=table,
+                num_free=al.num_free - jnp.sum(need),
+                owned=al.owned.at[write_slot].add(need, mode="drop"),
+            )
+        )
+
+    def bits(mask, fault):
+        return jnp.where(mask, jnp.uint32(int(fault)), jnp.uint32(0))
+
+    err = state.error.at[R].set(
+        state.error[R] | bits(jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE) | bits(jnp.any(repeated), Fault.SLOT_REPEATED)
+    )
+    row_bits = (bits(backwards, Fault.POSITION_BACKWARDS) | bits(gap, Fault.POSITION_GAP)
+                | bits(bad_n, Fault.CONTEXT_EXHAUSTED) | bits(pool_short, Fault.POOL_EXHAUSTED))
+    own = jnp.where(in_range & ~repeated, slot, R + 1)  # unique slots only; others drop
+    err = err.at[own].set(err[slot] | row_bits, mode="drop")
+
+    step = Step(slot=slot, write_slot=write_slot, start=positions, num_tokens=jnp.where(active, n, 0), active=active)
+    new_pos = state.position.at[write_slot].set(positions + n, mode="drop")
+    return state.replace(position=new_pos, alloc=tuple(new_alloc), error=err), step
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def finish(state: HybridCacheState, slots):
+    """Release requests: return their blocks to the free stacks and empty their slots.
+
+    slots: i32[F]. Out-of-range or repeated slots record a fault and are skipped.
+    """
+    c = state.config
+    R = c.max_requests
+    slots = _as_i32("slots", slots)
+    if slots.ndim != 1:
+        raise ValueError(f"slots: expected shape [F], got {tuple(slots.shape)}")
+    in_range = (slots >= 0) & (slots < R)
+    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
+    slot = jnp.where(in_range, slots, 0)
+    ok = in_range & (count[slot] == 1)
+    ws = jnp.where(ok, slot, R)
+
+    new_alloc = []
+    for al in state.alloc:
+        rows = al.table[slot]  # i32[F, max_blocks]
+        held = (jnp.arange(rows.shape[1]) < al.owned[slot][:, None]) & ok[:, None]
+        flat_held = held.reshape(-1)
+        dest = al.num_free + jnp.cumsum(flat_held) - 1
+        free = al.free.at[jnp.where(flat_held, dest, al.free.shape[0])].set(rows.reshape(-1), mode="drop")
+        new_alloc.append(
+            BlockAllocator(
+                free=free,
+                num_free=al.num_free + jnp.sum(flat_held),
+                table=al.table.at[ws].set(-1, mode="drop"),
+                owned=al.owned.at[ws].set(0, mode="drop"),
+            )
+        )
+    flag = lambda cond, fault: jnp.where(cond, jnp.uint32(int(fault)), jnp.uint32(0))  # noqa: E731
+    err = state.error.at[R].set(
+        state.error[R] | flag(jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE) | flag(jnp.any(in_range & ~ok), Fault.SLOT_REPEATED)
+    )
+
+    def reset(t):
+        return t.at[ws].set(empty_tail((), t.shape[1], t.shape[-1]), mode="drop")
+
+    return state.replace(
+        position=state.position.at[ws].set(0, mode="drop"),
+        tails=tuple(reset(t) for t in state.tails),
+        index_tails=tuple(reset(t) for t in state.index_tails),
+        alloc=tuple(new_alloc),
+        error=err,
+    )

@@ -1,0 +1,174 @@
+"""Storage families: how a 512-dim entry and a 128-dim indexer key become bytes in a block.
+
+Every pool — a compressed layer's entries, its indexer keys, and each request's SWA ring —
+is one ``uint8[num_blocks, block_size * bytes_per_item]`` array. An item is split into
+*segments*; a block stores segment 0 of all its items, then segment 1 of all its items,
+and so on. For the official family this is exactly the ``ds_mla`` block of FlashMLA /
+vLLM / FlashInfer (``bs x 576`` data bytes, then ``bs x 8`` scale bytes), so a pool can be
+handed to their kernels as is.
+
+| family | entry (512 dims) | indexer key (128 dims) |
+| --- | --- | --- |
+| ``official`` | [448 FP8 (UE8M0 per 64) + 64 BF16 rope] 576 B, [7 UE8M0 + pad] 8 B = 584 B | MXFP4: 64 B codes, 4 B UE8M0 = 68 B |
+| ``seed`` | 448 FP8 B, 128 B BF16 rope, 4 B f32 per-entry scale = 580 B | NVFP4: 64 B codes, 8 B E4M3, 4 B f32 global = 76 B |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv.formats import (
+    dequantize_fp8_per_entry,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    nvfp4_global_scale,
+    quantize_fp8_per_entry,
+    quantize_fp8_ue8m0,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
+from jaxkv.formats.fp8 import dequantize_fp8_ue8m0
+
+NOPE = 448
+
+
+def as_bytes(x):
+    """x: any[..., n] -> u8[..., n * itemsize] (little-endian memory order)."""
+    b = lax.bitcast_convert_type(x, jnp.uint8)
+    return b if x.dtype.itemsize == 1 else b.reshape(*x.shape[:-1], -1)
+
+
+def from_bytes(b, dtype):
+    """u8[..., n * itemsize] -> dtype[..., n]."""
+    size = jnp.dtype(dtype).itemsize
+    if size > 1:
+        b = b.reshape(*b.shape[:-1], -1, size)
+    return lax.bitcast_convert_type(b, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Codec:
+    """One item kind: its byte segments, and the functions to and from those bytes."""
+
+    segments: tuple[int, ...]  # bytes per item of each segment, in block order
+    encode: Callable  # bf16[..., dim] -> u8[..., sum(segments)]
+    decode: Callable  # u8[..., sum(segments)] -> bf16[..., dim]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.segments)
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+    name: str
+    entry: Codec
+    index_key: Callable[[int], Codec]  # by key width
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.entry.bytes
+
+    def index_key_bytes(self, dim: int) -> int:
+        return self.index_key(dim).bytes
+
+
+# --- official: ds_mla entries, MXFP4 keys -------------------------------------------------
+def _ds_mla_encode(x):
+    q, scale = quantize_fp8_ue8m0(x[..., :NOPE].astype(jnp.float32))  # f8[..., 448], u8[..., 7]
+    pad = jnp.zeros((*scale.shape[:-1], 1), jnp.uint8)
+    rope = as_bytes(x[..., NOPE:].astype(jnp.bfloat16))
+    return jnp.concatenate([as_bytes(q), rope, scale, pad], axis=-1)
+
+
+def _ds_mla_decode(b):
+    q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
+    rope = from_bytes(b[..., NOPE:576], jnp.bfloat16)
+    return jnp.concatenate([dequantize_fp8_ue8m0(q, b[..., 576:583]), rope], axis=-1)
+
+
+def _mxfp4_codec(dim: int) -> Codec:
+    def encode(x):
+        packed, scales = quantize_mxfp4(x.astype(jnp.float32))
+        return jnp.concatenate([packed, scales], axis=-1)
+
+    def decode(b):
+        return dequantize_mxfp4(b[..., : dim // 2], b[..., dim // 2 :])
+
+    return Codec((dim // 2, dim // 32), encode, decode)
+
+
+# --- seed: per-entry FP8 scale, NVFP4 keys ---------------------------------------------------
+def _seed_encode(x):
+    q, scale = quantize_fp8_per_entry(x[..., :NOPE].astype(jnp.float32))  # f8[..., 448], f32[...]
+    rope = as_bytes(x[..., NOPE:].astype(jnp.bfloat16))
+    return jnp.concatenate([as_bytes(q), rope, as_bytes(scale[..., None])], axis=-1)
+
+
+def _seed_decode(b):
+    q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
+    rope = from_bytes(b[..., NOPE:576], jnp.bfloat16)
+    scale = from_bytes(b[..., 576:580], jnp.float32)[..., 0]
+    return jnp.concatenate([dequantize_fp8_per_entry(q, scale), rope], axis=-1)
+
+
+def _nvfp4_codec(dim: int) -> Codec:
+    def encode(x):
+        xf = x.astype(jnp.float32)
+        g = jax.vmap(nvfp4_global_scale)(xf.reshape(-1, dim)).reshape(*xf.shape[:-1], 1)  # per key
+        packed, scales, _ = quantize_nvfp4(xf, g)
+        return jnp.concatenate([packed, as_bytes(scales), as_bytes(g)], axis=-1)
+
+    def decode(b):
+        h = dim // 2
+        scales = from_bytes(b[..., h : h + dim // 16], jnp.float8_e4m3fn)
+        g = from_bytes(b[..., h + dim // 16 :], jnp.float32)
+        return dequantize_nvfp4(b[..., :h], scales, g)
+
+    return Codec((dim // 2, dim // 16, 4), encode, decode)
+
+
+STORAGES = {
+    "official": Storage("official", Codec((576, 8), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec),
+    "seed": Storage("seed", Codec((NOPE, 128, 4), _seed_encode, _seed_decode), _nvfp4_codec),
+}
+
+
+# --- block addressing ----------------------------------------------------------------------
+def write_items(pool, block, slot, items, segments):
+    """Scatter items into a segment-major block pool; rows with ``block`` out of range are dropped.
+
+    pool: u8[num_blocks, block_size * E], block: i32[N], slot: i32[N], items: u8[N, E].
+    """
+    nb, width = pool.shape
+    bs = width // sum(segments)
+    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1))
+    off = 0
+    for z in segments:
+        idx = jnp.stack([block, bs * off + slot * z], axis=-1)  # i32[N, 2]
+        pool = lax.scatter(pool, idx, items[:, off : off + z], dnums, mode=lax.GatherScatterMode.FILL_OR_DROP,
+                           indices_are_sorted=False, unique_indices=False)
+        off += z
+    return pool
+
+
+def read_items(pool, block, slot, segments):
+    """Gather items from a segment-major block pool.
+
+    pool: u8[num_blocks, block_size * E], block, slot: i32[...] (clamped into range) -> u8[..., E].
+    """
+    nb, width = pool.shape
+    bs = width // sum(segments)
+    block = jnp.clip(block, 0, nb - 1)
+    slot = jnp.clip(slot, 0, bs - 1)
+    parts, off = [], 0
+    for z in segments:
+        region = pool[:, bs * off : bs * (off + z)].reshape(nb, bs, z)
+        parts.append(region[block, slot])
+        off += z
+    return jnp.concatenate(parts, axis=-1)

@@ -1,0 +1,420 @@
+"""jaxkv.hybrid: config, storage bytes, compressor equations, decode == prefill, batches, faults."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxkv
+from jaxkv import hybrid as H
+from jaxkv.errors import CacheError, Fault
+from jaxkv.formats import pack_ds_mla, quantize_mxfp4
+from jaxkv.hybrid.compressor import empty_tail, fold_chunk, next_tail
+from jaxkv.hybrid.rope import apply_rope, hadamard, rope_freqs
+from jaxkv.hybrid.storage import STORAGES, read_items, write_items
+
+import hybrid_driver as D
+
+SMALL = H.HybridConfig(compress_ratios=(0, 4, 128), window=32, index_heads=4, top_k=16, block_size=16,
+                       max_requests=3, max_context=2048)
+
+
+# --- config --------------------------------------------------------------------------------------
+def test_presets_and_bytes_per_token():
+    f, p = H.V4_FLASH, H.V4_PRO
+    assert f.num_layers == 43 and f.compress_ratios[:4] == (0, 0, 4, 128) and f.compress_ratios[-1] == 4
+    assert p.num_layers == 61 and p.compress_ratios[:4] == (128, 128, 4, 128)
+    assert (f.top_k, p.top_k, f.head_dim, f.rope_dim, f.window, f.index_heads, f.index_dim) == (512, 1024, 512, 64, 128, 64, 128)
+    fmt = f.storage_format
+    assert fmt.entry_bytes == 584 and fmt.index_key_bytes(128) == 68
+    n_csa, n_hca = f.compress_ratios.count(4), f.compress_ratios.count(128)
+    assert (n_csa, n_hca) == (21, 20)
+    assert H.bytes_per_token(f) == pytest.approx(n_csa * (584 + 68) / 4 + n_hca * 584 / 128)
+    assert abs(H.bytes_per_token(f) - 3500) < 50  # ≈ 3.5 KB
+    assert abs(H.bytes_per_token(p) - 5000) < 50  # ≈ 5.0 KB
+    seed = dataclasses.replace(f, storage="seed")
+    assert H.bytes_per_token(seed) == pytest.approx(n_csa * (580 + 76) / 4 + n_hca * 580 / 128)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(compress_ratios=()), "compress_ratios"),
+    (dict(compress_ratios=(0, 1)), "compress_ratios"),
+    (dict(compress_ratios=(4,), storage="fp16"), "storage"),
+    (dict(compress_ratios=(4,), head_dim=256), "head_dim"),
+    (dict(compress_ratios=(4,), index_dim=96), "index_dim"),
+    (dict(compress_ratios=(4,), max_requests=0), "max_requests"),
+])
+def test_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        H.HybridConfig(**kw)
+
+
+# --- storage ---------------------------------------------------------------------------------------
+def test_official_pool_block_is_ds_mla(rng):
+    """A block written entry by entry (in shuffled order) is byte-identical to pack_ds_mla."""
+    bs = 16
+    x = jnp.asarray(rng.normal(size=(bs, 512)) * rng.uniform(0.01, 10, size=(bs, 1)), jnp.bfloat16)
+    codec = STORAGES["official"].entry
+    pool = jnp.zeros((3, bs * codec.bytes), jnp.uint8)
+    order = rng.permutation(bs)
+    pool = write_items(pool, jnp.full((bs,), 1), jnp.asarray(order), codec.encode(x[order]), codec.segments)
+    np.testing.assert_array_equal(np.asarray(pool[1]), np.asarray(pack_ds_mla(x[None]))[0])
+    assert not np.asarray(pool[0]).any() and not np.asarray(pool[2]).any()
+    back = codec.decode(read_items(pool, jnp.ones((bs,), jnp.int32), jnp.arange(bs), codec.segments))
+    np.testing.assert_allclose(np.asarray(back, np.float32), np.asarray(x, np.float32), rtol=0.07, atol=1e-2)
+
+
+def test_index_key_bytes(rng):
+    x = jnp.asarray(rng.normal(size=(5, 128)), jnp.bfloat16)
+    off = STORAGES["official"].index_key(128)
+    packed, scales = quantize_mxfp4(x.astype(jnp.float32))
+    np.testing.assert_array_equal(np.asarray(off.encode(x)), np.concatenate([packed, scales], -1))
+    for name in STORAGES:
+        codec = STORAGES[name].index_key(128)
+        y = np.asarray(codec.decode(codec.encode(x)), np.float32)
+        err = np.abs(y - np.asarray(x, np.float32))
+        assert err.max() <= 0.5 * np.abs(np.asarray(x, np.float32)).max(), name  # FP4: 1 code step at most
+        assert np.corrcoef(y.ravel(), np.asarray(x, np.float32).ravel())[0, 1] > 0.97
+
+
+def test_seed_entry_roundtrip(rng):
+    x = jnp.asarray(rng.normal(size=(7, 512)), jnp.bfloat16)
+    codec = STORAGES["seed"].entry
+    b = codec.encode(x)
+    assert b.shape == (7, 580) and b.dtype == jnp.uint8
+    y = np.asarray(codec.decode(b), np.float32)
+    xf = np.asarray(x, np.float32)
+    np.testing.assert_array_equal(y[:, 448:], xf[:, 448:])  # RoPE dims stay bf16
+    assert np.all(np.abs(y[:, :448] - xf[:, :448]) <= 0.0625 * np.abs(xf[:, :448]) + np.abs(xf).max(1, keepdims=True) / 448 * 2 ** -9)
+
+
+# --- rope / hadamard --------------------------------------------------------------------------------
+def test_hadamard_is_sylvester(rng):
+    h = np.array([[1.0]])
+    while h.shape[0] < 128:
+        h = np.block([[h, h], [h, -h]])
+    x = rng.normal(size=(3, 128)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(hadamard(jnp.asarray(x))), x @ h / np.sqrt(128), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_interleaved_pairs(rng):
+    freqs = rope_freqs(64, 160000.0, 16.0, 65536, 32, 1)
+    x = rng.normal(size=(4, 64)).astype(np.float32)
+    pos = np.array([0, 3, 400, 65000])
+    ang = (pos[:, None].astype(np.float32) * freqs).astype(np.float64)  # float32 angles, as DeepSeek's reference
+    z = (x[:, 0::2] + 1j * x[:, 1::2]) * np.exp(1j * ang)
+    want = np.stack([z.real, z.imag], -1).reshape(4, 64)
+    np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs)), want, rtol=2e-4, atol=2e-4)
+
+
+# --- compressor equations -----------------------------------------------------------------------------
+def numpy_pool(kv, score, bias, m, overlap):
+    """Eqs. 11-12 (CSA, overlap) and 20-23 (HCA) written out, float64, one entry at a time."""
+    kv, score, bias = (np.asarray(a, np.float64) for a in (kv, score, bias))
+    c = kv.shape[1] // (2 if overlap else 1)
+    out = []
+    for i in range(kv.shape[0] // m):
+        a = slice(m * i, m * (i + 1))
+        if overlap:
+            ca, za = kv[a, c:], score[a, c:] + bias[:, c:]
+            if i == 0:  # padding: Z^b = -inf, C^b = 0
+                cb, zb = np.zeros((m, c)), np.full((m, c), -np.inf)
+            else:
+                b = slice(m * (i - 1), m * i)
+                cb, zb = kv[b, :c], score[b, :c] + bias[:, :c]
+            z = np.concatenate([za, zb])
+            cc = np.concatenate([ca, cb])
+        else:
+            z, cc = score[a] + bias, kv[a]
+        s = np.exp(z - z.max(0))
+        out.append((s / s.sum(0) * cc).sum(0))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("m, overlap", [(4, True), (128, False), (8, False)])
+def test_compressor_matches_equations(rng, m, overlap):
+    c, coff, N = 64, 2 if overlap else 1, 5 * m + 3
+    kv = rng.normal(size=(N, coff * c)).astype(np.float32)
+    score = (2 * rng.normal(size=(N, coff * c))).astype(np.float32)
+    bias = rng.normal(size=(m, coff * c)).astype(np.float32)
+    want = numpy_pool(kv, score, bias, m, overlap)
+    np.testing.assert_allclose(np.asarray(H.ref_pool_sequence(jnp.asarray(kv), jnp.asarray(score), jnp.asarray(bias), m, overlap)), want, rtol=1e-5, atol=1e-6)
+
+    z = score + bias[np.arange(N) % m]
+    tail0 = empty_tail((), 3 if overlap else 1, c)
+    one = functools.partial(fold_chunk, ratio=m, overlap=overlap)
+    _, pooled, complete = jax.jit(one)(tail0, jnp.asarray(kv), jnp.asarray(z), 0, N)
+    assert np.asarray(complete).sum() == N // m
+    np.testing.assert_allclose(np.asarray(pooled)[: N // m], want, rtol=1e-5, atol=1e-6)
+
+    # the same sequence in uneven chunks, the tail carried between them: bit-identical entries
+    got, tail, pos = [], tail0, 0
+    for size in (1, m - 1, 2, 3 * m + 1, N - (m + 3 + 3 * m + 1) + 1):
+        size = min(size, N - pos)
+        wins, pooled, complete = jax.jit(one)(tail, jnp.asarray(kv[pos:pos + size]), jnp.asarray(z[pos:pos + size]), pos, size)
+        got += [p for p, ok in zip(np.asarray(pooled), np.asarray(complete)) if ok]
+        tail = next_tail(tail, wins, pos, size, m, overlap)
+        pos += size
+    assert pos == N
+    np.testing.assert_array_equal(np.stack(got), np.asarray(jax.jit(one)(tail0, jnp.asarray(kv), jnp.asarray(z), 0, N)[1])[: N // m])
+
+
+def numpy_entry(pooled, i, m, norm_w, config):
+    """bf16 -> RMSNorm -> bf16 -> RoPE at i*m, written out in numpy."""
+    x = np.asarray(jnp.asarray(pooled, jnp.bfloat16), np.float64)
+    y = x / np.sqrt((x * x).mean() + config.norm_eps) * norm_w
+    y = np.asarray(jnp.asarray(y.astype(np.float32), jnp.bfloat16), np.float64)
+    f = rope_freqs(64, config.rope_theta, config.rope_factor, config.original_seq_len, config.beta_fast, config.beta_slow)
+    zc = (y[448::2] + 1j * y[449::2]) * np.exp(1j * (np.float32(i * m) * f).astype(np.float64))
+    y[448::2], y[449::2] = zc.real, zc.imag
+    return y
+
+
+@pytest.mark.parametrize("storage", ["official", "seed"])
+def test_stored_entries_match_numpy_pipeline(rng, storage):
+    cfg = dataclasses.replace(SMALL, storage=storage)
+    params = D.make_params(cfg, rng)
+    N = 300
+    inputs = D.make_inputs(cfg, rng, 1, N)
+    state = H.init(cfg)
+    state, step = H.prepare_forward(state, jnp.array([1]), jnp.array([0]), chunk=N)
+    state, _, _ = D.model_step(state, step, inputs, params)
+    jaxkv.check(state)
+    for layer in (1, 2):
+        m = cfg.compress_ratios[layer]
+        x = inputs[layer]
+        pooled = numpy_pool(x["ckv"][0], x["cscore"][0], params[layer]["main"].bias, m, m == 4)
+        got, cnt = H.all_entries(state, step, layer)
+        assert int(cnt[0]) == N // m
+        got = np.asarray(got[0, : N // m], np.float64)
+        for i in range(N // m):
+            want = numpy_entry(pooled[i], i, m, np.asarray(params[layer]["main"].norm), cfg)
+            tile_amax = np.abs(want[:448]).reshape(7, 64).max(1).repeat(64)
+            bound = 0.0625 * np.abs(want[:448]) + 2 ** -8 * np.abs(want[:448]) + tile_amax / 448 * 2 ** -8 + 1e-6
+            assert np.all(np.abs(got[i, :448] - want[:448]) <= bound), (layer, i)
+            np.testing.assert_allclose(got[i, 448:], want[448:], rtol=2e-2, atol=2e-2)
+
+
+# --- decode == prefill -------------------------------------------------------------------------------------
+N_TOKENS = 2000
+
+
+@functools.partial(jax.jit, static_argnames="n")
+def _decode_all(state, inputs, params, n):
+    def body(state, t):
+        x = jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, t, 1, axis=1), inputs)
+        state, step = H.prepare_forward(state, jnp.array([0]), t[None], chunk=1)
+        state, outs, idxs = D.model_step(state, step, x, params)
+        return state, (outs, idxs)
+
+    return jax.lax.scan(body, state, jnp.arange(n))
+
+
+def _prefill(state, inputs, params, chunks):
+    outs, idxs, pos = [], [], 0
+    for size in chunks:
+        state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([pos]), chunk=size)
+        state, o, i = D.model_step(state, step, D.slice_tokens(inputs, pos, pos + size), params)
+        outs.append(o)
+        idxs.append(i)
+        pos += size
+    cat = lambda *a: None if a[0] is None else jnp.concatenate(a, axis=1)  # noqa: E731
+    return state, {l: cat(*[o[l] for o in outs]) for l in outs[0]}, {l: cat(*[i[l] for i in idxs]) for l in idxs[0]}
+
+
+def test_decode_equals_prefill(rng):
+    """2,000 tokens one at a time (one jitted scan, no host round trip) vs the whole sequence
+    at once and in uneven chunks: same entry and indexer-key bytes, same top-k, same outputs."""
+    cfg = SMALL
+    params = D.make_params(cfg, rng)
+    inputs = D.make_inputs(cfg, rng, 1, N_TOKENS)
+    dec_state, (dec_out, dec_idx) = _decode_all(H.init(cfg), inputs, params, N_TOKENS)
+    jaxkv.check(dec_state)
+    runs = {"whole": _prefill(H.init(cfg), inputs, params, (N_TOKENS,)),
+            "chunks": _prefill(H.init(cfg), inputs, params, (333, 1, 1000, 666))}
+    for name, (pre_state, pre_out, pre_idx) in runs.items():
+        jaxkv.check(pre_state)
+        for layer in (1, 2):
+            cnt = N_TOKENS // cfg.compress_ratios[layer]
+            np.testing.assert_array_equal(D.entries_bytes(dec_state, layer, 0, cnt), D.entries_bytes(pre_state, layer, 0, cnt),
+                                          err_msg=f"{name}: layer {layer} entries")
+        np.testing.assert_array_equal(D.index_key_bytes(dec_state, 1, 0, N_TOKENS // 4), D.index_key_bytes(pre_state, 1, 0, N_TOKENS // 4))
+        # top-k: the same entries, except where two scores tie to within float noise
+        got = np.asarray(dec_idx[1])[:, 0, 0]  # [t, k]
+        want = np.asarray(pre_idx[1])[0]
+        same = np.all(np.sort(got, -1) == np.sort(want, -1), axis=-1)
+        assert same.mean() > 0.99, f"{name}: top-k differs at {np.flatnonzero(~same)[:10]}"
+        assert (got[-1] >= 0).all() and len(set(got[-1])) == cfg.top_k
+        for layer in range(cfg.num_layers):
+            d = np.asarray(dec_out[layer])[:, 0, 0]  # [t, H, D]
+            p = np.asarray(pre_out[layer])[0]
+            ok = same[:, None, None] if layer == 1 else True
+            np.testing.assert_allclose(np.where(ok, d, 0), np.where(ok, p, 0), rtol=2e-4, atol=2e-4, err_msg=f"{name}: layer {layer}")
+
+
+def test_attention_reference_is_dense_softmax(rng):
+    """sparse_attention with one key set equals softmax(qk, sink) v written out in numpy."""
+    B, T, Hh, K, Dd = 2, 3, 2, 7, 16
+    q = rng.normal(size=(B, T, Hh, Dd)).astype(np.float32)
+    k = rng.normal(size=(B, T, K, Dd)).astype(np.float32)
+    mask = rng.uniform(size=(B, T, K)) > 0.3
+    sink = rng.normal(size=(Hh,)).astype(np.float32)
+    got = np.asarray(H.sparse_attention(jnp.asarray(q), [(jnp.asarray(k[:, :, :3]), jnp.asarray(mask[:, :, :3])),
+                                                          (jnp.asarray(k[:, :, 3:]), jnp.asarray(mask[:, :, 3:]))], jnp.asarray(sink), 0.25))
+    l = np.einsum("bthd,btkd->bthk", q, k) * 0.25
+    l = np.where(mask[:, :, None], l, -np.inf)
+    mx = np.maximum(l.max(-1), sink)
+    p = np.exp(l - mx[..., None])
+    want = np.einsum("bthk,btkd->bthd", p, k) / (p.sum(-1) + np.exp(sink - mx))[..., None]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+# --- batches ---------------------------------------------------------------------------------------------------
+def test_batch_requests_at_different_positions(rng):
+    """Three requests, ragged prefill chunks then decode, flushing on different steps; each
+    request's entries equal those of the same tokens fed alone."""
+    cfg = dataclasses.replace(SMALL, max_context=1024)
+    params = D.make_params(cfg, rng)
+    lengths = (301, 260, 150)
+    seqs = [D.make_inputs(cfg, rng, 1, n) for n in lengths]
+    slots = (2, 0, 1)
+    plan = [(37, 250, 3), (200, 1, 0), (1, 1, 64), (63, 8, 83)]  # tokens per request per step
+    state = H.init(cfg)
+    pos = [0, 0, 0]
+    flush_steps = {s: [] for s in slots}
+    for counts in plan:
+        T = max(counts)
+        batch = {}
+        for l in range(cfg.num_layers):
+            batch[l] = {}
+            for key in seqs[0][l]:
+                rows = []
+                for r in range(3):
+                    a = seqs[r][l][key][:, pos[r]:pos[r] + counts[r]]
+                    rows.append(jnp.concatenate([a, jnp.full((1, T - a.shape[1]) + a.shape[2:], 7.0, a.dtype)], axis=1))
+                batch[l][key] = jnp.concatenate(rows, axis=0)
+        before = [p // 4 for p in pos]
+        state, step = H.prepare_forward(state, jnp.array(slots), jnp.array(pos), jnp.array(counts), chunk=T)
+        state, _, _ = D.model_step(state, step, batch, params)
+        jaxkv.check(state)
+        for r in range(3):
+            pos[r] += counts[r]
+            if pos[r] // 4 > before[r]:
+                flush_steps[slots[r]].append(len(flush_steps[slots[r]]))
+    assert pos == list(lengths)
+    np.testing.assert_array_equal(np.asarray(state.position)[list(slots)], lengths)
+    for r, slot in enumerate(slots):
+        alone = H.init(cfg)
+        alone, step = H.prepare_forward(alone, jnp.array([0]), jnp.array([0]), chunk=lengths[r])
+        alone, _, _ = D.model_step(alone, step, seqs[r], params)
+        for layer in (1, 2):
+            cnt = lengths[r] // cfg.compress_ratios[layer]
+            np.testing.assert_array_equal(D.entries_bytes(state, layer, slot, cnt), D.entries_bytes(alone, layer, 0, cnt))
+    # requests own disjoint blocks
+    for al in state.alloc:
+        t = np.asarray(al.table)
+        used = t[t >= 0]
+        assert len(used) == len(set(used.tolist()))
+
+
+# --- faults -------------------------------------------------------------------------------------------------------
+def _tiny(**kw):
+    return dataclasses.replace(SMALL, **kw)
+
+
+def test_faults_leave_requests_untouched(rng):
+    cfg = _tiny()
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
+    x = D.make_inputs(cfg, rng, 2, 8)
+    state, step = H.prepare_forward(state, jnp.array([0, 1]), jnp.array([0, 0]), chunk=8)
+    state, _, _ = D.model_step(state, step, x, params)
+    jaxkv.check(state)
+    snapshot = jax.tree.map(np.asarray, state)
+
+    cases = [
+        ((0, 1), (7, 8), Fault.POSITION_BACKWARDS, 0),
+        ((0, 1), (8, 9), Fault.POSITION_GAP, 1),
+        ((0, 5), (8, 0), Fault.SLOT_OUT_OF_RANGE, cfg.max_requests),
+        ((1, 1), (8, 8), Fault.SLOT_REPEATED, cfg.max_requests),
+    ]
+    for slots, positions, fault, owner in cases:
+        s2, step = H.prepare_forward(jax.tree.map(jnp.asarray, snapshot), jnp.array(slots), jnp.array(positions), chunk=8)
+        s2, _, _ = D.model_step(s2, step, x, params)
+        err = np.asarray(s2.error)
+        assert err[owner] & fault, (fault, err)
+        with pytest.raises(CacheError, match="request slot|bad slot"):
+            jaxkv.check(s2)
+        for r, (sl, ok) in enumerate(zip(slots, np.asarray(step.active))):
+            if not ok and 0 <= sl < cfg.max_requests and slots.count(sl) == 1:  # refused row: its request unchanged
+                assert int(s2.position[sl]) == snapshot.position[sl]
+                np.testing.assert_array_equal(np.asarray(s2.window[0][sl]), snapshot.window[0][sl])
+                np.testing.assert_array_equal(np.asarray(s2.tails[0][sl]), snapshot.tails[0][sl])
+            if ok:  # the other rows went ahead
+                assert int(s2.position[sl]) == snapshot.position[sl] + 8
+
+    # too many tokens for the context, and a count beyond the chunk
+    s2, step = H.prepare_forward(jax.tree.map(jnp.asarray, snapshot), jnp.array([0, 1]), jnp.array([8, 8]), jnp.array([9, 2]), chunk=8)
+    assert np.asarray(step.active).tolist() == [False, True] and np.asarray(s2.error)[0] & Fault.CONTEXT_EXHAUSTED
+
+
+def test_pool_exhausted(rng):
+    cfg = _tiny(pool_tokens=4 * 16 * 2, max_requests=3)  # CSA pool: 2 + 3 blocks of 16 entries (64 tokens each)
+    nb = cfg.num_blocks(4)
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
+    T = 64 * (nb - 1)
+    x = D.make_inputs(cfg, rng, 3, T)
+    state, step = H.prepare_forward(state, jnp.array([0, 1, 2]), jnp.zeros(3, jnp.int32), jnp.array([T, 64, 64]), chunk=T)
+    assert np.asarray(step.active).tolist() == [True, True, False]
+    assert np.asarray(state.error)[2] & Fault.POOL_EXHAUSTED and not np.asarray(state.error)[:2].any()
+    assert int(state.position[2]) == 0 and int(state.alloc[0].num_free) == 0
+    state, _, _ = D.model_step(state, step, x, params)
+    with pytest.raises(CacheError, match="pool exhausted"):
+        jaxkv.check(state)
+    # finishing request 0 returns its blocks; request 2 then gets in
+    state = H.finish(jaxkv.clear_errors(state), jnp.array([0]))
+    assert int(state.alloc[0].num_free) == nb - 1 and int(state.position[0]) == 0
+    state, step = H.prepare_forward(state, jnp.array([2]), jnp.array([0]), jnp.array([64]), chunk=T)
+    assert bool(step.active[0])
+    jaxkv.check(state)
+
+
+def test_bad_inputs_raise_at_trace_time(rng):
+    cfg = _tiny()
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
+    state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([0]), chunk=4)
+    x = D.make_inputs(cfg, rng, 1, 4)
+    with pytest.raises(ValueError, match="kv: expected dtype bfloat16"):
+        H.write_window(state, step, 0, x[0]["kv"].astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"kv: expected shape \[1, T, 512\]"):
+        H.write_window(state, step, 0, x[0]["kv"][..., :256])
+    with pytest.raises(ValueError, match="layer: expected a static int"):
+        H.write_window(state, step, 3, x[0]["kv"])
+    with pytest.raises(ValueError, match="layer: expected a CSA or HCA layer"):
+        H.compress(state, step, 0, x[1]["ckv"], x[1]["cscore"], params[1]["main"])
+    with pytest.raises(ValueError, match="index: expected"):
+        H.compress(state, step, 1, x[1]["ckv"], x[1]["cscore"], params[1]["main"])
+    with pytest.raises(ValueError, match="params: expected bias"):
+        H.compress(state, step, 2, x[2]["ckv"], x[2]["cscore"], params[1]["main"])
+    with pytest.raises(ValueError, match="positions: expected shape"):
+        H.prepare_forward(state, jnp.array([0, 1]), jnp.array([0]))
+    with pytest.raises(ValueError, match="slots: expected an integer"):
+        H.prepare_forward(state, jnp.array([0.0]), jnp.array([0]))
+
+
+def test_eager_wrapper_raises(rng):
+    cfg = _tiny()
+    cache = H.HybridCache(cfg)
+    x = D.make_inputs(cfg, rng, 1, 4)
+    cache.prepare_forward(jnp.array([0]), jnp.array([0]), chunk=4)
+    cache.write_window(0, x[0]["kv"])
+    with pytest.raises(CacheError, match="position went backwards"):
+        cache.prepare_forward(jnp.array([0]), jnp.array([2]), chunk=4)
