@@ -88,17 +88,17 @@ def model_step(state, step, inputs, params):
 def entries_bytes(state, layer, slot, count):
     """u8[count, E] of a request's first ``count`` entries, read through its block table."""
     c = state.config
-    al = state.allocator(layer)
-    fmt = c.storage_format
-    table = np.asarray(al.table[slot])
-    pool = np.asarray(state.entries[state.compressed_index(layer)])
-    return _read(pool, table, count, c.block_size, fmt.entry.segments)
+    g, j = state.group(layer)
+    table = np.asarray(state.alloc[g].table[slot])
+    pool = np.asarray(state.entries[g][j])
+    return _read(pool, table, count, c.block_size, c.storage_format.entry.segments)
 
 
 def index_key_bytes(state, layer, slot, count):
     c = state.config
-    table = np.asarray(state.allocator(layer).table[slot])
-    pool = np.asarray(state.index_keys[state.index_index(layer)])
+    g, j = state.group(layer)
+    table = np.asarray(state.alloc[g].table[slot])
+    pool = np.asarray(state.index_keys[j])
     return _read(pool, table, count, c.block_size, c.storage_format.index_key(c.index_dim).segments)
 
 

@@ -7,7 +7,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -61,12 +60,12 @@ def test_official_pool_block_is_ds_mla(rng):
     bs = 16
     x = jnp.asarray(rng.normal(size=(bs, 512)) * rng.uniform(0.01, 10, size=(bs, 1)), jnp.bfloat16)
     codec = STORAGES["official"].entry
-    pool = jnp.zeros((3, bs * codec.bytes), jnp.uint8)
+    pool = jnp.zeros((2, 3, bs * codec.bytes), jnp.uint8)  # [layers, blocks, bytes]
     order = rng.permutation(bs)
-    pool = write_items(pool, jnp.full((bs,), 1), jnp.asarray(order), codec.encode(x[order]), codec.segments)
-    np.testing.assert_array_equal(np.asarray(pool[1]), np.asarray(pack_ds_mla(x[None]))[0])
-    assert not np.asarray(pool[0]).any() and not np.asarray(pool[2]).any()
-    back = codec.decode(read_items(pool, jnp.ones((bs,), jnp.int32), jnp.arange(bs), codec.segments))
+    pool = write_items(pool, 1, jnp.full((bs,), 1), jnp.asarray(order), codec.encode(x[order]), codec.segments)
+    np.testing.assert_array_equal(np.asarray(pool[1, 1]), np.asarray(pack_ds_mla(x[None]))[0])
+    assert not np.asarray(pool[0]).any() and not np.asarray(pool[1, 0]).any() and not np.asarray(pool[1, 2]).any()
+    back = codec.decode(read_items(pool, 1, jnp.ones((bs,), jnp.int32), jnp.arange(bs), codec.segments))
     np.testing.assert_allclose(np.asarray(back, np.float32), np.asarray(x, np.float32), rtol=0.07, atol=1e-2)
 
 
@@ -147,6 +146,11 @@ def test_compressor_matches_equations(rng, m, overlap):
     np.testing.assert_allclose(np.asarray(H.ref_pool_sequence(jnp.asarray(kv), jnp.asarray(score), jnp.asarray(bias), m, overlap)), want, rtol=1e-5, atol=1e-6)
 
     z = score + bias[np.arange(N) % m]
+    if overlap:  # fold_chunk takes per-stream rows: a = [c:], b = [:c]
+        kv = np.stack([kv[:, c:], kv[:, :c]], 1)
+        z = np.stack([z[:, c:], z[:, :c]], 1)
+    else:
+        kv, z = kv[:, None], z[:, None]
     tail0 = empty_tail((), 3 if overlap else 1, c)
     one = functools.partial(fold_chunk, ratio=m, overlap=overlap)
     _, pooled, complete = jax.jit(one)(tail0, jnp.asarray(kv), jnp.asarray(z), 0, N)
@@ -195,8 +199,12 @@ def test_stored_entries_match_numpy_pipeline(rng, storage):
         got = np.asarray(got[0, : N // m], np.float64)
         for i in range(N // m):
             want = numpy_entry(pooled[i], i, m, np.asarray(params[layer]["main"].norm), cfg)
-            tile_amax = np.abs(want[:448]).reshape(7, 64).max(1).repeat(64)
-            bound = 0.0625 * np.abs(want[:448]) + 2 ** -8 * np.abs(want[:448]) + tile_amax / 448 * 2 ** -8 + 1e-6
+            # FP8 E4M3: half a step of 2**-3 relative (normal range), half a subnormal step
+            # 2**-9 * scale below it; the scale is per 64-tile (official) or per entry (seed);
+            # plus one bf16 step of the normed value, which the backends may round apart.
+            group_amax = (np.abs(want[:448]).reshape(7, 64).max(1).repeat(64) if storage == "official"
+                          else np.abs(want[:448]).max())
+            bound = (2 ** -4 + 2 ** -7) * np.abs(want[:448]) + group_amax / 448 * 2 ** -9 + 1e-6
             assert np.all(np.abs(got[i, :448] - want[:448]) <= bound), (layer, i)
             np.testing.assert_allclose(got[i, 448:], want[448:], rtol=2e-2, atol=2e-2)
 
@@ -354,8 +362,9 @@ def test_faults_leave_requests_untouched(rng):
         for r, (sl, ok) in enumerate(zip(slots, np.asarray(step.active))):
             if not ok and 0 <= sl < cfg.max_requests and slots.count(sl) == 1:  # refused row: its request unchanged
                 assert int(s2.position[sl]) == snapshot.position[sl]
-                np.testing.assert_array_equal(np.asarray(s2.window[0][sl]), snapshot.window[0][sl])
-                np.testing.assert_array_equal(np.asarray(s2.tails[0][sl]), snapshot.tails[0][sl])
+                np.testing.assert_array_equal(np.asarray(s2.window[:, sl]), snapshot.window[:, sl])
+                for g in range(len(s2.tails)):
+                    np.testing.assert_array_equal(np.asarray(s2.tails[g][:, sl]), snapshot.tails[g][:, sl])
             if ok:  # the other rows went ahead
                 assert int(s2.position[sl]) == snapshot.position[sl] + 8
 

@@ -8,7 +8,8 @@ the last 64 dims at position ``i * ratio``, and quantization (done by the storag
 
 Layout of the inputs, as DeepSeek-V4's ``wkv`` / ``wgate`` produce them: CSA
 ``kv, score: [..., 2c]`` where ``[..., :c]`` is the b-stream (overlap) projection and
-``[..., c:]`` the a-stream; HCA ``[..., c]``.
+``[..., c:]`` the a-stream; HCA ``[..., c]``. The math is per channel, so a CSA layer's
+main compressor (c = 512) and its indexer's (128) share one 640-channel tail.
 
 The tail state is not the raw rows but their running softmax: per stream the float32
 triple ``(M, S, A)`` = (running max of Z, sum of exp(Z - M), sum of exp(Z - M) * C), so a
@@ -63,8 +64,9 @@ def pooled(st):
 def fold_chunk(tail, kv, z, start, n, ratio: int, overlap: bool):
     """Fold a request's chunk of tokens into its tail, window by window.
 
-    tail: f32[streams, 3, c] (streams 3 for CSA, 1 for HCA)
-    kv, z: f32[T, coff * c]  this step's tokens (``z`` with the positional bias added)
+    tail: f32[streams, 3, c] (3 streams for CSA, 1 for HCA)
+    kv, z: f32[T, rows, c]  this step's tokens, per stream they feed (CSA: rows = 2, the
+      a then the b stream; HCA: 1), ``z`` with the positional bias added
     start: i32[]  position of the chunk's first token; n: i32[] tokens that are real (<= T)
     Returns (windows f32[NW + 1, streams, 3, c], pooled f32[NW, c], complete bool[NW]):
     ``windows[w]`` is the tail state of relative window ``w`` (0 = the window ``start``
@@ -81,13 +83,11 @@ def fold_chunk(tail, kv, z, start, n, ratio: int, overlap: bool):
     def step(r, wins):
         t = jnp.arange(nw + 1) * ratio + r - fill  # token feeding row r of each window
         valid = (t >= 0) & (t < n)
-        kv_r, z_r = kv[jnp.clip(t, 0, T - 1)], z[jnp.clip(t, 0, T - 1)]  # f32[NW+1, coff*c]
-        if overlap:  # a <- [c:], b <- [:c]; the previous-b stream folds no rows
-            kv_s = jnp.stack([kv_r[:, c:], kv_r[:, :c]], axis=1)
-            z_s = jnp.stack([z_r[:, c:], z_r[:, :c]], axis=1)
-            new = wins.at[:, :PREV_B].set(fold(wins[:, :PREV_B], kv_s, z_s))
+        kv_r, z_r = kv[jnp.clip(t, 0, T - 1)], z[jnp.clip(t, 0, T - 1)]  # f32[NW+1, rows, c]
+        if overlap:  # the previous-b stream folds no rows
+            new = wins.at[:, :PREV_B].set(fold(wins[:, :PREV_B], kv_r, z_r))
         else:
-            new = fold(wins, kv_r[:, None], z_r[:, None])
+            new = fold(wins, kv_r, z_r)
         return jnp.where(valid[:, None, None, None], new, wins)
 
     if T == 1:  # decode: the one token lands in window 0, row ``fill``

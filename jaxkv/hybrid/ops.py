@@ -78,43 +78,31 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv):
     valid = (t < n) & (t >= n - c.window)
     blk = jnp.where(valid, step.write_slot[:, None], c.max_requests)
     item = (step.start[:, None] + t) % c.window
-    ring = write_items(state.window[layer], blk.reshape(-1), item.reshape(-1),
+    ring = write_items(state.window, layer, blk.reshape(-1), item.reshape(-1),
                        fmt.entry.encode(kv).reshape(B * T, -1), fmt.entry.segments)
-    return state.replace(window=state.window[:layer] + (ring,) + state.window[layer + 1:])
+    return state.replace(window=ring)
 
 
 # --- compressors ------------------------------------------------------------------------------
-def _compress_one(c, tails, pool, table, step, kv, score, params, ratio, overlap, rotate, codec, width):
-    """Fold one compressor's inputs, write the entries the step completes. Returns
-    (tails, pool, missing_block bool[B])."""
-    check_tokens("kv", kv, step, (2 if overlap else 1) * width)
-    check_tokens("score", score, step, (2 if overlap else 1) * width)
+def _check_inputs(step, kv, score, params, ratio, overlap, width, what):
     coff = 2 if overlap else 1
+    check_tokens(f"{what}kv", kv, step, coff * width)
+    check_tokens(f"{what}score", score, step, coff * width)
     if params.bias.shape != (ratio, coff * width) or params.norm.shape != (width,):
         raise ValueError(
-            f"params: expected bias f32[{ratio}, {coff * width}] and norm f32[{width}], "
+            f"{what}params: expected bias f32[{ratio}, {coff * width}] and norm f32[{width}], "
             f"got bias {tuple(params.bias.shape)} and norm {tuple(params.norm.shape)}"
         )
-    B, T, _ = kv.shape
-    pos = step.start[:, None] + jnp.arange(T)[None, :]
-    z = score.astype(jnp.float32) + params.bias.astype(jnp.float32)[pos % ratio]
-    tail = tails[step.slot]
-    fold = functools.partial(fold_chunk, ratio=ratio, overlap=overlap)
-    wins, pooled, complete = jax.vmap(fold)(tail, kv.astype(jnp.float32), z, step.start, step.num_tokens)
-    new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=overlap))(
-        tail, wins, step.start, step.num_tokens)
-    tails = tails.at[step.write_slot].set(new_tail, mode="drop")
 
-    nw = pooled.shape[1]
-    entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
-    x = finalize(pooled, entry, ratio, params.norm.astype(jnp.float32), freqs_of(c), c.norm_eps, c.rope_dim, rotate)
-    bs = c.block_size
-    blk = table[step.slot[:, None], jnp.clip(entry // bs, 0, table.shape[1] - 1)]
-    write = complete & step.active[:, None]
-    missing = jnp.any(write & (blk < 0), axis=1)
-    blk = jnp.where(write & (blk >= 0), blk, pool.shape[0])
-    pool = write_items(pool, blk.reshape(-1), (entry % bs).reshape(-1), codec.encode(x).reshape(B * nw, -1), codec.segments)
-    return tails, pool, missing
+
+def _rows(x, bias, pos, ratio, overlap, width):
+    """[B, T, coff*w] inputs (+ bias by row of window) -> per-stream rows f32[B, T, rows, w]."""
+    x = x.astype(jnp.float32)
+    if bias is not None:
+        x = x + bias.astype(jnp.float32)[pos % ratio]
+    if overlap:  # a stream <- [w:], b stream <- [:w]
+        return jnp.stack([x[..., width:], x[..., :width]], axis=2)
+    return x[:, :, None, :]
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
@@ -133,24 +121,49 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     """
     c = state.config
     kind = check_layer(state, layer, (CSA, HCA))
-    if (index is None) != (kind != CSA):
+    csa = kind == CSA
+    if (index is None) == csa:
         raise ValueError(f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
                          f"{kind.upper()} and index is {'None' if index is None else 'given'}")
     ratio = c.compress_ratios[layer]
-    al = state.allocator(layer)
-    ci = state.compressed_index(layer)
+    g, j = state.group(layer)
+    al = state.alloc[g]
     fmt = c.storage_format
-    tail, pool, missing = _compress_one(c, state.tails[ci], state.entries[ci], al.table, step, kv, score, params,
-                                        ratio, kind == CSA, False, fmt.entry, c.head_dim)
-    new = dict(tails=_put(state.tails, ci, tail), entries=_put(state.entries, ci, pool))
-    if kind == CSA:
-        ii = state.index_index(layer)
+    _check_inputs(step, kv, score, params, ratio, csa, c.head_dim, "")
+    B, T, _ = kv.shape
+    pos = step.start[:, None] + jnp.arange(T)[None, :]
+    kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
+    z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
+    if csa:  # the indexer's compressor: the same math on 128 more channels
         ikv, iscore, iparams = index
-        itail, ipool, imissing = _compress_one(c, state.index_tails[ii], state.index_keys[ii], al.table, step, ikv,
-                                               iscore, iparams, ratio, True, True, fmt.index_key(c.index_dim),
-                                               c.index_dim)
-        new.update(index_tails=_put(state.index_tails, ii, itail), index_keys=_put(state.index_keys, ii, ipool))
-        missing = missing | imissing
+        _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
+        kv_rows = jnp.concatenate([kv_rows, _rows(ikv, None, pos, ratio, True, c.index_dim)], axis=-1)
+        z_rows = jnp.concatenate([z_rows, _rows(iscore, iparams.bias, pos, ratio, True, c.index_dim)], axis=-1)
+
+    tails = state.tails[g]
+    tail = tails[j, step.slot]  # f32[B, streams, 3, width]
+    wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
+        tail, kv_rows, z_rows, step.start, step.num_tokens)
+    new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
+    tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
+
+    nw = pooled.shape[1]
+    entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
+    bs = c.block_size
+    blk = al.table[step.slot[:, None], jnp.clip(entry // bs, 0, al.table.shape[1] - 1)]
+    write = complete & step.active[:, None]
+    missing = jnp.any(write & (blk < 0), axis=1)
+    blk = jnp.where(write & (blk >= 0), blk, al.free.shape[0]).reshape(-1)
+    slot = (entry % bs).reshape(-1)
+    freqs = freqs_of(c)
+    x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
+    entries = write_items(state.entries[g], j, blk, slot, fmt.entry.encode(x).reshape(B * nw, -1), fmt.entry.segments)
+    new = dict(tails=_put(state.tails, g, tails), entries=_put(state.entries, g, entries))
+    if csa:
+        codec = fmt.index_key(c.index_dim)
+        xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,
+                      c.rope_dim, True)
+        new["index_keys"] = write_items(state.index_keys, j, blk, slot, codec.encode(xi).reshape(B * nw, -1), codec.segments)
     err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
         state.error[step.slot] | jnp.uint32(int(Fault.POOL_EXHAUSTED)), mode="drop")
     return state.replace(error=err, **new)
@@ -180,7 +193,7 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv):
     ring_pos = p - 1 - jnp.mod(p - 1 - j, c.window)  # latest position < start stored at item j
     ring_pos = jnp.where(ring_pos >= 0, ring_pos, -1)
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))
-    ring = fmt.entry.decode(read_items(state.window[layer], rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry.segments))
+    ring = fmt.entry.decode(read_items(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry.segments))
     own = fmt.entry.decode(fmt.entry.encode(kv))
     t = jnp.arange(T)[None, :]
     own_pos = jnp.where(t < step.num_tokens[:, None], p + t, -1)
@@ -192,12 +205,12 @@ def entry_count(step: Step, ratio: int):
     return (step.start + step.num_tokens) // ratio
 
 
-def _gather(pool, table, slot, idx, codec, bs):
+def _gather(pool, j, table, slot, idx, codec, bs):
     valid = idx >= 0
     e = jnp.maximum(idx, 0)
     sl = slot.reshape(slot.shape + (1,) * (idx.ndim - 1))
     blk = table[sl, jnp.clip(e // bs, 0, table.shape[1] - 1)]
-    items = codec.decode(read_items(pool, blk, e % bs, codec.segments))
+    items = codec.decode(read_items(pool, j, blk, e % bs, codec.segments))
     return jnp.where((valid & (blk >= 0))[..., None], items, 0).astype(jnp.bfloat16)
 
 
@@ -207,8 +220,8 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx):
     (zeros where idx is -1). K = V: the one entry serves as key and value."""
     check_layer(state, layer, (CSA, HCA))
     c = state.config
-    return _gather(state.entries[state.compressed_index(layer)], state.allocator(layer).table, step.slot, idx,
-                   c.storage_format.entry, c.block_size)
+    g, j = state.group(layer)
+    return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size)
 
 
 def all_entries(state: HybridCacheState, step: Step, layer: int):
@@ -229,8 +242,9 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
     cnt = entry_count(step, ratio)
     e = jnp.arange(c.max_entries(ratio))[None, :]
     idx = jnp.where(e < cnt[:, None], e, -1)
-    keys = _gather(state.index_keys[state.index_index(layer)], state.allocator(layer).table, step.slot, idx,
-                   c.storage_format.index_key(c.index_dim), c.block_size)
+    g, j = state.group(layer)
+    keys = _gather(state.index_keys, j, state.alloc[g].table, step.slot, idx, c.storage_format.index_key(c.index_dim),
+                   c.block_size)
     return keys, cnt
 
 

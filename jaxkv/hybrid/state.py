@@ -1,20 +1,22 @@
 """HybridCacheState: every buffer of a DeepSeek-V4 style cache, as one pytree.
 
-Per request slot (``R = config.max_requests``):
+Arrays are stacked over the layers that share a shape, so a step's executable has a
+handful of buffers, not a few per layer. Per request slot (``R = config.max_requests``):
 
 * ``position: i32[R]`` tokens the request has seen (its next token's position);
-* ``window[l]: u8[R, window * E]`` layer l's SWA ring: token at position p sits in item
-  ``p % window`` of the request's block (``E`` = the storage's entry bytes; the ring of
-  a request is one ds_mla block in the official family);
-* ``tails[c]: f32[R, streams, 3, head_dim]`` compressed layer c's running-softmax tail
-  (see ``compressor``; 3 streams for CSA, 1 for HCA) and ``index_tails[i]`` the same for
-  CSA layer i's indexer compressor (width ``index_dim``).
+* ``window: u8[L, R, window * E]`` every layer's SWA ring: the token at position p sits in
+  item ``p % window`` of the request's block (``E`` = the storage's entry bytes; in the
+  official family a request's ring is one ds_mla block);
+* ``tails[g]: f32[Lg, R, streams, 3, width]`` the running-softmax tails of the ``Lg``
+  layers of ratio ``config.ratios[g]`` (see ``compressor``): CSA 3 streams over
+  ``head_dim + index_dim`` channels (the main and the indexer compressor side by side),
+  HCA 1 stream over ``head_dim``.
 
-Per compressed layer, a paged pool: ``entries[c]: u8[num_blocks(ratio), block_size * E]``,
-and for CSA layers ``index_keys[i]: u8[num_blocks(4), block_size * K]``. Every layer of
-the same ratio holds the same number of entries per request, so the layers of one ratio
-share one ``BlockAllocator``: physical block ``b`` of a request's table is block ``b`` of
-each of those layers' pools (bookkeeping once per ratio, not once per layer).
+Per ratio ``g``, paged pools ``entries[g]: u8[Lg, num_blocks, block_size * E]`` and, for the
+CSA ratio, ``index_keys: u8[Lg, num_blocks, block_size * K]``. Every layer of a ratio
+holds the same number of entries per request, so they share one ``BlockAllocator``:
+physical block ``b`` of a request's table is block ``b`` of each of those layers' pools
+(bookkeeping once per ratio, not once per layer).
 
 ``error: u32[R + 1]`` sticky fault bits per slot; the last entry collects faults of a
 batch row whose slot is out of range or repeated.
@@ -27,7 +29,7 @@ import numpy as np
 
 from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.hybrid.compressor import empty_tail
-from jaxkv.hybrid.config import CSA, HybridConfig
+from jaxkv.hybrid.config import HybridConfig
 
 
 @cache_dataclass
@@ -59,26 +61,28 @@ class BlockAllocator:
 class HybridCacheState:
     position: jnp.ndarray
     error: jnp.ndarray
-    window: tuple
+    window: jnp.ndarray
     tails: tuple
-    index_tails: tuple
     entries: tuple
-    index_keys: tuple
+    index_keys: jnp.ndarray
     alloc: tuple
     config: HybridConfig = static_field()
 
     def fault_owner(self, i: int) -> str:
         return "batch row with a bad slot" if i == self.config.max_requests else f"request slot {i}"
 
-    # layer index -> position in the per-kind tuples
-    def compressed_index(self, layer: int) -> int:
-        return self.config.compressed_layers.index(layer)
-
-    def index_index(self, layer: int) -> int:
-        return self.config.index_layers.index(layer)
+    def group(self, layer: int) -> tuple[int, int]:
+        """(ratio group g, index of the layer among that ratio's layers)."""
+        c = self.config
+        r = c.compress_ratios[layer]
+        return c.ratios.index(r), [l for l in range(c.num_layers) if c.compress_ratios[l] == r].index(layer)
 
     def allocator(self, layer: int) -> BlockAllocator:
-        return self.alloc[self.config.ratios.index(self.config.compress_ratios[layer])]
+        return self.alloc[self.group(layer)[0]]
+
+
+def _layers_of(c: HybridConfig, ratio: int) -> int:
+    return c.compress_ratios.count(ratio)
 
 
 def init(config: HybridConfig) -> HybridCacheState:
@@ -87,21 +91,21 @@ def init(config: HybridConfig) -> HybridCacheState:
     fmt = c.storage_format
     R = c.max_requests
     key_bytes = fmt.index_key_bytes(c.index_dim)
+
+    def tail(r):
+        csa = r == c.indexer_ratio
+        return jnp.broadcast_to(empty_tail((R,), 3 if csa else 1, c.head_dim + (c.index_dim if csa else 0)),
+                                (_layers_of(c, r), R, 3 if csa else 1, 3, c.head_dim + (c.index_dim if csa else 0)))
+
+    n_csa = _layers_of(c, c.indexer_ratio)
     return HybridCacheState(
         position=jnp.zeros((R,), jnp.int32),
         error=jnp.zeros((R + 1,), jnp.uint32),
-        window=tuple(jnp.zeros((R, c.window * fmt.entry_bytes), jnp.uint8) for _ in range(c.num_layers)),
-        tails=tuple(
-            empty_tail((R,), 3 if c.kind(l) == CSA else 1, c.head_dim) for l in c.compressed_layers
-        ),
-        index_tails=tuple(empty_tail((R,), 3, c.index_dim) for _ in c.index_layers),
-        entries=tuple(
-            jnp.zeros((c.num_blocks(c.compress_ratios[l]), c.block_size * fmt.entry_bytes), jnp.uint8)
-            for l in c.compressed_layers
-        ),
-        index_keys=tuple(
-            jnp.zeros((c.num_blocks(c.indexer_ratio), c.block_size * key_bytes), jnp.uint8) for _ in c.index_layers
-        ),
+        window=jnp.zeros((c.num_layers, R, c.window * fmt.entry_bytes), jnp.uint8),
+        tails=tuple(jnp.array(tail(r)) for r in c.ratios),
+        entries=tuple(jnp.zeros((_layers_of(c, r), c.num_blocks(r), c.block_size * fmt.entry_bytes), jnp.uint8)
+                      for r in c.ratios),
+        index_keys=jnp.zeros((n_csa, c.num_blocks(c.indexer_ratio) if n_csa else 0, c.block_size * key_bytes), jnp.uint8),
         alloc=tuple(BlockAllocator.create(c.num_blocks(r), R, c.max_blocks_per_request(r)) for r in c.ratios),
         config=c,
     )

@@ -179,13 +179,12 @@ def finish(state: HybridCacheState, slots):
         state.error[R] | flag(jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE) | flag(jnp.any(in_range & ~ok), Fault.SLOT_REPEATED)
     )
 
-    def reset(t):
-        return t.at[ws].set(empty_tail((), t.shape[1], t.shape[-1]), mode="drop")
+    def reset(t):  # f32[Lg, R, streams, 3, w]
+        return t.at[:, ws].set(empty_tail((), t.shape[2], t.shape[-1]), mode="drop")
 
     return state.replace(
         position=state.position.at[ws].set(0, mode="drop"),
         tails=tuple(reset(t) for t in state.tails),
-        index_tails=tuple(reset(t) for t in state.index_tails),
         alloc=tuple(new_alloc),
         error=err,
     )

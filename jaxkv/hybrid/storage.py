@@ -1,7 +1,8 @@
 """Storage families: how a 512-dim entry and a 128-dim indexer key become bytes in a block.
 
 Every pool — a compressed layer's entries, its indexer keys, and each request's SWA ring —
-is one ``uint8[num_blocks, block_size * bytes_per_item]`` array. An item is split into
+is one ``uint8[num_blocks, block_size * bytes_per_item]`` array per layer (stacked over
+the layers that share it). An item is split into
 *segments*; a block stores segment 0 of all its items, then segment 1 of all its items,
 and so on. For the official family this is exactly the ``ds_mla`` block of FlashMLA /
 vLLM / FlashInfer (``bs x 576`` data bytes, then ``bs x 8`` scale bytes), so a pool can be
@@ -140,35 +141,39 @@ STORAGES = {
 
 
 # --- block addressing ----------------------------------------------------------------------
-def write_items(pool, block, slot, items, segments):
-    """Scatter items into a segment-major block pool; rows with ``block`` out of range are dropped.
+def write_items(pool, layer: int, block, slot, items, segments):
+    """Scatter items into layer ``layer`` of a stacked segment-major block pool, in place;
+    rows whose ``block`` is out of range are dropped.
 
-    pool: u8[num_blocks, block_size * E], block: i32[N], slot: i32[N], items: u8[N, E].
+    pool: u8[layers, num_blocks, block_size * E], block: i32[N], slot: i32[N], items: u8[N, E].
     """
-    nb, width = pool.shape
+    width = pool.shape[-1]
     bs = width // sum(segments)
-    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0,), scatter_dims_to_operand_dims=(0, 1))
+    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1),
+                                        scatter_dims_to_operand_dims=(0, 1, 2))
+    lyr = jnp.full(block.shape, layer, jnp.int32)
     off = 0
     for z in segments:
-        idx = jnp.stack([block, bs * off + slot * z], axis=-1)  # i32[N, 2]
+        idx = jnp.stack([lyr, block, bs * off + slot * z], axis=-1)  # i32[N, 3]
         pool = lax.scatter(pool, idx, items[:, off : off + z], dnums, mode=lax.GatherScatterMode.FILL_OR_DROP,
                            indices_are_sorted=False, unique_indices=False)
         off += z
     return pool
 
 
-def read_items(pool, block, slot, segments):
-    """Gather items from a segment-major block pool.
+def read_items(pool, layer: int, block, slot, segments):
+    """Gather items from layer ``layer`` of a stacked segment-major block pool.
 
-    pool: u8[num_blocks, block_size * E], block, slot: i32[...] (clamped into range) -> u8[..., E].
+    pool: u8[layers, num_blocks, block_size * E], block, slot: i32[...] (clamped into range)
+    -> u8[..., E].
     """
-    nb, width = pool.shape
+    _, nb, width = pool.shape
     bs = width // sum(segments)
     block = jnp.clip(block, 0, nb - 1)
     slot = jnp.clip(slot, 0, bs - 1)
     parts, off = [], 0
     for z in segments:
-        region = pool[:, bs * off : bs * (off + z)].reshape(nb, bs, z)
+        region = pool[layer, :, bs * off : bs * (off + z)].reshape(nb, bs, z)
         parts.append(region[block, slot])
         off += z
     return jnp.concatenate(parts, axis=-1)

@@ -1,0 +1,206 @@
+"""One decode step of hybrid-cache bookkeeping: 256 requests x the V4-Flash schedule.
+
+The step is ``prepare_forward`` (checks + block allocation for every ratio) then, for
+each of the 43 layers, the SWA ring write, and for the 41 compressed layers the tail
+append + masked flush (entry and, for CSA, indexer key). One jitted function, state
+donated, requests at scattered positions so that some flush every step. Contenders:
+
+* jaxkv step: the whole bookkeeping, jitted, no host sync (run under
+  ``jax.transfer_guard("disallow")``);
+* jaxkv prepare_forward alone;
+* seed-style allocation: the dsv4 seed's ``prepare_forward`` logic — a Python loop over
+  requests and layers reading each count from the device (``int(x)``) — on the same state.
+
+Kernel time is the sum of GPU kernel durations in a profiler trace of the same steps;
+"not kernel" is the wall time it leaves (launch gaps, host work).
+
+    python benchmarks/hybrid_step.py [--requests 256] [--context 8192] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import gzip
+import json
+import os
+import statistics
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _timing import times_ms
+from jaxkv import hybrid as H
+
+
+def make_params(cfg, key):
+    out = {}
+    for layer in cfg.compressed_layers:
+        r = cfg.compress_ratios[layer]
+        coff = 2 if cfg.kind(layer) == H.CSA else 1
+        k1, k2, key = jax.random.split(key, 3)
+        p = {"main": H.CompressorParams(jax.random.normal(k1, (r, coff * cfg.head_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.head_dim,)))}
+        if coff == 2:
+            p["index"] = H.CompressorParams(jax.random.normal(k1, (r, 2 * cfg.index_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.index_dim,)))
+        out[layer] = p
+    return out
+
+
+def make_inputs(cfg, B, key):
+    """Per-layer decode inputs (one token per request), random."""
+    out = {}
+    for layer in range(cfg.num_layers):
+        ks = jax.random.split(jax.random.fold_in(key, layer), 5)
+        x = {"kv": jax.random.normal(ks[0], (B, 1, cfg.head_dim), jnp.bfloat16)}
+        if cfg.compress_ratios[layer]:
+            coff = 2 if cfg.kind(layer) == H.CSA else 1
+            x["ckv"] = jax.random.normal(ks[1], (B, 1, coff * cfg.head_dim))
+            x["cscore"] = jax.random.normal(ks[2], (B, 1, coff * cfg.head_dim))
+            if coff == 2:
+                x["ikv"] = jax.random.normal(ks[3], (B, 1, 2 * cfg.index_dim))
+                x["iscore"] = jax.random.normal(ks[4], (B, 1, 2 * cfg.index_dim))
+        out[layer] = x
+    return out
+
+
+def bookkeeping(state, slots, inputs, params):
+    """prepare_forward + every layer's SWA write and compressor append/flush."""
+    cfg = state.config
+    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    for layer in range(cfg.num_layers):
+        x = inputs[layer]
+        state = H.write_window(state, step, layer, x["kv"])
+        if cfg.compress_ratios[layer]:
+            p = params[layer]
+            index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index)
+    return state
+
+
+def prepare_only(state, slots):
+    state, _ = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    return state
+
+
+def seed_style_prepare(state, slots, positions_before):
+    """The dsv4 seed's prepare_forward: per layer, per request, int() of device values."""
+    cfg = state.config
+    lens = {r: al.owned for r, al in zip(cfg.ratios, state.alloc)}
+    free = {r: int(al.num_free) for r, al in zip(cfg.ratios, state.alloc)}
+    after = positions_before + 1
+    for layer in cfg.compressed_layers:
+        m = cfg.compress_ratios[layer]
+        new_entries = after // m - positions_before // m
+        for b in range(slots.shape[0]):
+            n_new = int(new_entries[b])  # device -> host, as the seed does
+            if n_new == 0:
+                continue
+            existing = int(lens[m][int(slots[b])])
+            if existing * cfg.block_size < int(after[b]) // m:
+                free[m] -= 1
+    return free
+
+
+def kernel_ms_per_step(fn, steps: int, top: int = 0):
+    """Sum of GPU kernel durations per step from a profiler trace (None if unavailable);
+    with ``top``, also print the kernels that take the most time."""
+    d = tempfile.mkdtemp()
+    try:
+        with jax.profiler.trace(d):
+            for i in range(steps):
+                fn(i)
+        files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        if not files:
+            return None
+        with gzip.open(files[0]) as f:
+            tr = json.load(f)
+        gpu_pids = {e["pid"] for e in tr.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
+                    and "GPU" in str(e.get("args", {}).get("name", "")) and "host" not in str(e["args"]["name"]).lower()}
+        events = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+        dur = sum(e.get("dur", 0) for e in events)
+        if top:
+            by = {}
+            for e in events:
+                k = by.setdefault(e.get("name", "?")[:70], [0, 0])
+                k[0] += e.get("dur", 0)
+                k[1] += 1
+            print(f"top kernels over {steps} steps (us per step, launches per step):")
+            for name, (d, cnt) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
+                print(f"  {d / steps:8.1f} {cnt / steps:6.1f}  {name}")
+            print(f"  kernels per step: {len(events) / steps:.0f}")
+        return dur / 1e3 / steps if dur else None
+    except Exception as exc:  # the profiler is optional here: report, do not fail the benchmark
+        print(f"(kernel time unavailable: {exc})")
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--context", type=int, default=8192)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--storage", default="official", choices=sorted(H.STORAGES))
+    ap.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    B = args.requests
+    cfg = dataclasses.replace(H.V4_FLASH, max_requests=B, max_context=args.context, storage=args.storage)
+    key = jax.random.key(0)
+    params = make_params(cfg, key)
+    inputs = make_inputs(cfg, B, key)
+    slots = jnp.arange(B, dtype=jnp.int32)
+
+    # bring requests to scattered positions (one prefill step each, jitted once)
+    state = H.init(cfg)
+    start = np.random.default_rng(0).integers(args.context // 8, args.context // 2, size=B).astype(np.int32)
+    T = int(start.max())
+    state, step = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=T)
+    for layer in range(cfg.num_layers):  # SWA rings only: prefill content does not matter here
+        state = H.write_window(state, step, layer, jnp.ones((B, T, cfg.head_dim), jnp.bfloat16))
+    print(f"cache: {H.nbytes(state) / 2**30:.2f} GiB, {cfg.num_layers} layers, {B} requests, device {jax.devices()[0].device_kind}")
+
+    step_fn = jax.jit(bookkeeping, donate_argnums=0)
+    prep_fn = jax.jit(prepare_only, donate_argnums=0)
+    box = {"s": state}
+
+    def run_step(i):
+        box["s"] = step_fn(box["s"], slots, inputs, params)
+        box["s"].position.block_until_ready()
+
+    def run_prep(i):
+        box["s"] = prep_fn(box["s"], slots)
+        box["s"].position.block_until_ready()
+
+    rows = []
+    for _ in range(3):
+        run_step(0)
+    with jax.transfer_guard("disallow"):
+        step_ms = statistics.median(times_ms(run_step, args.iters, warmup=5))
+    kern = kernel_ms_per_step(run_step, 10, top=args.top)
+    rows.append(("jaxkv step (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
+    prep_ms = statistics.median(times_ms(run_prep, args.iters, warmup=5))
+    rows.append(("jaxkv prepare_forward alone", prep_ms, kernel_ms_per_step(run_prep, 10)))
+    pos = box["s"].position[slots]
+    seed_ms = statistics.median(times_ms(lambda i: seed_style_prepare(box["s"], slots, pos), 5, warmup=1))
+    rows.append(("seed-style prepare_forward (host loop, int() per request)", seed_ms, None))
+    import jaxkv
+
+    jaxkv.check(box["s"])
+
+    print(f"\n{'contender':58s} {'wall ms':>9s} {'kernel ms':>10s} {'not kernel':>11s}")
+    for name, ms, k in rows:
+        ks = f"{k:10.3f}" if k is not None else f"{'n/a':>10s}"
+        share = f"{100 * (1 - k / ms):10.0f}%" if k is not None else f"{'n/a':>11s}"
+        print(f"{name:58s} {ms:9.3f} {ks} {share}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "requests": B, "context": args.context,
+                       "rows": [dict(name=n, wall_ms=m, kernel_ms=k) for n, m, k in rows]}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
