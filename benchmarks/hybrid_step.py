@@ -144,6 +144,7 @@ def main():
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--storage", default="official", choices=sorted(H.STORAGES))
     ap.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time")
+    ap.add_argument("--hlo", action="store_true", help="print the step's whole-buffer copies and slices")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -175,6 +176,25 @@ def main():
         box["s"] = prep_fn(box["s"], slots)
         box["s"].position.block_until_ready()
 
+    if args.hlo:  # where the compiled step copies or slices whole buffers
+        import re
+
+        text = step_fn.lower(box["s"], slots, inputs, params).compile().as_text()
+        entry = text[text.rindex("ENTRY"):]
+        names = set()
+        if args.top:
+            names = {"%" + n for n in ("loop_slice_fusion.1", "loop_slice_fusion", "loop_convert_fusion", "loop_divide_fusion")}
+        for line in entry.splitlines():
+            if line.strip().split(" = ")[0].replace("ROOT ", "") in names:
+                print("HLO top:", line.strip()[:400])
+        size = {"u8": 1, "s8": 1, "pred": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
+        for line in entry.splitlines():
+            m = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]", line)
+            if not m or m.group(1) not in size:
+                continue
+            n = size[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
+            if n >= (1 << 24) and re.search(r" (copy|copy-start|dynamic-slice|slice)\(|%[\w.-]*(copy|slice)[\w.-]* = ", line):
+                print(f"HLO {n / 2**20:8.1f} MiB:", line.strip()[:260])
     rows = []
     for _ in range(3):
         run_step(0)

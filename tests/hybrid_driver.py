@@ -7,6 +7,7 @@ entries (indexer top-k or all), and attend with a sink.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -78,11 +79,14 @@ def layer_step(state, step, layer, x, p):
     return state, out, idx
 
 
-def model_step(state, step, inputs, params):
+def _model_step(state, step, inputs, params):
     outs, idxs = {}, {}
     for layer in range(state.config.num_layers):
         state, outs[layer], idxs[layer] = layer_step(state, step, layer, inputs[layer], params[layer])
     return state, outs, idxs
+
+
+model_step = jax.jit(_model_step, donate_argnums=0)  # one executable per shape: fast tests
 
 
 def entries_bytes(state, layer, slot, count):
