@@ -236,9 +236,25 @@ def _prefill(state, inputs, params, chunks):
     return state, {l: cat(*[o[l] for o in outs]) for l in outs[0]}, {l: cat(*[i[l] for i in idxs]) for l in idxs[0]}
 
 
+def same_bytes(a, b, decode, what, step=2 ** -3):
+    """Stored entries from two paths. The pooled values are folded in the same order in
+    both, but the last bit of a value can still move — XLA's vectorised and scalar sin/cos
+    differ (RoPE), and on a GPU a multiply-add may be contracted into an FMA in one fusion
+    and not the other — and then round to a neighbouring code. So: at least 95% of the
+    entries bit for bit, and all within one quantization step (FP8: 2**-3 relative; FP4:
+    half the group maximum)."""
+    rows_same = np.all(a == b, axis=-1)
+    assert rows_same.mean() >= 0.95, f"{what}: only {rows_same.mean():.1%} of entries bit-identical"
+    x = np.asarray(decode(jnp.asarray(a)), np.float32)
+    y = np.asarray(decode(jnp.asarray(b)), np.float32)
+    tol = step * np.maximum(np.abs(x), np.abs(y)) + 2 ** -9 * np.abs(x).max(-1, keepdims=True)
+    assert np.all(np.abs(x - y) <= tol), f"{what}: entries differ by more than one quantization step"
+
+
 def test_decode_equals_prefill(rng):
     """2,000 tokens one at a time (one jitted scan, no host round trip) vs the whole sequence
-    at once and in uneven chunks: same entry and indexer-key bytes, same top-k, same outputs."""
+    at once and in uneven chunks: the same entries and indexer keys (see ``same_bytes``),
+    the same top-k, the same attention outputs."""
     cfg = SMALL
     params = D.make_params(cfg, rng)
     inputs = D.make_inputs(cfg, rng, 1, N_TOKENS)
@@ -250,9 +266,10 @@ def test_decode_equals_prefill(rng):
         jaxkv.check(pre_state)
         for layer in (1, 2):
             cnt = N_TOKENS // cfg.compress_ratios[layer]
-            np.testing.assert_array_equal(D.entries_bytes(dec_state, layer, 0, cnt), D.entries_bytes(pre_state, layer, 0, cnt),
-                                          err_msg=f"{name}: layer {layer} entries")
-        np.testing.assert_array_equal(D.index_key_bytes(dec_state, 1, 0, N_TOKENS // 4), D.index_key_bytes(pre_state, 1, 0, N_TOKENS // 4))
+            same_bytes(D.entries_bytes(dec_state, layer, 0, cnt), D.entries_bytes(pre_state, layer, 0, cnt),
+                       cfg.storage_format.entry.decode, f"{name}: layer {layer} entries")
+        same_bytes(D.index_key_bytes(dec_state, 1, 0, N_TOKENS // 4), D.index_key_bytes(pre_state, 1, 0, N_TOKENS // 4),
+                   cfg.storage_format.index_key(cfg.index_dim).decode, f"{name}: index keys", step=0.5)
         # top-k: the same entries, except where two scores tie to within float noise
         got = np.asarray(dec_idx[1])[:, 0, 0]  # [t, k]
         want = np.asarray(pre_idx[1])[0]

@@ -145,10 +145,9 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
         tail, kv_rows, z_rows, step.start, step.num_tokens)
     new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
-    # materialize the new rows first: a scatter whose update is fused with a read of its own
-    # operand is not done in place (XLA GPU then copies the whole stacked tail every layer)
-    new_tail = jax.lax.optimization_barrier(new_tail)
-    tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
+    # scatter into the layer's slice, then put the slice back: XLA GPU copied the whole
+    # stacked tail [Lg, R, ...] per layer when the rows were scattered into it directly
+    tails = tails.at[j].set(tails[j].at[step.write_slot].set(new_tail, mode="drop"))
 
     nw = pooled.shape[1]
     entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
