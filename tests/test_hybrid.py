@@ -240,11 +240,12 @@ def same_bytes(a, b, decode, what, step=2 ** -3):
     """Stored entries from two paths. The pooled values are folded in the same order in
     both, but the last bit of a value can still move — XLA's vectorised and scalar sin/cos
     differ (RoPE), and on a GPU a multiply-add may be contracted into an FMA in one fusion
-    and not the other — and then round to a neighbouring code. So: at least 95% of the
-    entries bit for bit, and all within one quantization step (FP8: 2**-3 relative; FP4:
-    half the group maximum)."""
+    and not the other — and then round to a neighbouring code. So: all within one
+    quantization step (FP8: 2**-3 relative; FP4: half the group maximum), and on CPU at
+    least 95% of the entries bit for bit."""
     rows_same = np.all(a == b, axis=-1)
-    assert rows_same.mean() >= 0.95, f"{what}: only {rows_same.mean():.1%} of entries bit-identical"
+    if jax.default_backend() == "cpu":  # on a GPU an HCA entry folds 128 rows: most differ in some bit
+        assert rows_same.mean() >= 0.95, f"{what}: only {rows_same.mean():.1%} of entries bit-identical"
     x = np.asarray(decode(jnp.asarray(a)), np.float32)
     y = np.asarray(decode(jnp.asarray(b)), np.float32)
     tol = step * np.maximum(np.abs(x), np.abs(y)) + 2 ** -9 * np.abs(x).max(-1, keepdims=True)

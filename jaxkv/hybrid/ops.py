@@ -145,9 +145,9 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
         tail, kv_rows, z_rows, step.start, step.num_tokens)
     new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
-    # scatter into the layer's slice, then put the slice back: XLA GPU copied the whole
-    # stacked tail [Lg, R, ...] per layer when the rows were scattered into it directly
-    tails = tails.at[j].set(tails[j].at[step.write_slot].set(new_tail, mode="drop"))
+    # NOTE: on XLA GPU this scatter into the stacked CSA tail is preceded by a copy of the
+    # whole [Lg, R, 3, 3, 640] array (~0.08 ms per layer at R = 256; benchmarks/RESULTS.md).
+    tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
 
     nw = pooled.shape[1]
     entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
