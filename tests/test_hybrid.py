@@ -346,6 +346,14 @@ def test_batch_requests_at_different_positions(rng):
         for layer in (1, 2):
             cnt = lengths[r] // cfg.compress_ratios[layer]
             np.testing.assert_array_equal(D.entries_bytes(state, layer, slot, cnt), D.entries_bytes(alone, layer, 0, cnt))
+    # typed views: each row's table and count, pools read in place (the same bytes)
+    last = H.Step(slot=jnp.array(slots), write_slot=jnp.array(slots), start=jnp.array(lengths), num_tokens=jnp.zeros(3, jnp.int32),
+                  active=jnp.ones(3, bool))
+    v = H.layer_view(state, last, 1)
+    assert v.kind == H.CSA and v.ratio == 4 and v.index_keys is not None
+    np.testing.assert_array_equal(np.asarray(v.num_entries), [n // 4 for n in lengths])
+    np.testing.assert_array_equal(np.asarray(v.block_table), np.asarray(state.alloc[0].table)[list(slots)])
+    assert v.entries is state.entries[0] and H.layer_view(state, last, 0).entries is None
     # requests own disjoint blocks
     for al in state.alloc:
         t = np.asarray(al.table)

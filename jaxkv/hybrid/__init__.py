@@ -42,9 +42,10 @@ from jaxkv.hybrid.ops import (
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward
 from jaxkv.hybrid.storage import STORAGES
+from jaxkv.hybrid.views import LayerView, layer_view
 
 __all__ = [
-    "BlockAllocator", "CSA", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
+    "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
     "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
     "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
     "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",
