@@ -66,10 +66,10 @@ def window_mask(key_pos, step: Step, T: int, window: int):
     return (kp >= 0) & (kp <= p) & (kp > p - window)
 
 
-def causal_entry_mask(count_or_n, step: Step, T: int, ratio: int):
+def causal_entry_mask(num_entries: int, step: Step, T: int, ratio: int):
     """bool[B, T, N]: query at position p sees compressed entry s iff ``s < (p + 1) // ratio``."""
     p = query_positions(step, T)[..., None]
-    s = jnp.arange(count_or_n)[None, None, :]
+    s = jnp.arange(num_entries)[None, None, :]
     return s < (p + 1) // ratio
 
 

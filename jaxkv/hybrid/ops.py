@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import cache_dataclass
-from jaxkv.errors import Fault
+from jaxkv.errors import Fault, record
 from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
-from jaxkv.hybrid.config import CSA, HCA, SWA
+from jaxkv.hybrid.config import CSA, HCA
 from jaxkv.hybrid.rope import rope_freqs
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
@@ -167,7 +167,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
                       c.rope_dim, True)
         new["index_keys"] = write_items(state.index_keys, j, blk, slot, codec.encode(xi).reshape(B * nw, -1), codec.segments)
     err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
-        state.error[step.slot] | jnp.uint32(int(Fault.POOL_EXHAUSTED)), mode="drop")
+        record(state.error[step.slot], True, Fault.POOL_EXHAUSTED), mode="drop")
     return state.replace(error=err, **new)
 
 
@@ -250,5 +250,5 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
     return keys, cnt
 
 
-__all__ = ["CompressorParams", "SWA", "all_entries", "compress", "entry_count", "gather_entries", "index_keys",
+__all__ = ["CompressorParams", "all_entries", "compress", "entry_count", "gather_entries", "index_keys",
            "window_keys", "write_window"]

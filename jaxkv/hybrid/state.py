@@ -24,6 +24,7 @@ batch row whose slot is out of range or repeated.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,10 +93,10 @@ def init(config: HybridConfig) -> HybridCacheState:
     R = c.max_requests
     key_bytes = fmt.index_key_bytes(c.index_dim)
 
-    def tail(r):
+    def tail(r):  # f32[Lg, R, streams, 3, width]: CSA's three streams over main + indexer channels
         csa = r == c.indexer_ratio
-        return jnp.broadcast_to(empty_tail((R,), 3 if csa else 1, c.head_dim + (c.index_dim if csa else 0)),
-                                (_layers_of(c, r), R, 3 if csa else 1, 3, c.head_dim + (c.index_dim if csa else 0)))
+        streams, width = (3, c.head_dim + c.index_dim) if csa else (1, c.head_dim)
+        return jnp.broadcast_to(empty_tail((R,), streams, width), (_layers_of(c, r), R, streams, 3, width))
 
     n_csa = _layers_of(c, c.indexer_ratio)
     return HybridCacheState(
@@ -113,6 +114,4 @@ def init(config: HybridConfig) -> HybridCacheState:
 
 def nbytes(state: HybridCacheState) -> int:
     """Device bytes the cache holds."""
-    import jax
-
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)))

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import cache_dataclass
-from jaxkv.errors import Fault
+from jaxkv.errors import Fault, record
 from jaxkv.hybrid.compressor import empty_tail
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
 
@@ -82,9 +82,9 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
         raise ValueError(f"slots: expected shape [B], got {tuple(slots.shape)}")
     B = slots.shape[0]
     positions = _as_i32("positions", positions, (B,))
-    n = jnp.full((B,), chunk, jnp.int32) if num_tokens is None else _as_i32("num_tokens", num_tokens, (B,))
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk}")
+    n = jnp.full((B,), chunk, jnp.int32) if num_tokens is None else _as_i32("num_tokens", num_tokens, (B,))
 
     in_range = (slots >= 0) & (slots < R)
     slot = jnp.where(in_range, slots, 0)
@@ -126,16 +126,15 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
             )
         )
 
-    def bits(mask, fault):
-        return jnp.where(mask, jnp.uint32(int(fault)), jnp.uint32(0))
-
     err = state.error.at[R].set(
-        state.error[R] | bits(jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE) | bits(jnp.any(repeated), Fault.SLOT_REPEATED)
+        record(record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED)
     )
-    row_bits = (bits(backwards, Fault.POSITION_BACKWARDS) | bits(gap, Fault.POSITION_GAP)
-                | bits(bad_n, Fault.CONTEXT_EXHAUSTED) | bits(pool_short, Fault.POOL_EXHAUSTED))
+    row_err = err[slot]
+    for mask, fault in ((backwards, Fault.POSITION_BACKWARDS), (gap, Fault.POSITION_GAP),
+                        (bad_n, Fault.CONTEXT_EXHAUSTED), (pool_short, Fault.POOL_EXHAUSTED)):
+        row_err = record(row_err, mask, fault)
     own = jnp.where(in_range & ~repeated, slot, R + 1)  # unique slots only; others drop
-    err = err.at[own].set(err[slot] | row_bits, mode="drop")
+    err = err.at[own].set(row_err, mode="drop")
 
     step = Step(slot=slot, write_slot=write_slot, start=positions, num_tokens=jnp.where(active, n, 0), active=active)
     new_pos = state.position.at[write_slot].set(positions + n, mode="drop")
@@ -174,9 +173,9 @@ def finish(state: HybridCacheState, slots):
                 owned=al.owned.at[ws].set(0, mode="drop"),
             )
         )
-    flag = lambda cond, fault: jnp.where(cond, jnp.uint32(int(fault)), jnp.uint32(0))  # noqa: E731
     err = state.error.at[R].set(
-        state.error[R] | flag(jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE) | flag(jnp.any(in_range & ~ok), Fault.SLOT_REPEATED)
+        record(record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(in_range & ~ok),
+               Fault.SLOT_REPEATED)
     )
 
     def reset(t):  # f32[Lg, R, streams, 3, w]
