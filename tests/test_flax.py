@@ -1,0 +1,193 @@
+"""jaxkv.flax and jaxkv.models: the NNX streaming layer and model against dense references."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+
+import jaxkv  # noqa: E402
+from frame_model import SeedModel  # noqa: E402
+from jaxkv.flax import StreamingGlobalAttention, apply_rope, axial_rope, caches, check  # noqa: E402
+from jaxkv.models import SMALL, StreamingReconstructor, synthetic_video  # noqa: E402
+
+DIM, HEADS, P, NS = 32, 4, 6, 2
+T = P + NS
+
+
+def make_layer(seed=0, **kw):
+    kw = dict(patches_per_frame=P, num_special=NS, scale_frames=1, sliding_window=2, max_frames=64,
+              cache_dtype="float32", impl="reference") | kw
+    return StreamingGlobalAttention(DIM, HEADS, rngs=nnx.Rngs(seed), **kw)
+
+
+def frame_rope(t):
+    pos = np.stack([np.full(T, t), np.r_[np.zeros(NS), np.arange(1, P + 1)], np.r_[np.zeros(NS), np.arange(P)]], -1)
+    return axial_rope(jnp.asarray(pos, jnp.int32), DIM // HEADS)
+
+
+def seed_visibility(keeps, S, W, P, NS, F):
+    """bool[F, F*T] visible keys per frame from the pure-Python model, in video-frame token ids."""
+    T = P + NS
+    ref, owner = SeedModel(S, W, P, NS, max_frames=10 * F), {}
+    vis = np.zeros((F, F * T), bool)
+    for i, keep in enumerate(keeps):
+        owner[ref.count] = i
+        assert ref.append(defer=True)
+        for tid in ref.visible_ids():
+            vis[i, owner[tid // T] * T + tid % T] = True
+        ref.resolve(bool(keep))
+    return vis
+
+
+def test_axial_rope_matches_numpy_and_is_relative(rng):
+    pos = rng.integers(0, 50, size=(7, 3))
+    cos, sin = axial_rope(jnp.asarray(pos), 16, theta=100.0)
+    # 8 pairs over 3 axes: widths 3, 3, 2
+    freqs = np.concatenate([100.0 ** (-np.arange(w) / w) for w in (3, 3, 2)])
+    angle = pos[:, np.repeat(np.arange(3), (3, 3, 2))] * freqs
+    np.testing.assert_allclose(np.asarray(cos), np.cos(angle), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(sin), np.sin(angle), atol=1e-5)
+    # q(a) . k(b) depends on a - b only: shift every axis by the same offset
+    q = jnp.asarray(rng.normal(size=(1, 7, 2, 16)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(1, 7, 2, 16)), jnp.float32)
+    dots = lambda p: jnp.einsum("bthd,bshd->bhts", apply_rope(q, *axial_rope(p, 16)), apply_rope(k, *axial_rope(p, 16)))  # noqa: E731
+    shift = jnp.asarray(pos) + jnp.asarray([5, -3, 11])
+    np.testing.assert_allclose(np.asarray(dots(jnp.asarray(pos))), np.asarray(dots(shift)), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="head_dim"):
+        axial_rope(jnp.asarray(pos), 15)
+    with pytest.raises(ValueError, match="cos, sin"):
+        apply_rope(q, cos[:, :3], sin[:, :3])
+
+
+@pytest.mark.parametrize("keeps", [[1] * 9, [1, 1, 0, 1, 0, 0, 1, 1, 0]])
+def test_layer_streaming_equals_dense(rng, keeps):
+    """Under nnx.jit with the module donated, each frame's output equals masked dense attention."""
+    F = len(keeps)
+    layer = make_layer()
+    xs = jnp.asarray(rng.normal(size=(F, T, DIM)), jnp.float32)
+    ropes = [frame_rope(t) for t in range(F)]
+
+    @nnx.jit(donate_argnums=0)
+    def step(layer, x, cos, sin, keep):
+        y = layer(x, cos, sin, defer=True)
+        layer.resolve(keep)
+        return y
+
+    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
+            for t in range(F)]
+    check(layer)
+    vis = seed_visibility(keeps, 1, 2, P, NS, F)
+    cos = jnp.stack([r[0] for r in ropes])
+    sin = jnp.stack([r[1] for r in ropes])
+    want = layer.dense(xs, cos, sin, jnp.asarray(vis))
+    np.testing.assert_allclose(np.stack(outs), np.asarray(want), rtol=1e-4, atol=1e-5)
+    assert int(caches(layer)[0].num_frames[0]) == sum(keeps)
+
+
+def test_scan_over_stacked_layers_equals_unrolled(rng):
+    """nnx.vmap-made layers driven by nnx.scan match the same layers called in a Python loop."""
+    L, F = 3, 4
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), L)
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make_stack(key):
+        return StreamingGlobalAttention(
+            DIM, HEADS, patches_per_frame=P, num_special=NS, scale_frames=1, sliding_window=2,
+            max_frames=64, cache_dtype="float32", impl="xla", rngs=nnx.Rngs(key))
+
+    stack = make_stack(keys)
+    graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
+    unrolled = []
+    for l in range(L):
+        layer = make_layer(impl="xla")
+        nnx.update(layer, jax.tree.map(lambda a: a[l], params))
+        unrolled.append(layer)
+
+    @nnx.jit
+    def scan_step(stack, x, cos, sin):
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def body(layer, h):
+            return layer(h, cos, sin)
+        return body(stack, x)
+
+    @nnx.jit
+    def loop_step(layers, x, cos, sin):
+        for layer in layers:
+            x = layer(x, cos, sin)
+        return x
+
+    for t in range(F):
+        x = jnp.asarray(rng.normal(size=(1, T, DIM)), jnp.float32)
+        cos, sin = frame_rope(t)
+        a = scan_step(stack, x, cos[None], sin[None])
+        b = loop_step(nnx.List(unrolled), x, cos[None], sin[None])
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    stacked_state = caches(stack)[0]
+    assert stacked_state.num_frames.shape == (L, 1)
+    np.testing.assert_array_equal(np.asarray(stacked_state.num_frames), [[F]] * L)
+
+
+def test_layer_faults_and_bad_inputs(rng):
+    layer = make_layer()
+    cos, sin = frame_rope(0)
+    with pytest.raises(ValueError, match=r"x: expected \[streams=1, tokens_per_frame=8, dim=32\]"):
+        layer(jnp.zeros((1, T + 1, DIM)), cos[None], sin[None])
+    with pytest.raises(ValueError, match="impl"):
+        make_layer(impl="fast")
+    x = jnp.asarray(rng.normal(size=(1, T, DIM)), jnp.float32)
+    layer(x, cos[None], sin[None])
+    before = jax.device_get(caches(layer)[0])  # eager calls donate the old state: copy it out
+    layer.resolve(False)  # nothing pending: a recorded fault, nothing else changes
+    with pytest.raises(jaxkv.CacheError, match="rollback with nothing to roll back"):
+        check(layer)
+    after = caches(layer)[0]
+    assert int(after.num_frames[0]) == int(before.num_frames[0]) == 1
+    np.testing.assert_array_equal(np.asarray(after.token_id), np.asarray(before.token_id))
+    layer.reset()
+    check(layer)
+    assert int(caches(layer)[0].num_frames[0]) == 0
+
+
+def test_model_streaming_equals_dense_with_keyframes():
+    """The model's streaming output per frame equals a dense forward over the frames the cache showed it."""
+    F = 12
+    cfg = dataclasses.replace(SMALL, keyframe_threshold=0.01)
+    video = synthetic_video(F, cfg.height, cfg.width, seed=3)
+    model = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
+    step = nnx.jit(lambda m, x: m(x), donate_argnums=0)
+    frames = jax.device_put(jnp.asarray(video.frames))
+    outs = []
+    with jax.transfer_guard_device_to_host("disallow"):  # the step never reads a device value
+        for i in range(F):
+            outs.append(step(model, frames[i : i + 1]))
+    outs = jax.device_get(outs)
+    jaxkv.flax.check(model)
+    keep = np.array([o["keep"][0] for o in outs])
+    assert keep[: cfg.scale_frames].all() and 0 < (~keep).sum() < F - cfg.scale_frames  # some frames rolled back
+    np.testing.assert_array_equal(keep[cfg.scale_frames :], video.moving[cfg.scale_frames :])
+    vis = seed_visibility(keep, cfg.scale_frames, cfg.sliding_window, cfg.patches_per_frame, cfg.num_special, F)
+    ref_model = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
+    camera, depth = nnx.jit(lambda m, x, v: m.dense(x, v))(ref_model, frames, jnp.asarray(vis))
+    np.testing.assert_allclose(np.concatenate([o["camera"] for o in outs]), np.asarray(camera), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate([o["depth"] for o in outs]), np.asarray(depth), rtol=1e-4, atol=1e-4)
+    # the mask matters: attending to every past frame gives a different answer
+    full = np.repeat(np.tril(np.ones((F, F), bool)), cfg.tokens_per_frame, axis=1)
+    camera_full, _ = nnx.jit(lambda m, x, v: m.dense(x, v))(ref_model, frames, jnp.asarray(full))
+    assert np.abs(np.asarray(camera_full) - np.asarray(camera)).max() > 1e-2
+    # every global layer holds the same frames
+    counts = {int(s.num_frames[0]) for s in caches(model)}
+    assert counts == {int(keep.sum())}
+    model.reset()
+    assert {int(s.num_frames[0]) for s in caches(model)} == {0}
+
+
+def test_model_bad_inputs():
+    with pytest.raises(ValueError, match="height, width"):
+        dataclasses.replace(SMALL, height=43)
+    model = StreamingReconstructor(SMALL, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"images: expected f32\[streams=1, 42, 56, 3\]"):
+        model(jnp.ones((1, 56, 42, 3)))
