@@ -12,7 +12,7 @@ import numpy as np
 import jaxkv
 from jaxkv import frame
 
-RESOLUTIONS = {"224x224": 256, "518x378": 999, "504x378": 972}
+RESOLUTIONS = {"112x84": 48, "224x224": 256, "518x378": 999, "504x378": 972}  # 14x14 patches
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="cache dtype (default bfloat16)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    p.add_argument("--model", action="store_true",
+                   help="stream a synthetic video through the Flax reconstruction model (jaxkv.models) instead "
+                        "of random K/V: --layers frame+global block pairs of --heads x --head-dim, "
+                        "--special = camera + registers + scale tokens (needs flax)")
+    p.add_argument("--keyframe-threshold", type=float, default=None,
+                   help="with --model: defer every frame and roll back those whose mean pixel change since the "
+                        "last keyframe is below this (e.g. 0.01); default: keep every frame")
+    p.add_argument("--plot", default="jaxkv_model_demo.png",
+                   help="with --model: where to write the camera-trajectory and latency plot "
+                        "(default jaxkv_model_demo.png; '' for none)")
 
 
 def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
@@ -55,6 +65,12 @@ def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
 
 
 def run(args) -> dict:
+    if args.model:
+        if args.keyframe_every:
+            raise ValueError("--keyframe-every: not used with --model (use --keyframe-threshold)")
+        from jaxkv.models import demo as model_demo
+
+        return model_demo.run(args)
     from tqdm import tqdm
 
     spec = frame.FrameSpec(

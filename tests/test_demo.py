@@ -32,5 +32,32 @@ def test_demo_help_lists_every_flag():
     out = subprocess.run([sys.executable, "-m", "jaxkv", "demo", "--help"], capture_output=True, text=True,
                          check=True).stdout
     for flag in ("--frames", "--resolution", "--layers", "--heads", "--head-dim", "--scale-frames", "--window",
-                 "--special", "--keyframe-every", "--impl", "--dtype", "--seed"):
+                 "--special", "--keyframe-every", "--impl", "--dtype", "--seed", "--model", "--keyframe-threshold",
+                 "--plot"):
         assert flag in out
+
+
+def test_model_demo_streams_keyframes_and_plots(tmp_path):
+    import pytest
+
+    pytest.importorskip("flax")
+    p = argparse_parser()
+    plot = tmp_path / "model.png"
+    summary = demo.run(p.parse_args(["--model", "--frames", "14", "--layers", "1", "--heads", "2", "--head-dim", "8",
+                                     "--resolution", "112x84", "--scale-frames", "2", "--window", "3",
+                                     "--keyframe-threshold", "0.01", "--plot", str(plot)]))
+    assert plot.stat().st_size > 10_000  # a PNG with two panels
+    # the synthetic camera hovers on frames 6-8: those three are rolled back
+    assert summary["frames kept (keyframes)"] == summary["frames in cache"] == 11
+    # visible: 2 scale + 3 window frames of 48 patches, and 11 x 6 specials
+    assert summary["visible tokens"] == 5 * 48 + 11 * 6
+    with pytest.raises(ValueError, match="--keyframe-every"):
+        demo.run(p.parse_args(["--model", "--keyframe-every", "2"]))
+
+
+def argparse_parser():
+    import argparse
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    return p
