@@ -191,3 +191,32 @@ def test_model_bad_inputs():
     model = StreamingReconstructor(SMALL, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"images: expected f32\[streams=1, 42, 56, 3\]"):
         model(jnp.ones((1, 56, 42, 3)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["cudnn", "xla"])
+def test_layer_streaming_equals_dense_gpu_bf16(rng, impl):
+    """The GPU backends over a bf16 cache against the float32 dense reference."""
+    dim, heads, p, ns, F = 256, 4, 48, 6, 8
+    keeps = [1, 1, 0, 1, 1, 0, 1, 1]
+    layer = StreamingGlobalAttention(dim, heads, patches_per_frame=p, num_special=ns, scale_frames=1,
+                                     sliding_window=3, max_frames=64, cache_dtype="bfloat16", impl=impl,
+                                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    xs = jnp.asarray(rng.normal(size=(F, p + ns, dim)), jnp.bfloat16)
+    pos = lambda t: np.stack([np.full(p + ns, t), np.r_[np.zeros(ns), np.arange(p) // 8 + 1],  # noqa: E731
+                              np.r_[np.zeros(ns), np.arange(p) % 8 + 1]], -1)
+    ropes = [axial_rope(jnp.asarray(pos(t), jnp.int32), dim // heads) for t in range(F)]
+
+    @nnx.jit(donate_argnums=0)
+    def step(layer, x, cos, sin, keep):
+        y = layer(x, cos, sin, defer=True)
+        layer.resolve(keep)
+        return y
+
+    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
+            for t in range(F)]
+    check(layer)
+    vis = seed_visibility(keeps, 1, 3, p, ns, F)
+    want = layer.dense(xs, jnp.stack([r[0] for r in ropes]), jnp.stack([r[1] for r in ropes]), jnp.asarray(vis))
+    got = np.stack([np.asarray(o, np.float32) for o in outs])
+    np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)

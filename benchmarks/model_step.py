@@ -1,0 +1,131 @@
+"""The streaming model's global attention against the bare frame cache (issue: Flax model target).
+
+Side by side in one process, same GPU, steady state (scale frames and window full, 80
+frames streamed before timing), 518x378 (999 patches + 6 specials), 24 global layers of
+16 heads x 64, bf16, median of many frames:
+
+* cache/bare: ``benchmarks/frame_step.py``'s jaxkv step — ``frame.append`` for all 24
+  layers + ``frame.attention`` per layer, random K/V/Q.
+* model/global-layers: the model's 24 ``StreamingGlobalAttention`` layers alone on fixed
+  hidden states (QKV projection, q/k RMSNorm, RoPE, append to each layer's cache,
+  attention, output projection), one ``nnx.jit`` step with the layers donated.
+* model/step: one whole ``StreamingReconstructor`` frame step (24 frame blocks, 24 global
+  blocks, heads) on synthetic video frames.
+* model/step-no-global: the same step with the global blocks' attention skipped (their
+  MLPs kept); ``model/step`` minus this is the global-attention share inside the model.
+
+    python benchmarks/model_step.py --json model.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from _timing import times_ms  # noqa: E402
+from frame_step import bench_jaxkv  # noqa: E402
+from jaxkv.models import LINGBOT_518, StreamingReconstructor, synthetic_video  # noqa: E402
+
+
+def _model(layers, frames, dtype):
+    import dataclasses
+
+    cfg = dataclasses.replace(LINGBOT_518, depth=layers, max_frames=frames + 8, dtype=dtype)
+    return cfg, StreamingReconstructor(cfg, rngs=nnx.Rngs(0))
+
+
+def bench_global_layers(layers, warm, iters, dtype):
+    cfg, model = _model(layers, warm + iters, dtype)
+    attns = nnx.List([gb.attn for gb in model.global_blocks])
+    key = jax.random.key(0)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (1, cfg.tokens_per_frame, cfg.dim), jnp.dtype(dtype))
+          for i in range(3)]
+
+    @nnx.jit(donate_argnums=0)
+    def step(attns, x, t):
+        cos, sin = model.rope(t)
+        return jnp.stack([a(x, cos, sin) for a in attns])
+
+    def one(i):
+        step(attns, xs[i % 3], jnp.full((1,), i, jnp.int32)).block_until_ready()
+
+    for i in range(warm):
+        one(i)
+    return times_ms(lambda i: one(warm + i), iters)
+
+
+def bench_model(layers, warm, iters, dtype, skip_global):
+    cfg, model = _model(layers, warm + iters, dtype)
+    video = jax.device_put(jnp.asarray(synthetic_video(4, cfg.height, cfg.width).frames))
+
+    def no_global(m, images):  # the model's step with each global block's attention left out
+        t = m.frame_index.get_value()
+        x = m.tokens(images)
+        cos, sin = m.rope(t)
+        for fb, gb in zip(m.frame_blocks, m.global_blocks):
+            x = fb(x, cos, sin)
+            x = x + gb.mlp(gb.norm2(x))
+        m.frame_index.set_value(t + 1)
+        camera, depth = m.heads(x)
+        return {"camera": camera, "depth": depth}
+
+    step = nnx.jit(no_global if skip_global else (lambda m, x: m(x)), donate_argnums=0)
+
+    def one(i):
+        step(model, video[i % 4][None])["camera"].block_until_ready()
+
+    for i in range(warm):
+        one(i)
+    return times_ms(lambda i: one(warm + i), iters)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--warm", type=int, default=80, help="frames before timing (fills scale + window)")
+    p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
+    p.add_argument("--dtype", default="bfloat16", help="model compute dtype (the cache is bf16)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind}  jax {jax.__version__}", flush=True)
+    rows = {}
+
+    def record(name, ms):
+        rows[name] = dict(median_ms=statistics.median(ms), p10_ms=float(np.percentile(ms, 10)),
+                          p90_ms=float(np.percentile(ms, 90)), n=len(ms))
+        print(f"  {name:<22} {rows[name]['median_ms']:8.2f} ms/frame", flush=True)
+
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"  # the model's "auto" picks the same
+    ms, visible = bench_jaxkv(999, args.layers, impl, args.warm, args.iters)
+    record("cache/bare", ms)
+    record("model/global-layers", bench_global_layers(args.layers, args.warm, args.iters, args.dtype))
+    record("model/step", bench_model(args.layers, args.warm, args.iters, args.dtype, skip_global=False))
+    record("model/step-no-global", bench_model(args.layers, args.warm, args.iters, args.dtype, skip_global=True))
+    bare = rows["cache/bare"]["median_ms"]
+    share = rows["model/step"]["median_ms"] - rows["model/step-no-global"]["median_ms"]
+    print(f"\nmodel frame step at 518x378, {args.layers} global layers, 16 heads x 64, {args.dtype} — "
+          f"{dev.device_kind}, median of {args.iters} frames after {args.warm}; {visible} visible keys per layer")
+    print(f"{'contender':<34} {'ms/frame':>9} {'vs cache/bare':>14}")
+    for name, r in rows.items():
+        print(f"{name:<34} {r['median_ms']:9.2f} {r['median_ms'] / bare:14.2f}")
+    print(f"{'global share (step - no-global)':<34} {share:9.2f} {share / bare:14.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__, layers=args.layers, rows=rows,
+                           global_share_ms=share, visible_keys=visible), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
