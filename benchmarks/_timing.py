@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
+import tempfile
 import time
+
+import jax
 
 
 def times_ms(fn, iters: int, warmup: int = 0) -> list[float]:
@@ -18,3 +25,36 @@ def times_ms(fn, iters: int, warmup: int = 0) -> list[float]:
         fn(i)
         out.append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def kernel_ms_per_step(fn, steps: int, top: int = 0):
+    """Sum of GPU kernel durations per step from a profiler trace (None if unavailable);
+    with ``top``, also print the kernels that take the most time."""
+    d = tempfile.mkdtemp()
+    try:
+        with jax.profiler.trace(d):
+            for i in range(steps):
+                fn(i)
+        files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+        if not files:
+            return None
+        with gzip.open(files[0]) as f:
+            tr = json.load(f)
+        gpu_pids = {e["pid"] for e in tr.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
+                    and "GPU" in str(e.get("args", {}).get("name", "")) and "host" not in str(e["args"]["name"]).lower()}
+        events = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+        dur = sum(e.get("dur", 0) for e in events)
+        if top:
+            by = {}
+            for e in events:
+                k = by.setdefault(e.get("name", "?")[:70], [0, 0])
+                k[0] += e.get("dur", 0)
+                k[1] += 1
+            print(f"top kernels over {steps} steps (us per step, launches per step):")
+            for name, (d, cnt) in sorted(by.items(), key=lambda kv: -kv[1][0])[:top]:
+                print(f"  {d / steps:8.1f} {cnt / steps:6.1f}  {name}")
+            print(f"  kernels per step: {len(events) / steps:.0f}")
+        return dur / 1e3 / steps if dur else None
+    except Exception as exc:  # the profiler is optional here: report, do not fail the benchmark
+        print(f"(kernel time unavailable: {exc})")
+        return None

@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from _timing import times_ms  # noqa: E402
+from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 
 RES = {"224x224": 256, "518x378": 999}
@@ -38,7 +38,7 @@ H, D, NS, S, W = 16, 64, 6, 8, 64
 
 
 # ----------------------------------------------------------------------------- jaxkv
-def bench_jaxkv(P, L, impl, warm, iters, attend=True):
+def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0):
     spec = frame.FrameSpec(num_layers=L, num_heads=H, head_dim=D, patches_per_frame=P, num_special=NS,
                            scale_frames=S, sliding_window=W, max_frames=warm + iters + 8)
     key = jax.random.key(0)
@@ -68,6 +68,8 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True):
     for i in range(warm):
         one(i)
     ms = times_ms(one, iters)
+    if top:
+        kernel_ms_per_step(one, 5, top)
     visible = int(np.asarray(box["state"].num_valid)[0])
     del box
     return ms, visible

@@ -8,9 +8,11 @@ frames streamed before timing), 518x378 (999 patches + 6 specials), 24 global la
   layers + ``frame.attention`` per layer, random K/V/Q.
 * model/global-layers: the model's 24 ``StreamingGlobalAttention`` layers alone on fixed
   hidden states (QKV projection, q/k RMSNorm, RoPE, append to each layer's cache,
-  attention, output projection), one ``nnx.jit`` step with the layers donated.
+  attention, output projection), one jitted step (``jaxkv.flax.CachedStep``, caches donated).
 * model/step: one whole ``StreamingReconstructor`` frame step (24 frame blocks, 24 global
-  blocks, heads) on synthetic video frames.
+  blocks, heads) on synthetic video frames, through ``CachedStep``.
+* model/step-nnx.jit: the same step through ``nnx.jit`` (module donated): its per-call
+  graph traversal on the host.
 * model/step-no-global: the same step with the global blocks' attention skipped (their
   MLPs kept); ``model/step`` minus this is the global-attention share inside the model.
 
@@ -33,8 +35,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from _timing import times_ms  # noqa: E402
+from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from frame_step import bench_jaxkv  # noqa: E402
+from jaxkv.flax import CachedStep  # noqa: E402
 from jaxkv.models import LINGBOT_518, StreamingReconstructor, synthetic_video  # noqa: E402
 
 
@@ -45,27 +48,31 @@ def _model(layers, frames, dtype):
     return cfg, StreamingReconstructor(cfg, rngs=nnx.Rngs(0))
 
 
-def bench_global_layers(layers, warm, iters, dtype):
+def bench_global_layers(layers, warm, iters, dtype, top=0):
     cfg, model = _model(layers, warm + iters, dtype)
     attns = nnx.List([gb.attn for gb in model.global_blocks])
     key = jax.random.key(0)
     xs = [jax.random.normal(jax.random.fold_in(key, i), (1, cfg.tokens_per_frame, cfg.dim), jnp.dtype(dtype))
           for i in range(3)]
 
-    @nnx.jit(donate_argnums=0)
-    def step(attns, x, t):
+    def layers(attns, x, t):
         cos, sin = model.rope(t)
         return jnp.stack([a(x, cos, sin) for a in attns])
 
+    step = CachedStep(attns, layers)
+
     def one(i):
-        step(attns, xs[i % 3], jnp.full((1,), i, jnp.int32)).block_until_ready()
+        step(xs[i % 3], jnp.full((1,), i, jnp.int32)).block_until_ready()
 
     for i in range(warm):
         one(i)
-    return times_ms(lambda i: one(warm + i), iters)
+    ms = times_ms(lambda i: one(warm + i), iters)
+    if top:
+        kernel_ms_per_step(lambda i: one(warm + iters + i), 5, top)
+    return ms
 
 
-def bench_model(layers, warm, iters, dtype, skip_global):
+def bench_model(layers, warm, iters, dtype, skip_global=False, nnx_jit=False):
     cfg, model = _model(layers, warm + iters, dtype)
     video = jax.device_put(jnp.asarray(synthetic_video(4, cfg.height, cfg.width).frames))
 
@@ -80,10 +87,13 @@ def bench_model(layers, warm, iters, dtype, skip_global):
         camera, depth = m.heads(x)
         return {"camera": camera, "depth": depth}
 
-    step = nnx.jit(no_global if skip_global else (lambda m, x: m(x)), donate_argnums=0)
+    step = CachedStep(model, no_global if skip_global else None)
+    if nnx_jit:
+        jitted = nnx.jit(lambda m, x: m(x), donate_argnums=0)
+        step = lambda x: jitted(model, x)  # noqa: E731
 
     def one(i):
-        step(model, video[i % 4][None])["camera"].block_until_ready()
+        step(video[i % 4][None])["camera"].block_until_ready()
 
     for i in range(warm):
         one(i)
@@ -96,6 +106,9 @@ def main(argv=None):
     p.add_argument("--warm", type=int, default=80, help="frames before timing (fills scale + window)")
     p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
     p.add_argument("--dtype", default="bfloat16", help="model compute dtype (the cache is bf16)")
+    p.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time "
+                   "(cache/bare and model/global-layers)")
+    p.add_argument("--only-layers", action="store_true", help="time cache/bare and model/global-layers only")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -108,11 +121,14 @@ def main(argv=None):
         print(f"  {name:<22} {rows[name]['median_ms']:8.2f} ms/frame", flush=True)
 
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"  # the model's "auto" picks the same
-    ms, visible = bench_jaxkv(999, args.layers, impl, args.warm, args.iters)
+    ms, visible = bench_jaxkv(999, args.layers, impl, args.warm, args.iters, top=args.top)
     record("cache/bare", ms)
-    record("model/global-layers", bench_global_layers(args.layers, args.warm, args.iters, args.dtype))
-    record("model/step", bench_model(args.layers, args.warm, args.iters, args.dtype, skip_global=False))
+    record("model/global-layers", bench_global_layers(args.layers, args.warm, args.iters, args.dtype, args.top))
+    if args.only_layers:
+        return
+    record("model/step", bench_model(args.layers, args.warm, args.iters, args.dtype))
     record("model/step-no-global", bench_model(args.layers, args.warm, args.iters, args.dtype, skip_global=True))
+    record("model/step-nnx.jit", bench_model(args.layers, args.warm, args.iters, args.dtype, nnx_jit=True))
     bare = rows["cache/bare"]["median_ms"]
     share = rows["model/step"]["median_ms"] - rows["model/step-no-global"]["median_ms"]
     print(f"\nmodel frame step at 518x378, {args.layers} global layers, 16 heads x 64, {args.dtype} — "

@@ -220,3 +220,22 @@ def test_layer_streaming_equals_dense_gpu_bf16(rng, impl):
     want = layer.dense(xs, jnp.stack([r[0] for r in ropes]), jnp.stack([r[1] for r in ropes]), jnp.asarray(vis))
     got = np.stack([np.asarray(o, np.float32) for o in outs])
     np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+
+
+def test_cached_step_equals_nnx_jit_and_syncs(rng):
+    cfg = dataclasses.replace(SMALL, keyframe_threshold=0.01)
+    video = jnp.asarray(synthetic_video(9, cfg.height, cfg.width, seed=5).frames)
+    a = StreamingReconstructor(cfg, rngs=nnx.Rngs(2))
+    b = StreamingReconstructor(cfg, rngs=nnx.Rngs(2))
+    jitted = nnx.jit(lambda m, x: m(x), donate_argnums=0)
+    step = jaxkv.flax.CachedStep(b)
+    for i in range(9):
+        want, got = jitted(a, video[i : i + 1]), step(video[i : i + 1])
+        np.testing.assert_array_equal(np.asarray(got["keep"]), np.asarray(want["keep"]))
+        np.testing.assert_allclose(np.asarray(got["camera"]), np.asarray(want["camera"]), rtol=1e-5, atol=1e-5)
+    b = step.sync()
+    for sa, sb in zip(caches(a), caches(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(sa.token_id), np.asarray(sb.token_id))
+        np.testing.assert_allclose(np.asarray(sa.k[0]), np.asarray(sb.k[0]), rtol=1e-5, atol=1e-5)
+    assert int(caches(b)[0].num_frames[0]) == int(caches(a)[0].num_frames[0]) < 9  # hover frames rolled back
+    step(video[:1])  # the step goes on after a sync: it kept its own copy
