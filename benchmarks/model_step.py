@@ -7,8 +7,8 @@ frames streamed before timing), 518x378 (999 patches + 6 specials), 24 global la
 * cache/bare: ``benchmarks/frame_step.py``'s jaxkv step — ``frame.append`` for all 24
   layers + ``frame.attention`` per layer, random K/V/Q.
 * model/global-layers: the model's 24 ``StreamingGlobalAttention`` layers alone on fixed
-  hidden states (QKV projection, q/k RMSNorm, RoPE, append to each layer's cache,
-  attention, output projection), one jitted step (``jaxkv.flax.CachedStep``, caches donated).
+  hidden states (the shared cache's ``begin_frame``, then per layer QKV projection, q/k
+  RMSNorm, RoPE, K/V write, attention, output projection), one jitted step (``jaxkv.flax.CachedStep``, caches donated).
 * model/step: one whole ``StreamingReconstructor`` frame step (24 frame blocks, 24 global
   blocks, heads) on synthetic video frames, through ``CachedStep``.
 * model/step-nnx.jit: the same step through ``nnx.jit`` (module donated): its per-call
@@ -50,16 +50,16 @@ def _model(layers, frames, dtype):
 
 def bench_global_layers(layers, warm, iters, dtype, top=0):
     cfg, model = _model(layers, warm + iters, dtype)
-    attns = nnx.List([gb.attn for gb in model.global_blocks])
     key = jax.random.key(0)
     xs = [jax.random.normal(jax.random.fold_in(key, i), (1, cfg.tokens_per_frame, cfg.dim), jnp.dtype(dtype))
           for i in range(3)]
 
-    def layers(attns, x, t):
-        cos, sin = model.rope(t)
-        return jnp.stack([a(x, cos, sin) for a in attns])
+    def layers(m, x, t):
+        cos, sin = m.rope(t)
+        m.cache.begin_frame()
+        return jnp.stack([gb.attn(x, cos, sin) for gb in m.global_blocks])
 
-    step = CachedStep(attns, layers)
+    step = CachedStep(model, layers)
 
     def one(i):
         step(xs[i % 3], jnp.full((1,), i, jnp.int32)).block_until_ready()

@@ -239,3 +239,36 @@ def test_cached_step_equals_nnx_jit_and_syncs(rng):
         np.testing.assert_allclose(np.asarray(sa.k[0]), np.asarray(sb.k[0]), rtol=1e-5, atol=1e-5)
     assert int(caches(b)[0].num_frames[0]) == int(caches(a)[0].num_frames[0]) < 9  # hover frames rolled back
     step(video[:1])  # the step goes on after a sync: it kept its own copy
+
+
+def test_shared_cache_layers(rng):
+    """Layers sharing one FrameCache: bookkeeping once, each layer its own buffers; misuse is refused."""
+    from jaxkv import frame
+    from jaxkv.flax import FrameCache
+
+    spec = frame.FrameSpec(num_layers=2, num_heads=HEADS, head_dim=DIM // HEADS, patches_per_frame=P,
+                           num_special=NS, scale_frames=1, sliding_window=2, max_frames=64, dtype="float32")
+    shared = FrameCache(spec)
+    layers = [StreamingGlobalAttention(DIM, HEADS, cache=shared, layer=i, impl="reference", rngs=nnx.Rngs(i))
+              for i in range(2)]
+    owned = [make_layer(seed=i) for i in range(2)]
+    for i in range(2):
+        nnx.update(owned[i], nnx.state(layers[i], nnx.Param))
+    for t in range(5):
+        x = jnp.asarray(rng.normal(size=(1, T, DIM)), jnp.float32)
+        cos, sin = frame_rope(t)
+        shared.begin_frame()
+        for a, b in zip(layers, owned):
+            np.testing.assert_allclose(np.asarray(a(x, cos[None], sin[None])), np.asarray(b(x, cos[None], sin[None])),
+                                       rtol=1e-5, atol=1e-6)
+    assert len(caches(nnx.List(layers))) == 1  # one state, shared
+    with pytest.raises(ValueError, match="defer: a shared cache"):
+        layers[0](x, cos[None], sin[None], defer=True)
+    with pytest.raises(ValueError, match="resolve: this layer's cache is shared"):
+        layers[0].resolve(True)
+    with pytest.raises(ValueError, match=r"layer: expected 0 <= layer < 2"):
+        StreamingGlobalAttention(DIM, HEADS, cache=shared, layer=2, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="cache: expected 2 heads x 16 dims"):
+        StreamingGlobalAttention(DIM, 2, cache=shared, layer=0, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="patches_per_frame"):
+        StreamingGlobalAttention(DIM, HEADS, rngs=nnx.Rngs(0))

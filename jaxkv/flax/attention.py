@@ -27,37 +27,94 @@ class QKVProjection(nnx.Module):
         return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
 
 
+class FrameCache(nnx.Module):
+    """A frame cache as NNX state (``self.state``: an ``nnx.Cache`` holding a ``FrameCacheState``).
+
+    Share one between the global-attention layers of a model: the page bookkeeping runs
+    once per frame (``begin_frame``), each layer then writes and reads only its own K/V
+    buffers (``StreamingGlobalAttention(..., cache=shared, layer=i)``).
+    """
+
+    def __init__(self, spec: frame.FrameSpec):
+        self.state = nnx.Cache(frame.init(spec))
+
+    @property
+    def spec(self) -> frame.FrameSpec:
+        return self.state.get_value().spec
+
+    def _apply(self, fn, *args, **kw):
+        self.state.set_value(fn(self.state.get_value(), *args, **kw))
+
+    def begin_frame(self, defer=False):
+        """Start a frame on every layer: ``jaxkv.frame.begin_frame``."""
+        self._apply(frame.begin_frame, defer)
+
+    def write(self, layer: int, k, v):
+        """Store one layer's K/V of the current frame: ``jaxkv.frame.write_layer``."""
+        self._apply(frame.write_layer, layer, k, v)
+
+    def attend(self, q, layer: int, impl: str = "auto"):
+        """``jaxkv.frame.attention`` over ``layer``'s visible keys."""
+        return frame.attention(self.state.get_value(), q, layer, impl=impl)
+
+    def resolve(self, keep):
+        """Commit (``keep``) or roll back the deferred frame; keep: bool or bool[B]."""
+        self._apply(frame.resolve, keep)
+
+    def reset(self, streams=None):
+        """Empty the given streams (bool[B], default all) for a new video."""
+        self._apply(frame.reset, streams)
+
+
 class StreamingGlobalAttention(nnx.Module):
     """Non-causal attention of one frame's tokens over a bounded memory of past frames.
 
     Each call projects the frame to q, k, v, normalizes and rotates q and k (the cache
-    keeps rotated keys), appends k and v to this layer's frame cache (``self.cache``, an
-    ``nnx.Cache`` holding a ``jaxkv.frame.FrameCacheState`` with one layer), attends q to
-    everything the cache keeps visible — scale frames, the window, every frame's
-    specials and the frame itself — and projects out. Works under ``nnx.jit`` (donate the
-    module to update the cache in place) and stacked with ``nnx.vmap`` / ``nnx.scan``.
+    keeps rotated keys), stores k and v in the frame cache, attends q to everything the
+    cache keeps visible — scale frames, the window, every frame's specials and the frame
+    itself — and projects out. Works under ``nnx.jit`` and ``jaxkv.flax.CachedStep``.
 
-    Cache arguments are ``jaxkv.frame.FrameSpec``'s; ``impl`` picks the attention backend.
+    Two ways to hold the cache:
+
+    * ``cache=None`` (default): the layer owns a one-layer ``FrameCache`` built from the
+      cache arguments (``jaxkv.frame.FrameSpec``'s) and each call appends a whole frame
+      (``defer`` as in ``jaxkv.frame.append``; ``resolve`` / ``reset`` act on it).
+      Layers made with ``nnx.vmap`` and driven by ``nnx.scan`` each hold their own.
+    * ``cache=shared, layer=i``: layer ``i`` of a ``FrameCache`` shared by the model's
+      global layers (bookkeeping once per frame). The model calls
+      ``shared.begin_frame(defer)`` before the layers and ``shared.resolve(keep)`` after.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, patches_per_frame: int, num_special: int = 6,
-                 scale_frames: int = 8, sliding_window: int = 64, max_frames: int = 1024,
-                 num_streams: int = 1, cache_dtype: str = "bfloat16", impl: str = "auto",
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, dim: int, num_heads: int, *, cache: FrameCache | None = None, layer: int = 0,
+                 patches_per_frame: int | None = None, num_special: int = 6, scale_frames: int = 8,
+                 sliding_window: int = 64, max_frames: int = 1024, num_streams: int = 1,
+                 cache_dtype: str = "bfloat16", impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs):
         if impl not in frame.IMPLS:
             raise ValueError(f"impl: expected one of {frame.IMPLS}, got {impl!r}")
         self.proj = QKVProjection(dim, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.out = nnx.Linear(dim, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.impl = impl
-        spec = frame.FrameSpec(num_layers=1, num_heads=num_heads, head_dim=dim // num_heads,
-                               patches_per_frame=patches_per_frame, num_special=num_special,
-                               scale_frames=scale_frames, sliding_window=sliding_window,
-                               max_frames=max_frames, num_streams=num_streams, dtype=cache_dtype)
-        self.cache = nnx.Cache(frame.init(spec))
+        self.owns_cache = cache is None
+        if cache is None:
+            if patches_per_frame is None:
+                raise ValueError("patches_per_frame: expected an int when the layer owns its cache (cache=None)")
+            cache = FrameCache(frame.FrameSpec(
+                num_layers=1, num_heads=num_heads, head_dim=dim // num_heads, patches_per_frame=patches_per_frame,
+                num_special=num_special, scale_frames=scale_frames, sliding_window=sliding_window,
+                max_frames=max_frames, num_streams=num_streams, dtype=cache_dtype))
+            layer = 0
+        s = cache.spec
+        if (s.num_heads, s.head_dim) != (num_heads, dim // num_heads):
+            raise ValueError(f"cache: expected {num_heads} heads x {dim // num_heads} dims, got "
+                             f"{s.num_heads} x {s.head_dim}")
+        if not 0 <= layer < s.num_layers:
+            raise ValueError(f"layer: expected 0 <= layer < {s.num_layers} (the cache's layers), got {layer}")
+        self.cache, self.layer = cache, layer
 
     @property
     def spec(self) -> frame.FrameSpec:
-        return self.cache.get_value().spec
+        return self.cache.spec
 
     def _check_x(self, x, frames_axis: str):
         s = self.spec
@@ -70,25 +127,33 @@ class StreamingGlobalAttention(nnx.Module):
         """One frame per stream.
 
         x: f[B, tokens_per_frame, dim];  cos, sin: f32[B, tokens_per_frame, head_dim/2]
-        defer: bool or bool[B] — keep the frame pending until ``resolve`` (keyframes)
+        defer: bool or bool[B] — keep the frame pending until ``resolve`` (an owned cache
+          only: a shared cache's owner passes it to ``begin_frame``)
         returns f[B, tokens_per_frame, dim]
         """
         self._check_x(x, f"streams={self.spec.num_streams}")
-        state = self.cache.get_value()
-        cdt = state.spec.jnp_dtype
+        if not self.owns_cache and defer is not False:
+            raise ValueError("defer: a shared cache takes it in cache.begin_frame(defer), not per layer")
+        cdt = self.spec.jnp_dtype
         q, k, v = self.proj(x, cos, sin)
-        state = frame.append(state, k[None].astype(cdt), v[None].astype(cdt), defer=defer)
-        o = frame.attention(state, q.astype(cdt), 0, impl=self.impl)
-        self.cache.set_value(state)
+        if self.owns_cache:
+            self.cache.begin_frame(defer)
+        self.cache.write(self.layer, k.astype(cdt), v.astype(cdt))
+        o = self.cache.attend(q.astype(cdt), self.layer, self.impl)
         return self.out(o.reshape(x.shape).astype(x.dtype))
 
+    def _own_cache(self, what):
+        if not self.owns_cache:
+            raise ValueError(f"{what}: this layer's cache is shared; call it on the shared FrameCache")
+        return self.cache
+
     def resolve(self, keep):
-        """Commit (``keep``) or roll back the deferred frame; keep: bool or bool[B]."""
-        self.cache.set_value(frame.resolve(self.cache.get_value(), keep))
+        """Commit (``keep``) or roll back the deferred frame of an owned cache."""
+        self._own_cache("resolve").resolve(keep)
 
     def reset(self, streams=None):
-        """Empty the cache of the given streams (bool[B], default all) for a new video."""
-        self.cache.set_value(frame.reset(self.cache.get_value(), streams))
+        """Empty an owned cache's streams (bool[B], default all) for a new video."""
+        self._own_cache("reset").reset(streams)
 
     def dense(self, x, cos, sin, visible):
         """Reference without the cache: every frame of one stream at once, masked.

@@ -5,12 +5,13 @@ first (camera, registers, scale), then ``depth`` pairs of blocks — *frame* att
 within the frame, then *global* attention over the frame cache (one
 ``StreamingGlobalAttention`` per pair) — and two heads: a camera head on the camera
 token (9 numbers: translation, quaternion, field of view, as VGGT's pose encoding) and a
-depth head on the patches. Positions are 3D (frame, row, column) and rotate q and k
+depth head on the patches. The global layers share one ``FrameCache`` (one page
+structure, bookkeeping once per frame). Positions are 3D (frame, row, column) and rotate q and k
 before the keys enter the cache.
 
 Keyframes: with ``keyframe_threshold`` set, every frame is appended deferred; after the
 frame's forward pass a frame whose mean absolute pixel change since the last keyframe is
-below the threshold is rolled back from every layer's cache (scale frames always stay).
+below the threshold is rolled back from the cache (scale frames always stay).
 The decision is a traced boolean: the whole step is one jitted function.
 
 ``dense`` runs the same model over a whole clip at once, each frame's global attention
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxkv.flax import QKVProjection, StreamingGlobalAttention, axial_rope
+from jaxkv import frame
+from jaxkv.flax import FrameCache, QKVProjection, StreamingGlobalAttention, axial_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +136,13 @@ class StreamingReconstructor(nnx.Module):
         self.special_tokens = nnx.Param(init(rngs.params(), (c.num_special, c.dim)))  # camera, registers, scale
         self.frame_blocks = nnx.List([Block(FrameAttention(c.dim, c.num_heads, dtype=dt, rngs=rngs), c.dim,
                                             c.mlp_ratio, dtype=dt, rngs=rngs) for _ in range(c.depth)])
+        self.cache = FrameCache(frame.FrameSpec(
+            num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
+            num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
+            max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype))
         self.global_blocks = nnx.List([Block(StreamingGlobalAttention(
-            c.dim, c.num_heads, patches_per_frame=c.patches_per_frame, num_special=c.num_special,
-            scale_frames=c.scale_frames, sliding_window=c.sliding_window, max_frames=c.max_frames,
-            num_streams=c.num_streams, cache_dtype=c.cache_dtype, impl=c.impl, dtype=dt, rngs=rngs),
-            c.dim, c.mlp_ratio, dtype=dt, rngs=rngs) for _ in range(c.depth)])
+            c.dim, c.num_heads, cache=self.cache, layer=i, impl=c.impl, dtype=dt, rngs=rngs),
+            c.dim, c.mlp_ratio, dtype=dt, rngs=rngs) for i in range(c.depth)])
         self.norm = nnx.LayerNorm(c.dim, dtype=dt, rngs=rngs)
         self.camera_head = nnx.Linear(c.dim, 9, dtype=dt, rngs=rngs)
         self.depth_head = nnx.Linear(c.dim, p * p, dtype=dt, rngs=rngs)
@@ -199,24 +203,23 @@ class StreamingReconstructor(nnx.Module):
         x = self.tokens(images)
         cos, sin = self.rope(t)
         defer = c.keyframe_threshold is not None
+        self.cache.begin_frame(defer)  # page bookkeeping once for all global layers
         for fb, gb in zip(self.frame_blocks, self.global_blocks):
-            x = gb(fb(x, cos, sin), cos, sin, defer=defer)
+            x = gb(fb(x, cos, sin), cos, sin)
         camera, depth = self.heads(x)
         keep = jnp.ones((c.num_streams,), jnp.bool_)
         if defer:
             last = self.last_keyframe.get_value()
             motion = jnp.mean(jnp.abs(images.astype(jnp.float32) - last), axis=(1, 2, 3))
             keep = (t < c.scale_frames) | (motion >= c.keyframe_threshold)
-            for gb in self.global_blocks:
-                gb.attn.resolve(keep)
+            self.cache.resolve(keep)
             self.last_keyframe.set_value(jnp.where(keep[:, None, None, None], images.astype(jnp.float32), last))
         self.frame_index.set_value(t + 1)
         return {"camera": camera, "depth": depth, "keep": keep}
 
     def reset(self):
         """Forget every stream's frames (a new video)."""
-        for gb in self.global_blocks:
-            gb.attn.reset()
+        self.cache.reset()
         self.frame_index.set_value(jnp.zeros_like(self.frame_index.get_value()))
         self.last_keyframe.set_value(jnp.zeros_like(self.last_keyframe.get_value()))
 
