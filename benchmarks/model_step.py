@@ -14,7 +14,8 @@ frames streamed before timing), 518x378 (999 patches + 6 specials), 24 global la
 * model/step-nnx.jit: the same step through ``nnx.jit`` (module donated): its per-call
   graph traversal on the host.
 * model/step-no-global: the same step with the global blocks' attention skipped (their
-  MLPs kept); ``model/step`` minus this is the global-attention share inside the model.
+  MLPs kept), timed interleaved with model/step frame by frame; the median of the
+  per-frame differences is the global-attention share inside the model.
 
     python benchmarks/model_step.py --json model.json
 """
@@ -44,7 +45,7 @@ from jaxkv.models import LINGBOT_518, StreamingReconstructor, synthetic_video  #
 def _model(layers, frames, dtype):
     import dataclasses
 
-    cfg = dataclasses.replace(LINGBOT_518, depth=layers, max_frames=frames + 8, dtype=dtype)
+    cfg = dataclasses.replace(LINGBOT_518, depth=layers, max_frames=frames + 8, dtype=dtype, param_dtype=dtype)
     return cfg, StreamingReconstructor(cfg, rngs=nnx.Rngs(0))
 
 
@@ -60,6 +61,11 @@ def bench_global_layers(layers, warm, iters, dtype, top=0):
         return jnp.stack([gb.attn(x, cos, sin) for gb in m.global_blocks])
 
     step = CachedStep(model, layers)
+    hlo_dir = os.environ.get("JAXKV_HLO_DIR")  # write the compiled step's HLO there, to look for copies
+    if hlo_dir:
+        t0 = jnp.zeros((1,), jnp.int32)
+        with open(os.path.join(hlo_dir, "global_layers.hlo.txt"), "w") as fh:
+            fh.write(step._step.lower(step.caches, step.rest, xs[0], t0).compile().as_text())
 
     def one(i):
         step(xs[i % 3], jnp.full((1,), i, jnp.int32)).block_until_ready()
@@ -72,7 +78,8 @@ def bench_global_layers(layers, warm, iters, dtype, top=0):
     return ms
 
 
-def bench_model(layers, warm, iters, dtype, skip_global=False, nnx_jit=False):
+def model_step(layers, warm, iters, dtype, variant="step"):
+    """A warmed-up ``one(i)`` running one frame step of ``variant``: step, no-global, nnx.jit."""
     cfg, model = _model(layers, warm + iters, dtype)
     video = jax.device_put(jnp.asarray(synthetic_video(4, cfg.height, cfg.width).frames))
 
@@ -87,8 +94,8 @@ def bench_model(layers, warm, iters, dtype, skip_global=False, nnx_jit=False):
         camera, depth = m.heads(x)
         return {"camera": camera, "depth": depth}
 
-    step = CachedStep(model, no_global if skip_global else None)
-    if nnx_jit:
+    step = CachedStep(model, no_global if variant == "no-global" else None)
+    if variant == "nnx.jit":
         jitted = nnx.jit(lambda m, x: m(x), donate_argnums=0)
         step = lambda x: jitted(model, x)  # noqa: E731
 
@@ -97,7 +104,7 @@ def bench_model(layers, warm, iters, dtype, skip_global=False, nnx_jit=False):
 
     for i in range(warm):
         one(i)
-    return times_ms(lambda i: one(warm + i), iters)
+    return lambda i: one(warm + i)
 
 
 def main(argv=None):
@@ -105,7 +112,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--warm", type=int, default=80, help="frames before timing (fills scale + window)")
     p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
-    p.add_argument("--dtype", default="bfloat16", help="model compute dtype (the cache is bf16)")
+    p.add_argument("--dtype", default="bfloat16", help="model compute and parameter dtype (the cache is bf16)")
     p.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time "
                    "(cache/bare and model/global-layers)")
     p.add_argument("--only-layers", action="store_true", help="time cache/bare and model/global-layers only")
@@ -126,17 +133,25 @@ def main(argv=None):
     record("model/global-layers", bench_global_layers(args.layers, args.warm, args.iters, args.dtype, args.top))
     if args.only_layers:
         return
-    record("model/step", bench_model(args.layers, args.warm, args.iters, args.dtype))
-    record("model/step-no-global", bench_model(args.layers, args.warm, args.iters, args.dtype, skip_global=True))
-    record("model/step-nnx.jit", bench_model(args.layers, args.warm, args.iters, args.dtype, nnx_jit=True))
+    # the step with and without global attention, interleaved frame by frame so drift cancels
+    full = model_step(args.layers, args.warm, args.iters, args.dtype)
+    nog = model_step(args.layers, args.warm, args.iters, args.dtype, "no-global")
+    a, b = [], []
+    for i in range(args.iters):
+        a += times_ms(lambda _: full(i), 1)
+        b += times_ms(lambda _: nog(i), 1)
+    record("model/step", a)
+    record("model/step-no-global", b)
+    record("model/step-nnx.jit", times_ms(model_step(args.layers, args.warm, args.iters, args.dtype, "nnx.jit"),
+                                          args.iters))
     bare = rows["cache/bare"]["median_ms"]
-    share = rows["model/step"]["median_ms"] - rows["model/step-no-global"]["median_ms"]
+    share = statistics.median(x - y for x, y in zip(a, b))
     print(f"\nmodel frame step at 518x378, {args.layers} global layers, 16 heads x 64, {args.dtype} — "
           f"{dev.device_kind}, median of {args.iters} frames after {args.warm}; {visible} visible keys per layer")
-    print(f"{'contender':<34} {'ms/frame':>9} {'vs cache/bare':>14}")
+    print(f"{'contender':<40} {'ms/frame':>9} {'vs cache/bare':>14}")
     for name, r in rows.items():
-        print(f"{name:<34} {r['median_ms']:9.2f} {r['median_ms'] / bare:14.2f}")
-    print(f"{'global share (step - no-global)':<34} {share:9.2f} {share / bare:14.2f}")
+        print(f"{name:<40} {r['median_ms']:9.2f} {r['median_ms'] / bare:14.2f}")
+    print(f"{'global share (median step - no-global)':<40} {share:9.2f} {share / bare:14.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, layers=args.layers, rows=rows,

@@ -26,7 +26,8 @@ def run(args) -> dict:
         height=height, width=width, dim=args.heads * args.head_dim, depth=args.layers, num_heads=args.heads,
         num_registers=args.special - 2, scale_frames=args.scale_frames, sliding_window=args.window,
         max_frames=max(args.frames, 1), keyframe_threshold=args.keyframe_threshold,
-        cache_dtype=args.dtype, dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", impl=args.impl)
+        cache_dtype=args.dtype, impl=args.impl,
+        **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"))
     video = synthetic_video(args.frames, height, width, seed=args.seed)
     model = StreamingReconstructor(config, rngs=nnx.Rngs(args.seed))
     step = CachedStep(model)

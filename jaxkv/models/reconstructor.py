@@ -49,6 +49,7 @@ class ReconstructorConfig:
     keyframe_threshold: float | None = None
     cache_dtype: str = "bfloat16"
     dtype: str = "float32"
+    param_dtype: str = "float32"
     impl: str = "auto"
     rope_theta: float = 100.0
 
@@ -86,9 +87,9 @@ SMALL = ReconstructorConfig(height=42, width=56, dim=64, depth=2, num_heads=4, s
 
 
 class Mlp(nnx.Module):
-    def __init__(self, dim: int, hidden: int, *, dtype, rngs: nnx.Rngs):
-        self.fc1 = nnx.Linear(dim, hidden, dtype=dtype, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, dim, dtype=dtype, rngs=rngs)
+    def __init__(self, dim: int, hidden: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.fc1 = nnx.Linear(dim, hidden, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc2 = nnx.Linear(hidden, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x):
         return self.fc2(jax.nn.gelu(self.fc1(x)))
@@ -97,9 +98,9 @@ class Mlp(nnx.Module):
 class FrameAttention(nnx.Module):
     """Attention among one frame's own tokens (no cache)."""
 
-    def __init__(self, dim: int, num_heads: int, *, dtype, rngs: nnx.Rngs):
-        self.proj = QKVProjection(dim, num_heads, dtype=dtype, rngs=rngs)
-        self.out = nnx.Linear(dim, dim, dtype=dtype, rngs=rngs)
+    def __init__(self, dim: int, num_heads: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.proj = QKVProjection(dim, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.out = nnx.Linear(dim, dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, cos, sin):
         q, k, v = self.proj(x, cos, sin)
@@ -109,11 +110,11 @@ class FrameAttention(nnx.Module):
 class Block(nnx.Module):
     """Pre-norm residual block around an attention module and an MLP."""
 
-    def __init__(self, attn: nnx.Module, dim: int, mlp_ratio: float, *, dtype, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
+    def __init__(self, attn: nnx.Module, dim: int, mlp_ratio: float, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.attn = attn
-        self.norm2 = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), dtype=dtype, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(dim, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, x, *args, **kw):
         x = x + self.attn(self.norm1(x), *args, **kw)
@@ -129,23 +130,23 @@ class StreamingReconstructor(nnx.Module):
 
     def __init__(self, config: ReconstructorConfig, *, rngs: nnx.Rngs):
         c = self.config = config
-        dt = jnp.dtype(c.dtype)
+        kw = dict(dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs)
         p = c.patch_size
-        self.patch_embed = nnx.Linear(3 * p * p, c.dim, dtype=dt, rngs=rngs)
+        self.patch_embed = nnx.Linear(3 * p * p, c.dim, **kw)
         init = nnx.initializers.normal(0.02)
-        self.special_tokens = nnx.Param(init(rngs.params(), (c.num_special, c.dim)))  # camera, registers, scale
-        self.frame_blocks = nnx.List([Block(FrameAttention(c.dim, c.num_heads, dtype=dt, rngs=rngs), c.dim,
-                                            c.mlp_ratio, dtype=dt, rngs=rngs) for _ in range(c.depth)])
+        self.special_tokens = nnx.Param(init(rngs.params(), (c.num_special, c.dim), kw["param_dtype"]))  # camera, registers, scale
+        self.frame_blocks = nnx.List([Block(FrameAttention(c.dim, c.num_heads, **kw), c.dim, c.mlp_ratio, **kw)
+                                      for _ in range(c.depth)])
         self.cache = FrameCache(frame.FrameSpec(
             num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
             num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
             max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype))
         self.global_blocks = nnx.List([Block(StreamingGlobalAttention(
-            c.dim, c.num_heads, cache=self.cache, layer=i, impl=c.impl, dtype=dt, rngs=rngs),
-            c.dim, c.mlp_ratio, dtype=dt, rngs=rngs) for i in range(c.depth)])
-        self.norm = nnx.LayerNorm(c.dim, dtype=dt, rngs=rngs)
-        self.camera_head = nnx.Linear(c.dim, 9, dtype=dt, rngs=rngs)
-        self.depth_head = nnx.Linear(c.dim, p * p, dtype=dt, rngs=rngs)
+            c.dim, c.num_heads, cache=self.cache, layer=i, impl=c.impl, **kw), c.dim, c.mlp_ratio, **kw)
+            for i in range(c.depth)])
+        self.norm = nnx.LayerNorm(c.dim, **kw)
+        self.camera_head = nnx.Linear(c.dim, 9, **kw)
+        self.depth_head = nnx.Linear(c.dim, p * p, **kw)
         self.frame_index = nnx.Cache(jnp.zeros((c.num_streams,), jnp.int32))
         self.last_keyframe = nnx.Cache(jnp.zeros((c.num_streams, c.height, c.width, 3), jnp.float32))
 
