@@ -1,0 +1,95 @@
+"""Pallas kernels against the XLA path of the same operation, and against copy bandwidth.
+
+For each kernel: the bytes it must move, its time (warm, median), achieved GB/s and the
+fraction of the device-to-device copy bandwidth measured in the same run (a 1 GiB
+``x + 0`` copy: read + write), against the jnp/XLA reference jitted the same way.
+
+    python benchmarks/kernels.py --json kernels.json
+
+Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x224 and
+518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from _timing import times_ms  # noqa: E402
+from jaxkv import frame  # noqa: E402
+from jaxkv.kernels import frame_append  # noqa: E402
+
+
+def copy_gbps(iters):
+    x = jnp.ones((1 << 29,), jnp.bfloat16)  # 1 GiB
+    f = jax.jit(lambda x: x + 0)
+    f(x).block_until_ready()
+    ms = statistics.median(times_ms(lambda i: f(x).block_until_ready(), iters))
+    return 2 * x.nbytes / ms / 1e6
+
+
+def bench_frame_append(P, L, iters, interpret=False):
+    spec = frame.FrameSpec(num_layers=L, num_heads=16, head_dim=64, patches_per_frame=P, num_special=6,
+                           scale_frames=8, sliding_window=64, max_frames=128)
+    hd = spec.num_heads * spec.head_dim
+    key = jax.random.key(0)
+    k = jax.random.normal(key, (L, 1, spec.tokens_per_frame, hd), jnp.bfloat16)
+    v = jax.random.normal(jax.random.fold_in(key, 1), k.shape, jnp.bfloat16)
+    sr = jnp.asarray([spec.trash_row - 2 * spec.tokens_per_frame], jnp.int32)
+    pr = jnp.asarray([17 * spec.page_size], jnp.int32)
+    moved = 2 * 2 * k.nbytes  # read the frame, write it (K and V)
+    kw = dict(num_special=spec.num_special, page_size=spec.page_size)
+    ref = jax.jit(functools.partial(frame_append.ref_write_frame, **kw), donate_argnums=(0, 1))
+    pallas = functools.partial(frame_append.write_frame, interpret=interpret, **kw)
+    rows = []
+    for name, fn in (("xla", ref), ("pallas", pallas)):
+        box = {"b": tuple(tuple(jnp.zeros((1, spec.capacity, hd), jnp.bfloat16) for _ in range(L)) for _ in range(2))}
+
+        def one(i):
+            box["b"] = fn(*box["b"], k, v, sr, pr)
+            jax.block_until_ready(box["b"])
+
+        for i in range(3):
+            one(i)
+        rows.append((f"frame append {P + 6} tok x {L} layers", name, moved, statistics.median(times_ms(one, iters))))
+        del box
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    dev = jax.devices()[0]
+    interpret = dev.platform != "gpu"
+    copy = copy_gbps(args.iters)
+    print(f"device: {dev.device_kind}  jax {jax.__version__}  copy bandwidth {copy:.0f} GB/s", flush=True)
+    rows = []
+    for P in (256, 999):
+        rows += bench_frame_append(P, args.layers, args.iters, interpret)
+    print(f"\n{'operation':<34} {'impl':<7} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'vs xla':>7}")
+    out = []
+    for op, impl, nbytes, ms in rows:
+        xla = next(m for o, i, _, m in rows if o == op and i == "xla")
+        gbps = nbytes / ms / 1e6
+        out.append(dict(operation=op, impl=impl, bytes=nbytes, ms=ms, gbps=gbps, of_copy=gbps / copy))
+        print(f"{op:<34} {impl:<7} {nbytes / 1e6:9.1f} {ms:8.3f} {gbps:8.0f} {gbps / copy:8.2f} {xla / ms:7.2f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_gbps=copy, rows=out), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""Frame append: one frame's K/V for every layer written into the frame cache in one launch.
+
+XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
+patches): 4 * layers * streams small kernels, launch-bound at ~1 ms for 24 layers. This
+Pallas kernel (Triton lowering: ``compiler_params=pltriton.CompilerParams``; deprecated
+from jax 0.11 but present in 0.11.2) writes them all from one grid:
+
+    program (i, j): buffer i (K or V of one layer and stream), row block j of that
+    stream's frame (specials block first, then the patch page's blocks).
+
+Buffers are aliased in and out (updated in place). ``ref_write_frame`` is the plain-jnp
+reference with the same contract. Shapes::
+
+    k_bufs, v_bufs: L x dtype[B, T, H*D]   the cache (``FrameCacheState.k`` / ``.v``, heads flattened)
+    k, v: dtype[L, B, NS + P, H*D]          the frame, specials first
+    special_row, patch_row: i32[B]           where the specials / the patch page go
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+ROWS = 16  # rows per program (a power of two: Triton blocks)
+
+
+def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size):
+    L, B, tpf, hd = k.shape
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v: expected {k.dtype}{list(k.shape)} like k, got {v.dtype}{list(v.shape)}")
+    if len(k_bufs) != L or len(v_bufs) != L:
+        raise ValueError(f"k_bufs, v_bufs: expected {L} buffers each, got {len(k_bufs)} and {len(v_bufs)}")
+    for b in (*k_bufs, *v_bufs):
+        if b.ndim != 3 or b.shape[0] != B or b.shape[2] != hd or b.dtype != k.dtype:
+            raise ValueError(f"k_bufs, v_bufs: expected {k.dtype}[{B}, rows, {hd}], got {b.dtype}{list(b.shape)}")
+    for name, r in (("special_row", special_row), ("patch_row", patch_row)):
+        if r.shape != (B,) or r.dtype != jnp.int32:
+            raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
+    if not 0 <= num_special <= tpf or page_size < tpf - num_special:
+        raise ValueError(f"num_special, page_size: expected 0 <= {num_special} <= {tpf} and page_size >= "
+                         f"{tpf - num_special} patches, got page_size {page_size}")
+
+
+def ref_write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int):
+    """The jnp reference: dynamic-update-slices; page rows past the patches get zeros."""
+    _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
+    L, B, tpf, hd = k.shape
+    P = tpf - num_special
+    pad = jnp.zeros((page_size - P, hd), k.dtype)
+
+    def put(buf, x):
+        for b in range(B):
+            if num_special:
+                buf = lax.dynamic_update_slice(buf, x[b, :num_special][None], (b, special_row[b], 0))
+            page = jnp.concatenate([x[b, num_special:], pad]) if page_size > P else x[b, num_special:]
+            buf = lax.dynamic_update_slice(buf, page[None], (b, patch_row[b], 0))
+        return buf
+
+    return tuple(put(k_bufs[l], k[l]) for l in range(L)), tuple(put(v_bufs[l], v[l]) for l in range(L))
+
+
+def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf):
+    # rows_ref: i32[2, B] (special_row; patch_row); k_ref, v_ref: [L, B, tpf, hd];
+    # refs: 2L input buffers (aliased, unused) then the same 2L as outputs.
+    from jax.experimental.pallas import triton as pltriton
+
+    outs = refs[2 * L :]
+    i, j = pl.program_id(0), pl.program_id(1)
+    ns_blocks = pl.cdiv(num_special, ROWS)
+    r = jnp.arange(ROWS, dtype=jnp.int32)
+    for idx in range(2 * L * B):  # static: one branch per buffer and stream
+        kv, rest = divmod(idx, L * B)
+        l, b = divmod(rest, B)
+        src, dst = (k_ref, v_ref)[kv], outs[kv * L + l]
+
+        @pl.when(i == idx)
+        def _(src=src, dst=dst, l=l, b=b):
+            special = j < ns_blocks
+            # first row of this block within the specials run / the patch page
+            first = jnp.where(special, j * ROWS, (j - ns_blocks) * ROWS)
+            valid_dst = first + r < jnp.where(special, num_special, page_size)
+            valid_src = valid_dst & (special | (first + r < tpf - num_special))
+            src_start = jnp.where(special, first, num_special + first)
+            x = pltriton.load(src.at[jnp.int32(l), jnp.int32(b), pl.ds(src_start, ROWS), :], mask=valid_src[:, None], other=0)
+            dst_start = jnp.where(special, rows_ref[0, b], rows_ref[1, b]) + first
+            pltriton.store(dst.at[jnp.int32(b), pl.ds(dst_start, ROWS), :], x, mask=valid_dst[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("num_special", "page_size", "interpret"), donate_argnums=(0, 1))
+def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int,
+                interpret: bool = False):
+    """Pallas: write the frame into every layer's K and V buffer in one launch (see module docstring)."""
+    _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
+    from jax.experimental.pallas import triton as pltriton
+
+    L, B, tpf, hd = k.shape
+    blocks = pl.cdiv(num_special, ROWS) + pl.cdiv(page_size, ROWS)
+    bufs = (*k_bufs, *v_bufs)
+    rows = jnp.stack([special_row, patch_row])
+    out = pl.pallas_call(
+        functools.partial(_kernel, L=L, B=B, num_special=num_special, page_size=page_size, tpf=tpf),
+        out_shape=tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
+        grid=(2 * L * B, blocks),
+        input_output_aliases={3 + n: n for n in range(2 * L)},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_frame_append",
+    )(rows, k, v, *bufs)
+    return tuple(out[:L]), tuple(out[L:])

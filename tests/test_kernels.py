@@ -1,0 +1,59 @@
+"""Pallas kernels against their jnp references on fresh random inputs (interpret mode on CPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import HAS_GPU
+from jaxkv.kernels import ref_write_frame, write_frame
+
+
+def _frame_case(rng, L, B, NS, P, HD, T, dtype=jnp.bfloat16):
+    bufs = [[jnp.asarray(rng.normal(size=(B, T, HD)), dtype) for _ in range(L)] for _ in range(2)]
+    k, v = (jnp.asarray(rng.normal(size=(L, B, NS + P, HD)), dtype) for _ in range(2))
+    special_row = jnp.asarray(rng.integers(T // 2, T - NS, size=B), jnp.int32)  # runs never overlap
+    return bufs, k, v, special_row
+
+
+@pytest.mark.parametrize("L,B,NS,P,page", [(2, 1, 6, 37, 37), (3, 2, 6, 20, 32), (1, 2, 0, 16, 16), (2, 1, 17, 5, 8)])
+def test_frame_append_matches_reference(rng, L, B, NS, P, page):
+    T, HD = 160, 64
+    (kb, vb), k, v, sr = _frame_case(rng, L, B, NS, P, HD, T)
+    pr = jnp.asarray(rng.integers(0, T // 2 - page, size=B), jnp.int32)
+    kw = dict(num_special=NS, page_size=page)
+    want = jax.device_get(ref_write_frame(kb, vb, k, v, sr, pr, **kw))
+    got = write_frame([x.copy() for x in kb], [x.copy() for x in vb], k, v, sr, pr, interpret=not HAS_GPU, **kw)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the reference itself: rows outside the two runs untouched, page padding zero
+    for l in range(L):
+        for b in range(B):
+            out = np.asarray(want[0][l][b], np.float32)
+            np.testing.assert_array_equal(out[int(sr[b]) : int(sr[b]) + NS], np.asarray(k[l, b, :NS], np.float32))
+            np.testing.assert_array_equal(out[int(pr[b]) : int(pr[b]) + P], np.asarray(k[l, b, NS:], np.float32))
+            assert not out[int(pr[b]) + P : int(pr[b]) + page].any()
+
+
+def test_frame_append_bad_inputs(rng):
+    (kb, vb), k, v, sr = _frame_case(rng, 2, 1, 6, 10, 64, 64)
+    with pytest.raises(ValueError, match="v: expected"):
+        write_frame(kb, vb, k, v[:, :, :5], sr, sr, num_special=6, page_size=10, interpret=True)
+    with pytest.raises(ValueError, match="k_bufs, v_bufs: expected 2 buffers"):
+        write_frame(kb[:1], vb, k, v, sr, sr, num_special=6, page_size=10, interpret=True)
+    with pytest.raises(ValueError, match="patch_row: expected int32"):
+        write_frame(kb, vb, k, v, sr, sr.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
+                    num_special=6, page_size=10, interpret=True)
+    with pytest.raises(ValueError, match="page_size"):
+        write_frame(kb, vb, k, v, sr, sr, num_special=6, page_size=9, interpret=True)
+
+
+@pytest.mark.gpu
+def test_frame_append_native_lingbot_shape(rng):
+    (kb, vb), k, v, sr = _frame_case(rng, 24, 1, 6, 999, 1024, 76_800)
+    pr = jnp.asarray([999 * 30], jnp.int32)
+    kw = dict(num_special=6, page_size=999)
+    want = jax.device_get(ref_write_frame(kb, vb, k, v, sr, pr, **kw))
+    got = write_frame(kb, vb, k, v, sr, pr, **kw)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
