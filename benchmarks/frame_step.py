@@ -5,7 +5,9 @@ window full), random bf16 data, warm, median of many frames:
 
 * jaxkv/<impl>: ``frame.append`` (all layers) + ``frame.attention`` per layer, one jitted
   step with the state donated.
-* jaxkv/append-only: the same step without attention (what the cache update costs).
+  ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
+  jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
+* jaxkv/append-only(/xla): the same step without attention (what the cache update costs).
 * cudnn/bare: ``jax.nn.dot_product_attention`` on 24 separate contiguous K/V arrays with
   the same key count, no cache update (a floor for the attention part).
 * flashinfer/fa2, flashinfer/fa3: the seed's design — one page per frame, specials packed
@@ -38,7 +40,7 @@ H, D, NS, S, W = 16, 64, 6, 8, 64
 
 
 # ----------------------------------------------------------------------------- jaxkv
-def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0):
+def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto"):
     spec = frame.FrameSpec(num_layers=L, num_heads=H, head_dim=D, patches_per_frame=P, num_special=NS,
                            scale_frames=S, sliding_window=W, max_frames=warm + iters + 8)
     key = jax.random.key(0)
@@ -49,7 +51,7 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0):
         sets.append(tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in ks))
 
     def step(state, k, v, q):
-        state = frame.append(state, k, v)
+        state = frame.append(state, k, v, impl=append_impl)
         if not attend:
             return state, state.num_valid
         outs = [frame.attention(state, q[layer], layer, impl=impl) for layer in range(L)]
@@ -207,8 +209,12 @@ def main(argv=None):
                 continue
             ms, visible = bench_jaxkv(P, args.layers, impl, args.warm, args.iters)
             record(res, f"jaxkv/{impl}", ms, visible)
-        ms, vis = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, attend=False)
-        record(res, "jaxkv/append-only", ms, vis)
+        if "jaxkv/cudnn+xla-append" not in skip:
+            ms, _ = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, append_impl="xla")
+            record(res, "jaxkv/cudnn+xla-append", ms, visible)
+        for append_impl in ("auto", "xla"):
+            ms, vis = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, attend=False, append_impl=append_impl)
+            record(res, "jaxkv/append-only" + ("" if append_impl == "auto" else "/xla"), ms, vis)
         visible = visible or vis
         if "cudnn/bare" not in skip:
             record(res, "cudnn/bare", bench_bare_cudnn(P, args.layers, visible, args.iters), visible)

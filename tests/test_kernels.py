@@ -50,10 +50,30 @@ def test_frame_append_bad_inputs(rng):
 
 @pytest.mark.gpu
 def test_frame_append_native_lingbot_shape(rng):
-    (kb, vb), k, v, sr = _frame_case(rng, 24, 1, 6, 999, 1024, 76_800)
-    pr = jnp.asarray([999 * 30], jnp.int32)
+    (kb, vb), k, v, sr = _frame_case(rng, 24, 1, 6, 999, 1024, 8_192)
+    pr = jnp.asarray([999 * 3], jnp.int32)
     kw = dict(num_special=6, page_size=999)
     want = jax.device_get(ref_write_frame(kb, vb, k, v, sr, pr, **kw))
     got = write_frame(kb, vb, k, v, sr, pr, **kw)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_frame_append_impls_agree(rng, pow2):
+    """frame.append with the Pallas writer equals the XLA writer through fills, evictions, rollbacks."""
+    from jaxkv import frame
+
+    spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=12, num_special=3,
+                           scale_frames=1, sliding_window=2, max_frames=16, num_streams=2, pow2_pages=pow2)
+    states = {impl: frame.init(spec) for impl in ("xla", "pallas")}
+    for t in range(6):
+        k, v = (jnp.asarray(rng.normal(size=(2, 2, spec.tokens_per_frame, 2, 16)), jnp.bfloat16) for _ in range(2))
+        keep = jnp.asarray([t % 3 != 2, True])
+        for impl in states:
+            states[impl] = frame.resolve(frame.append(states[impl], k, v, defer=True, impl=impl), keep)
+    a, b = (jax.device_get(states[i]) for i in ("xla", "pallas"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        frame.append(states["xla"], k, v, impl="cuda")

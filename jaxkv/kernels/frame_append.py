@@ -77,17 +77,20 @@ def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf):
         l, b = divmod(rest, B)
         src, dst = (k_ref, v_ref)[kv], outs[kv * L + l]
 
-        @pl.when(i == idx)
-        def _(src=src, dst=dst, l=l, b=b):
-            special = j < ns_blocks
-            # first row of this block within the specials run / the patch page
-            first = jnp.where(special, j * ROWS, (j - ns_blocks) * ROWS)
-            valid_dst = first + r < jnp.where(special, num_special, page_size)
-            valid_src = valid_dst & (special | (first + r < tpf - num_special))
-            src_start = jnp.where(special, first, num_special + first)
-            x = pltriton.load(src.at[jnp.int32(l), jnp.int32(b), pl.ds(src_start, ROWS), :], mask=valid_src[:, None], other=0)
-            dst_start = jnp.where(special, rows_ref[0, b], rows_ref[1, b]) + first
-            pltriton.store(dst.at[jnp.int32(b), pl.ds(dst_start, ROWS), :], x, mask=valid_dst[:, None])
+        def copy(src_start, dst_start, n_src, n_dst, first, src=src, dst=dst, l=l, b=b):
+            # rows [first, first + ROWS) of a run: read n_src of them, write n_dst (zeros past n_src)
+            x = pltriton.load(src.at[jnp.int32(l), jnp.int32(b), pl.ds(src_start + first, ROWS), :],
+                              mask=(first + r < n_src)[:, None], other=0)
+            pltriton.store(dst.at[jnp.int32(b), pl.ds(dst_start + first, ROWS), :], x,
+                           mask=(first + r < n_dst)[:, None])
+
+        @pl.when((i == idx) & (j < ns_blocks))
+        def _(copy=copy, b=b):
+            copy(0, rows_ref[0, b], num_special, num_special, j * ROWS)
+
+        @pl.when((i == idx) & (j >= ns_blocks))
+        def _(copy=copy, b=b):
+            copy(num_special, rows_ref[1, b], tpf - num_special, page_size, (j - ns_blocks) * ROWS)
 
 
 @functools.partial(jax.jit, static_argnames=("num_special", "page_size", "interpret"), donate_argnums=(0, 1))
