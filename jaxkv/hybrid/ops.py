@@ -140,14 +140,12 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
         kv_rows = jnp.concatenate([kv_rows, _rows(ikv, None, pos, ratio, True, c.index_dim)], axis=-1)
         z_rows = jnp.concatenate([z_rows, _rows(iscore, iparams.bias, pos, ratio, True, c.index_dim)], axis=-1)
 
-    tails = state.tails[g]
-    tail = tails[j, step.slot]  # f32[B, streams, 3, width]
+    tails = state.tails[g][j]  # f32[R, streams, 3, width]
+    tail = tails[step.slot]  # f32[B, streams, 3, width]
     wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
         tail, kv_rows, z_rows, step.start, step.num_tokens)
     new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
-    # NOTE: on XLA GPU this scatter into the stacked CSA tail is preceded by a copy of the
-    # whole [Lg, R, 3, 3, 640] array (~0.08 ms per layer at R = 256; benchmarks/RESULTS.md).
-    tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
+    tails = tails.at[step.write_slot].set(new_tail, mode="drop")
 
     nw = pooled.shape[1]
     entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
@@ -160,7 +158,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     freqs = freqs_of(c)
     x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
     entries = write_items(state.entries[g], j, blk, slot, fmt.entry.encode(x).reshape(B * nw, -1), fmt.entry.segments)
-    new = dict(tails=_put(state.tails, g, tails), entries=_put(state.entries, g, entries))
+    new = dict(tails=_put(state.tails, g, _put(state.tails[g], j, tails)), entries=_put(state.entries, g, entries))
     if csa:
         codec = fmt.index_key(c.index_dim)
         xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,
