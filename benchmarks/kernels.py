@@ -7,7 +7,8 @@ fraction of the device-to-device copy bandwidth measured in the same run (a 1 Gi
     python benchmarks/kernels.py --json kernels.json
 
 Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x224 and
-518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames).
+518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
+packing of float32 128-dim indexer keys (2M and 64K keys).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from _timing import times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
-from jaxkv.kernels import frame_append  # noqa: E402
+from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
 
 
 def copy_gbps(iters):
@@ -62,7 +63,20 @@ def bench_frame_append(P, L, iters, interpret=False):
         for i in range(3):
             one(i)
         rows.append((f"frame append {P + 6} tok x {L} layers", name, moved, statistics.median(times_ms(one, iters))))
-        del box
+        box.clear()
+    return rows
+
+
+def bench_mxfp4(n, iters, interpret=False):
+    x = jax.random.normal(jax.random.key(2), (n, 128), jnp.float32)
+    moved = x.nbytes + n * (64 + 4)
+    ref = jax.jit(fp4_pack.ref_quantize_mxfp4)
+    pallas = functools.partial(fp4_pack.quantize_mxfp4, interpret=interpret)
+    rows = []
+    for name, fn in (("xla", ref), ("pallas", pallas)):
+        fn(x)[0].block_until_ready()
+        ms = statistics.median(times_ms(lambda i: jax.block_until_ready(fn(x)), iters))
+        rows.append((f"mxfp4 pack {n} keys x 128", name, moved, ms))
     return rows
 
 
@@ -79,6 +93,8 @@ def main(argv=None):
     rows = []
     for P in (256, 999):
         rows += bench_frame_append(P, args.layers, args.iters, interpret)
+    for n in ((1 << 21, 1 << 16) if not interpret else (256,)):
+        rows += bench_mxfp4(n, args.iters, interpret)
     print(f"\n{'operation':<34} {'impl':<7} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'vs xla':>7}")
     out = []
     for op, impl, nbytes, ms in rows:

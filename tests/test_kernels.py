@@ -77,3 +77,43 @@ def test_frame_append_impls_agree(rng, pow2):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     with pytest.raises(ValueError, match="impl: expected one of"):
         frame.append(states["xla"], k, v, impl="cuda")
+
+
+# --- MXFP4 packing ----------------------------------------------------------------------------------
+def _keys(rng, n, d=128, dtype=jnp.float32):
+    x = rng.normal(size=(n, d)) * rng.choice([1e-7, 1e-3, 1.0, 40.0, 3e4], size=(n, 1))
+    x[0, :32] = 0.0  # an all-zero group: the 1e-4 amax floor
+    x[-1, 40] = np.inf  # a non-finite group: NaN scale byte
+    return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("n,d,dtype", [(5, 128, jnp.float32), (77, 128, jnp.float32), (40, 64, jnp.bfloat16)])
+def test_mxfp4_pack_matches_reference(rng, n, d, dtype):
+    from jaxkv.kernels import quantize_mxfp4, ref_quantize_mxfp4
+
+    x = _keys(rng, n, d, dtype)
+    got = quantize_mxfp4(x, interpret=not HAS_GPU)
+    want = ref_quantize_mxfp4(x)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.asarray(got[1])[-1, 1] == 0xFF  # the inf's group
+
+
+def test_mxfp4_pack_bad_inputs():
+    from jaxkv.kernels import quantize_mxfp4
+
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_mxfp4(jnp.ones((4, 48)), interpret=True)
+    with pytest.raises(ValueError, match="floating-point"):
+        quantize_mxfp4(jnp.ones((4, 64), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match=r"x: expected float\[N, d\]"):
+        quantize_mxfp4(jnp.ones((2, 4, 64)), interpret=True)
+
+
+@pytest.mark.gpu
+def test_mxfp4_pack_native_large(rng):
+    from jaxkv.kernels import quantize_mxfp4, ref_quantize_mxfp4
+
+    x = _keys(rng, 100_003)
+    for a, b in zip(quantize_mxfp4(x), ref_quantize_mxfp4(x), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

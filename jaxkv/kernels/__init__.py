@@ -2,8 +2,11 @@
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
   (Triton lowering).
+* ``fp4_pack``: MXFP4 packing of indexer keys (E2M1 nibbles + UE8M0 scales), the formats'
+  own jnp math tiled into a kernel (Triton lowering).
 """
 
+from jaxkv.kernels.fp4_pack import quantize_mxfp4, ref_quantize_mxfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 
-__all__ = ["ref_write_frame", "write_frame"]
+__all__ = ["quantize_mxfp4", "ref_quantize_mxfp4", "ref_write_frame", "write_frame"]

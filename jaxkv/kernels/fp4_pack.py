@@ -1,0 +1,67 @@
+"""MXFP4 packing: float keys -> E2M1 nibbles + UE8M0 group scales, as a Pallas kernel.
+
+The math is ``jaxkv.formats.quantize_mxfp4``'s own jnp code (same helpers, so the same
+bytes); the kernel only tiles it: each program quantizes ``ROWS`` keys. The input is
+viewed as ``[N, G, 16, 2]`` (G = d/32 groups of 16 element pairs) so the even and odd
+elements of every group load as two ``[ROWS, G, 16]`` blocks and pack into one byte
+each, with no reshape inside the kernel. Lowering: Triton (``pltriton.CompilerParams``).
+
+    x: float[N, d] (d a multiple of 32)  ->  packed u8[N, d/2], scales u8[N, d/32]
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jaxkv.formats import fp4 as _fp4
+from jaxkv.formats._common import FP4_MAX, check_float, check_groups, div_rn, exact_div, ue8m0_scale
+
+ROWS = 32  # keys per program (a power of two: Triton blocks)
+
+
+def ref_quantize_mxfp4(x):
+    """The jnp reference (``jaxkv.formats.quantize_mxfp4``)."""
+    return _fp4.quantize_mxfp4(x)
+
+
+def _kernel(x_ref, packed_ref, scales_ref, *, n):
+    # x_ref: f[N, G, 16, 2]; packed_ref: u8[N, G, 16]; scales_ref: u8[N, G]
+    from jax.experimental.pallas import triton as pltriton
+
+    i = pl.program_id(0)
+    rows = pl.ds(i * ROWS, ROWS)
+    ok = i * ROWS + jnp.arange(ROWS) < n
+    even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))  # [ROWS, G]
+    s, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+    lo = _fp4.e2m1_encode(div_rn(even, s[..., None]))
+    hi = _fp4.e2m1_encode(div_rn(odd, s[..., None]))
+    pltriton.store(packed_ref.at[rows], lo | (hi << 4), mask=ok[:, None, None])
+    pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def quantize_mxfp4(x, *, interpret: bool = False):
+    """Pallas MXFP4: x float[N, d] -> (packed u8[N, d/2], scales u8[N, d/32]); bytes == the reference's."""
+    check_float(x)
+    check_groups(x, _fp4.MXFP4_GROUP)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
+    from jax.experimental.pallas import triton as pltriton
+
+    n, d = x.shape
+    g = d // _fp4.MXFP4_GROUP
+    packed, scales = pl.pallas_call(
+        functools.partial(_kernel, n=n),
+        out_shape=(jax.ShapeDtypeStruct((n, g, 16), jnp.uint8), jax.ShapeDtypeStruct((n, g), jnp.uint8)),
+        grid=(pl.cdiv(n, ROWS),),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_mxfp4_pack",
+    )(x.reshape(n, g, 16, 2))
+    return packed.reshape(n, d // 2), scales
