@@ -272,3 +272,20 @@ def test_fp8_encoder_matches_ml_dtypes_everywhere(rng):
     got = np.asarray(jax.jit(fp8_e4m3_encode)(jnp.asarray(y))).view(np.uint8)
     np.testing.assert_array_equal(got, want)
     assert np.isnan(np.asarray(fp8_e4m3_encode(jnp.asarray([np.nan]))).astype(np.float32)[0])
+
+
+@pytest.mark.parametrize("pos", [0, 17, 31])
+def test_nan_anywhere_in_a_group_poisons_its_scale(pos):
+    """The scale of a group holding a NaN is NaN wherever the NaN sits (XLA's max-reduce alone
+    is order-dependent), and the neighbouring group is untouched."""
+    x = np.linspace(-3e4, 5e3, 128, dtype=np.float32).reshape(1, 128)
+    x[0, pos] = np.nan
+    _, e = F.quantize_mxfp4(jnp.asarray(x))
+    assert np.asarray(e).tolist()[0][0] == 255 and np.asarray(e)[0, 1] != 255
+    _, e = F.quantize_fp8_ue8m0(jnp.asarray(x))
+    assert int(e[0, 0]) == 255 and int(e[0, 1]) != 255
+    _, s, _ = F.quantize_nvfp4(jnp.asarray(x), global_scale=1.0)
+    s = np.asarray(s.astype(jnp.float32))
+    assert np.isnan(s[0, pos // 16]) and not np.isnan(s[0, (pos // 16) + 2])
+    _, inv = F.quantize_fp8_per_entry(jnp.asarray(x))
+    assert np.isnan(np.asarray(inv)).all()

@@ -117,3 +117,16 @@ def test_mxfp4_pack_native_large(rng):
     x = _keys(rng, 100_003)
     for a, b in zip(quantize_mxfp4(x), ref_quantize_mxfp4(x), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_mxfp4_pack_extreme_magnitudes(rng):
+    """Scales from 2^-127 to 2^127, subnormal quotients, NaN/inf anywhere: still the reference's bytes."""
+    from jaxkv.kernels import quantize_mxfp4, ref_quantize_mxfp4
+
+    x = rng.normal(size=(40, 128)) * 10.0 ** rng.uniform(-40, 38, size=(40, 128))
+    x = np.clip(x, -3e38, 3e38).astype(np.float32)
+    x[3], x[6] = 0.0, -0.0
+    x[4, 0], x[5, 7], x[7, 95] = np.nan, -np.inf, np.nan
+    got = quantize_mxfp4(jnp.asarray(x), interpret=not HAS_GPU)
+    for a, b in zip(got, ref_quantize_mxfp4(jnp.asarray(x)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

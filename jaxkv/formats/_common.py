@@ -25,6 +25,17 @@ def check_float(x, name: str = "x") -> None:
         raise ValueError(f"{name}: expected a floating-point array, got dtype {x.dtype}")
 
 
+def amax_abs(x, axis=None):
+    """``max(|x|)`` over ``axis`` that is NaN wherever a NaN is reduced.
+
+    XLA's max-reduction is not reliably NaN-propagating (a vectorized ``max`` keeps the
+    other operand, so the result depends on where the NaN sits); the formats promise that
+    a non-finite input poisons its group's scale, so they reduce with this.
+    """
+    a = jnp.abs(x)
+    return jnp.where(jnp.any(jnp.isnan(a), axis=axis), jnp.nan, jnp.max(a, axis=axis))
+
+
 def div_rn(x, y):
     """Correctly rounded float32 ``x / y`` (IEEE round-to-nearest-even), on every backend.
 

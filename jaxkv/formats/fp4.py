@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.formats._common import FP4_MAX, FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
+from jaxkv.formats._common import amax_abs, FP4_MAX, FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32
@@ -72,7 +72,7 @@ def quantize_mxfp4(x):
     check_float(x)
     check_groups(x, MXFP4_GROUP)
     xg = group(x.astype(jnp.float32), MXFP4_GROUP)
-    amax = jnp.max(jnp.abs(xg), axis=-1)
+    amax = amax_abs(xg, axis=-1)
     s, byte = ue8m0_scale(exact_div(jnp.maximum(amax, MXFP4_MIN_AMAX), FP4_MAX))
     codes = e2m1_encode(div_rn(xg, s[..., None]))
     return pack_nibbles(ungroup(codes)), byte
@@ -86,7 +86,7 @@ def dequantize_mxfp4(packed, scales, dtype=jnp.bfloat16):
 
 def nvfp4_global_scale(x):
     """The tensor-wide NVFP4 dequantization scale ``amax / (448 * 6)`` (1.0 for an all-zero x)."""
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+    amax = amax_abs(x.astype(jnp.float32))
     return jnp.where(amax > 0, exact_div(amax, FP8_MAX * FP4_MAX), 1.0).astype(jnp.float32)
 
 
@@ -109,7 +109,7 @@ def quantize_nvfp4(x, global_scale=None):
     xf = x.astype(jnp.float32)
     g = nvfp4_global_scale(xf) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
     xg = group(xf, NVFP4_GROUP)
-    amax = jnp.max(jnp.abs(xg), axis=-1)
+    amax = amax_abs(xg, axis=-1)
     bs = jnp.where(jnp.isfinite(amax), div_rn(exact_div(amax, FP4_MAX), g), jnp.nan)
     bs8 = fp8_e4m3_encode(bs)
     denom = bs8.astype(jnp.float32) * g

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.formats._common import FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
+from jaxkv.formats._common import amax_abs, FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
 
 TILE = 64
 UE8M0_MIN_SCALE = 1e-4  # FlashMLA's clamp: s = 2**ceil(log2(max(amax/448, 1e-4)))
@@ -34,7 +34,7 @@ def quantize_fp8_per_entry(x):
     """
     check_float(x)
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
+    amax = amax_abs(xf, axis=-1)
     scale = jnp.where(jnp.isfinite(amax), exact_div(amax, FP8_MAX), jnp.nan)
     safe = jnp.where(scale > 0, scale, 1.0)
     q = _to_fp8(jnp.where((scale > 0)[..., None], div_rn(xf, safe[..., None]), 0.0))
@@ -58,7 +58,7 @@ def quantize_fp8_ue8m0(x, tile: int = TILE):
     check_float(x)
     check_groups(x, tile)
     xg = group(x.astype(jnp.float32), tile)
-    amax = jnp.max(jnp.abs(xg), axis=-1)
+    amax = amax_abs(xg, axis=-1)
     s, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
     q = _to_fp8(div_rn(xg, s[..., None]))
     return ungroup(q), byte

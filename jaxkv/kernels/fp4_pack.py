@@ -1,7 +1,8 @@
 """MXFP4 packing: float keys -> E2M1 nibbles + UE8M0 group scales, as a Pallas kernel.
 
-The math is ``jaxkv.formats.quantize_mxfp4``'s own jnp code (same helpers, so the same
-bytes); the kernel only tiles it: each program quantizes ``ROWS`` keys. The input is
+The math is ``jaxkv.formats.quantize_mxfp4``'s (same helpers, same bytes), except that
+dividing by the power-of-two group scale is a multiply by its exact inverse instead of the
+reference's integer long division; each program quantizes ``ROWS`` keys. The input is
 viewed as ``[N, G, 16, 2]`` (G = d/32 groups of 16 element pairs) so the even and odd
 elements of every group load as two ``[ROWS, G, 16]`` blocks and pack into one byte
 each, with no reshape inside the kernel. Lowering: Triton (``pltriton.CompilerParams``).
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxkv.formats import fp4 as _fp4
-from jaxkv.formats._common import FP4_MAX, check_float, check_groups, div_rn, exact_div, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, amax_abs, FP4_MAX, check_float, check_groups, e8m0_to_float, exact_div, ue8m0_scale
 
 ROWS = 32  # keys per program (a power of two: Triton blocks)
 
@@ -37,10 +38,16 @@ def _kernel(x_ref, packed_ref, scales_ref, *, n):
     ok = i * ROWS + jnp.arange(ROWS) < n
     even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
     odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))  # [ROWS, G]
-    s, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
-    lo = _fp4.e2m1_encode(div_rn(even, s[..., None]))
-    hi = _fp4.e2m1_encode(div_rn(odd, s[..., None]))
+    a, b = amax_abs(even, axis=-1), amax_abs(odd, axis=-1)
+    amax = jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, jnp.maximum(a, b))  # [ROWS, G]
+    _, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+    # x / 2**k == x * 2**-k exactly (a correctly rounded multiply by a power of two), and
+    # where the two could round differently (subnormal quotients) E2M1 codes them both 0:
+    # the reference's integer long division is not needed here.
+    b = byte.astype(jnp.int32)
+    inv = jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))[..., None]
+    lo = _fp4.e2m1_encode(even * inv)
+    hi = _fp4.e2m1_encode(odd * inv)
     pltriton.store(packed_ref.at[rows], lo | (hi << 4), mask=ok[:, None, None])
     pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
 
