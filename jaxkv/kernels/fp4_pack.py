@@ -16,10 +16,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.formats import fp4 as _fp4
-from jaxkv.formats._common import E8M0_NAN, amax_abs, FP4_MAX, check_float, check_groups, e8m0_to_float, exact_div, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, FP4_MAX, check_float, check_groups, e8m0_to_float, exact_div, ue8m0_scale
 
 ROWS = 32  # keys per program (a power of two: Triton blocks)
 
@@ -27,6 +28,12 @@ ROWS = 32  # keys per program (a power of two: Triton blocks)
 def ref_quantize_mxfp4(x):
     """The jnp reference (``jaxkv.formats.quantize_mxfp4``)."""
     return _fp4.quantize_mxfp4(x)
+
+
+def _is_nan(v):
+    """i32 1 where v is NaN, from its bits."""
+    bits = lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
+    return (bits > 0x7F800000).astype(jnp.int32)
 
 
 def _kernel(x_ref, packed_ref, scales_ref, *, n):
@@ -38,16 +45,18 @@ def _kernel(x_ref, packed_ref, scales_ref, *, n):
     ok = i * ROWS + jnp.arange(ROWS) < n
     even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
     odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    a, b = amax_abs(even, axis=-1), amax_abs(odd, axis=-1)
-    amax = jnp.where(jnp.isnan(a) | jnp.isnan(b), jnp.nan, jnp.maximum(a, b))  # [ROWS, G]
+    # NaN found from the bits: the Triton lowering folds ``x != x`` to false
+    nan = jnp.maximum(jnp.max(_is_nan(even), axis=-1), jnp.max(_is_nan(odd), axis=-1)) > 0  # [ROWS, G]
+    amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
     _, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
     # x / 2**k == x * 2**-k exactly (a correctly rounded multiply by a power of two), and
     # where the two could round differently (subnormal quotients) E2M1 codes them both 0:
     # the reference's integer long division is not needed here.
     b = byte.astype(jnp.int32)
     inv = jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))[..., None]
-    lo = _fp4.e2m1_encode(even * inv)
-    hi = _fp4.e2m1_encode(odd * inv)
+    lo = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(even * inv))  # a NaN group: all 7s
+    hi = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(odd * inv))
     pltriton.store(packed_ref.at[rows], lo | (hi << 4), mask=ok[:, None, None])
     pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
 
