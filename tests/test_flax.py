@@ -272,3 +272,35 @@ def test_shared_cache_layers(rng):
         StreamingGlobalAttention(DIM, 2, cache=shared, layer=0, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="patches_per_frame"):
         StreamingGlobalAttention(DIM, HEADS, rngs=nnx.Rngs(0))
+
+
+def test_hybrid_cache_as_nnx_state(rng):
+    """A DeepSeek-V4 hybrid cache held in an nnx.Cache updates in place under nnx.jit."""
+    from jaxkv import hybrid as H
+
+    cfg = H.HybridConfig(compress_ratios=(0, 4, 16), window=8, index_heads=2, top_k=4, block_size=4,
+                         max_requests=2, max_context=64)
+
+    class Decoder(nnx.Module):
+        def __init__(self):
+            self.kv = nnx.Cache(H.init(cfg))
+
+        def __call__(self, kv, pos):
+            state, step = H.prepare_forward(self.kv.get_value(), jnp.arange(2), pos)
+            state = H.write_window(state, step, 0, kv)
+            self.kv.set_value(state)
+            return H.window_keys(state, step, 0, kv)[0]
+
+    m = Decoder()
+    step = nnx.jit(lambda m, kv, pos: m(kv, pos), donate_argnums=0)
+    for t in range(5):
+        kv = jnp.asarray(rng.normal(size=(2, 1, cfg.head_dim)), jnp.bfloat16)
+        step(m, kv, jnp.full((2,), t, jnp.int32))
+    (state,) = caches(m)
+    np.testing.assert_array_equal(np.asarray(state.position), [5, 5])
+    check(m)
+    bad = nnx.jit(lambda m, kv, pos: m(kv, pos))
+    bad(m, kv, jnp.asarray([9, 5], jnp.int32))  # request 0 skips ahead: a recorded fault
+    with pytest.raises(jaxkv.CacheError, match="position skips ahead"):
+        check(m)
+    np.testing.assert_array_equal(np.asarray(caches(m)[0].position), [5, 6])  # the refused request stayed
