@@ -43,6 +43,26 @@ def seed_visibility(keeps, S, W, P, NS, F):
     return vis
 
 
+def stream_vs_dense(layer, xs, ropes, keeps):
+    """Stream ``xs`` [F, T, dim] through ``layer`` (deferred, then kept or rolled back) under
+    nnx.jit with the module donated -> (streaming outputs f32[F, T, dim], dense reference
+    over the visible frames the pure-Python seed model predicts)."""
+
+    @nnx.jit(donate_argnums=0)
+    def step(layer, x, cos, sin, keep):
+        y = layer(x, cos, sin, defer=True)
+        layer.resolve(keep)
+        return y
+
+    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
+            for t in range(len(keeps))]
+    check(layer)
+    s = layer.spec
+    vis = seed_visibility(keeps, s.scale_frames, s.sliding_window, s.patches_per_frame, s.num_special, len(keeps))
+    want = layer.dense(xs, jnp.stack([r[0] for r in ropes]), jnp.stack([r[1] for r in ropes]), jnp.asarray(vis))
+    return np.stack([np.asarray(o, np.float32) for o in outs]), np.asarray(want, np.float32)
+
+
 def test_axial_rope_matches_numpy_and_is_relative(rng):
     pos = rng.integers(0, 50, size=(7, 3))
     cos, sin = axial_rope(jnp.asarray(pos), 16, theta=100.0)
@@ -69,22 +89,8 @@ def test_layer_streaming_equals_dense(rng, keeps):
     F = len(keeps)
     layer = make_layer()
     xs = jnp.asarray(rng.normal(size=(F, T, DIM)), jnp.float32)
-    ropes = [frame_rope(t) for t in range(F)]
-
-    @nnx.jit(donate_argnums=0)
-    def step(layer, x, cos, sin, keep):
-        y = layer(x, cos, sin, defer=True)
-        layer.resolve(keep)
-        return y
-
-    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
-            for t in range(F)]
-    check(layer)
-    vis = seed_visibility(keeps, 1, 2, P, NS, F)
-    cos = jnp.stack([r[0] for r in ropes])
-    sin = jnp.stack([r[1] for r in ropes])
-    want = layer.dense(xs, cos, sin, jnp.asarray(vis))
-    np.testing.assert_allclose(np.stack(outs), np.asarray(want), rtol=1e-4, atol=1e-5)
+    got, want = stream_vs_dense(layer, xs, [frame_rope(t) for t in range(F)], keeps)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert int(caches(layer)[0].num_frames[0]) == sum(keeps)
 
 
@@ -206,20 +212,8 @@ def test_layer_streaming_equals_dense_gpu_bf16(rng, impl):
     pos = lambda t: np.stack([np.full(p + ns, t), np.r_[np.zeros(ns), np.arange(p) // 8 + 1],  # noqa: E731
                               np.r_[np.zeros(ns), np.arange(p) % 8 + 1]], -1)
     ropes = [axial_rope(jnp.asarray(pos(t), jnp.int32), dim // heads) for t in range(F)]
-
-    @nnx.jit(donate_argnums=0)
-    def step(layer, x, cos, sin, keep):
-        y = layer(x, cos, sin, defer=True)
-        layer.resolve(keep)
-        return y
-
-    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
-            for t in range(F)]
-    check(layer)
-    vis = seed_visibility(keeps, 1, 3, p, ns, F)
-    want = layer.dense(xs, jnp.stack([r[0] for r in ropes]), jnp.stack([r[1] for r in ropes]), jnp.asarray(vis))
-    got = np.stack([np.asarray(o, np.float32) for o in outs])
-    np.testing.assert_allclose(got, np.asarray(want, np.float32), atol=3e-2, rtol=3e-2)
+    got, want = stream_vs_dense(layer, xs, ropes, keeps)
+    np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
 
 
 def test_cached_step_equals_nnx_jit_and_syncs(rng):
