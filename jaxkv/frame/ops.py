@@ -15,6 +15,7 @@ from jax import lax
 
 from jaxkv.errors import Fault, record
 from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState
+from jaxkv.kernels.frame_append import write_rows
 
 
 # ---------------------------------------------------------------- row-block helpers
@@ -140,7 +141,7 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     times the traffic: prefer an int).
     """
     s = state.spec
-    NS, P, ps = s.num_special, s.patches_per_frame, s.page_size
+    NS, ps = s.num_special, s.page_size
     kbufs, vbufs = list(state.k), list(state.v)
     error = state.error
     if layer is None:
@@ -151,19 +152,11 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         targets = [(l, layer == l, k, v) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
-    for l, hit, kl, vl in targets:
-        for bufs, x in ((kbufs, kl), (vbufs, vl)):
-            buf = bufs[l]
-            for b in range(s.num_streams):
-                xb = x[b : b + 1]  # [1, tokens_per_frame, H, D]
-                if NS:
-                    buf = _write(buf, b, jnp.where(hit, state.write_special_row[b], s.trash_row), xb[:, :NS])
-                patches = xb[:, NS:]
-                if ps > P:  # a page's padding rows are zeros
-                    pad = jnp.zeros((1, ps - P) + patches.shape[2:], patches.dtype)
-                    patches = jnp.concatenate([patches, pad], axis=1)
-                buf = _write(buf, b, jnp.where(hit, state.write_patch_row[b], s.trash_row), patches)
-            bufs[l] = buf
+    for l, hit, kl, vl in targets:  # a missed layer's rows go to the trash
+        rows = dict(special_row=jnp.where(hit, state.write_special_row, s.trash_row),
+                    patch_row=jnp.where(hit, state.write_patch_row, s.trash_row))
+        kbufs[l] = write_rows(kbufs[l], kl, num_special=NS, page_size=ps, **rows)
+        vbufs[l] = write_rows(vbufs[l], vl, num_special=NS, page_size=ps, **rows)
     return state.replace(k=tuple(kbufs), v=tuple(vbufs), error=error)
 
 

@@ -45,22 +45,31 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
                          f"{tpf - num_special} patches, got page_size {page_size}")
 
 
+def write_rows(buf, x, special_row, patch_row, *, num_special: int, page_size: int):
+    """One buffer, in jnp: each stream's specials at ``special_row``, its patches (zero-padded
+    to ``page_size`` rows) at ``patch_row`` — two dynamic-update-slices per stream.
+
+    buf: dtype[B, T, ...];  x: [B, NS + P, ...];  special_row, patch_row: i32[B]
+    """
+    P = x.shape[1] - num_special
+    lead = (0,) * (buf.ndim - 2)
+    x = x.astype(buf.dtype)
+    for b in range(buf.shape[0]):
+        if num_special:
+            buf = lax.dynamic_update_slice(buf, x[b : b + 1, :num_special], (b, special_row[b]) + lead)
+        page = x[b : b + 1, num_special:]
+        if page_size > P:  # a page's padding rows are zeros
+            page = jnp.concatenate([page, jnp.zeros((1, page_size - P) + page.shape[2:], page.dtype)], axis=1)
+        buf = lax.dynamic_update_slice(buf, page, (b, patch_row[b]) + lead)
+    return buf
+
+
 def ref_write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int):
-    """The jnp reference: dynamic-update-slices; page rows past the patches get zeros."""
+    """The jnp reference (``jaxkv.frame``'s XLA path): ``write_rows`` on every buffer."""
     _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
-    L, B, tpf, hd = k.shape
-    P = tpf - num_special
-    pad = jnp.zeros((page_size - P, hd), k.dtype)
-
-    def put(buf, x):
-        for b in range(B):
-            if num_special:
-                buf = lax.dynamic_update_slice(buf, x[b, :num_special][None], (b, special_row[b], 0))
-            page = jnp.concatenate([x[b, num_special:], pad]) if page_size > P else x[b, num_special:]
-            buf = lax.dynamic_update_slice(buf, page[None], (b, patch_row[b], 0))
-        return buf
-
-    return tuple(put(k_bufs[l], k[l]) for l in range(L)), tuple(put(v_bufs[l], v[l]) for l in range(L))
+    put = functools.partial(write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special,
+                            page_size=page_size)
+    return tuple(map(put, k_bufs, k)), tuple(map(put, v_bufs, v))
 
 
 def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf):
