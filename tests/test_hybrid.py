@@ -281,10 +281,18 @@ def test_decode_equals_prefill(rng):
             d = np.asarray(dec_out[layer])[:, 0, 0]  # [t, H, D]
             p = np.asarray(pre_out[layer])[0]
             ok = same[:, None, None] if layer == 1 else True
-            # on a GPU an entry may sit one FP8 code apart between the paths (same_bytes), and
-            # the output moves with it: up to ~0.11 seen on an H100, so one code step, 0.25
-            tol = 2e-4 if jax.default_backend() == "cpu" or cfg.compress_ratios[layer] == 0 else 0.25
-            np.testing.assert_allclose(np.where(ok, d, 0), np.where(ok, p, 0), rtol=tol, atol=tol, err_msg=f"{name}: layer {layer}")
+            d, p = np.where(ok, d, 0), np.where(ok, p, 0)
+            if cfg.compress_ratios[layer] == 0:  # raw window only: no quantized entry involved
+                np.testing.assert_allclose(d, p, rtol=2e-4, atol=2e-4, err_msg=f"{name}: layer {layer}")
+                continue
+            # an entry may sit one FP8 code apart between the paths (same_bytes allows it; on a
+            # GPU more often), and the outputs that read it move with it: up to ~0.11 seen on an
+            # H100, so one code step, 0.25. Everything else stays within float noise: on CPU
+            # at most 0.1% of the outputs may be off by more than 2e-4.
+            np.testing.assert_allclose(d, p, rtol=0.25, atol=0.25, err_msg=f"{name}: layer {layer}")
+            if jax.default_backend() == "cpu":
+                loose = np.abs(d - p) > 2e-4 * (1 + np.abs(p))
+                assert loose.mean() < 1e-3, f"{name}: layer {layer}: {loose.mean():.2%} of outputs beyond 2e-4"
 
 
 def test_attention_reference_is_dense_softmax(rng):
