@@ -8,7 +8,9 @@ fraction of the device-to-device copy bandwidth measured in the same run (a 1 Gi
 
 Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x224 and
 518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
-packing of float32 128-dim indexer keys (2M and 64K keys).
+packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
+indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
+requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from _timing import times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
+from jaxkv.hybrid import flush as F  # noqa: E402
+from jaxkv.hybrid.storage import STORAGES  # noqa: E402
 from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
 
 
@@ -80,6 +84,32 @@ def bench_mxfp4(n, iters, interpret=False):
     return rows
 
 
+def bench_flush_write(n, storage, iters):
+    fmt = STORAGES[storage]
+    bs, nb = 64, 2 * n // 64
+    kb = fmt.index_key_bytes(128)
+    key = jax.random.key(3)
+    x = jax.random.normal(key, (n, 512), jnp.bfloat16)
+    xi = jax.random.normal(jax.random.fold_in(key, 1), (n, 128), jnp.bfloat16)
+    cells = jax.random.permutation(jax.random.fold_in(key, 2), nb * bs)[:n].astype(jnp.int32)
+    block, slot = cells // bs, cells % bs
+    moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
+    rows = []
+    for name, fn in (("xla", F.ref_flush_write), ("cuda", F.flush_write)):
+        f = jax.jit(functools.partial(fn, layer=0, storage=storage), donate_argnames=("pool", "index_pool"))
+        box = {"p": (jnp.zeros((1, nb, bs * fmt.entry_bytes), jnp.uint8), jnp.zeros((1, nb, bs * kb), jnp.uint8))}
+
+        def one(i):
+            box["p"] = f(box["p"][0], x=x, block=block, slot=slot, index_pool=box["p"][1], xi=xi)
+            jax.block_until_ready(box["p"])
+
+        for i in range(3):
+            one(i)
+        rows.append((f"CSA flush-write {n} x {storage}", name, moved, statistics.median(times_ms(one, iters))))
+        box.clear()
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
@@ -95,13 +125,17 @@ def main(argv=None):
         rows += bench_frame_append(P, args.layers, args.iters, interpret)
     for n in ((1 << 21, 1 << 16) if not interpret else (256,)):
         rows += bench_mxfp4(n, args.iters, interpret)
-    print(f"\n{'operation':<34} {'impl':<7} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'vs xla':>7}")
+    if not interpret:  # the CUDA kernel needs a GPU
+        for n in (4096, 65536):
+            for storage in ("official", "seed"):
+                rows += bench_flush_write(n, storage, args.iters)
+    print(f"\n{'operation':<36} {'impl':<7} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'vs xla':>7}")
     out = []
     for op, impl, nbytes, ms in rows:
         xla = next(m for o, i, _, m in rows if o == op and i == "xla")
         gbps = nbytes / ms / 1e6
         out.append(dict(operation=op, impl=impl, bytes=nbytes, ms=ms, gbps=gbps, of_copy=gbps / copy))
-        print(f"{op:<34} {impl:<7} {nbytes / 1e6:9.1f} {ms:8.3f} {gbps:8.0f} {gbps / copy:8.2f} {xla / ms:7.2f}")
+        print(f"{op:<36} {impl:<7} {nbytes / 1e6:9.1f} {ms:8.3f} {gbps:8.0f} {gbps / copy:8.2f} {xla / ms:7.2f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_gbps=copy, rows=out), fh, indent=1)

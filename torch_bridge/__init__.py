@@ -1,8 +1,11 @@
-"""PyTorch side of jaxkv: zero-copy DLPack views of jaxkv state.
+"""PyTorch side of jaxkv: zero-copy DLPack views of jaxkv state, a FlashInfer drop-in
+frame manager over jaxkv buffers, and the ``cuda/`` flush kernels for torch callers.
 
-``import jaxkv`` never needs torch; this package does. See ``torch_bridge.dlpack``.
+``import jaxkv`` never needs torch; this package does (FlashInfer is optional).
+See ``torch_bridge.dlpack``, ``torch_bridge.manager``, ``torch_bridge.kernels``.
 """
 
 from torch_bridge.dlpack import from_torch, to_torch
+from torch_bridge.manager import FlashInferKVCacheManager
 
-__all__ = ["from_torch", "to_torch"]
+__all__ = ["FlashInferKVCacheManager", "from_torch", "to_torch"]

@@ -41,8 +41,8 @@ class HybridCache:
     def write_window(self, layer: int, kv):
         return self._done(ops.write_window(self.state, self.step, layer, kv))
 
-    def compress(self, layer: int, kv, score, params, index=None):
-        return self._done(ops.compress(self.state, self.step, layer, kv, score, params, index))
+    def compress(self, layer: int, kv, score, params, index=None, *, impl: str = "auto"):
+        return self._done(ops.compress(self.state, self.step, layer, kv, score, params, index, impl=impl))
 
     def finish(self, slots):
         return self._done(_step.finish(self.state, slots))

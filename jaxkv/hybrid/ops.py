@@ -17,6 +17,7 @@ from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
 from jaxkv.hybrid.config import CSA, HCA
+from jaxkv.hybrid.flush import check_impl, flush_write, ref_flush_write
 from jaxkv.hybrid.rope import rope_freqs
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
@@ -105,8 +106,9 @@ def _rows(x, bias, pos, ratio, overlap, width):
     return x[:, :, None, :]
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
-def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params: CompressorParams, index=None):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("layer", "impl"))
+def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params: CompressorParams, index=None, *,
+             impl: str = "auto"):
     """Append the step's compressor inputs to layer ``layer``'s tails and flush every
     window they complete, for all requests at once (masked; no host check).
 
@@ -118,7 +120,10 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     A flush pools the window (eqs. 11-12 / 20-23), applies RMSNorm and RoPE at
     ``entry * ratio``, quantizes and writes the entry at its block through the
     request's block table (allocated by ``prepare_forward``).
+    impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
+      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi; same bytes), "auto" = "xla".
     """
+    impl = check_impl(impl)
     c = state.config
     kind = check_layer(state, layer, (CSA, HCA))
     csa = kind == CSA
@@ -128,7 +133,6 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     ratio = c.compress_ratios[layer]
     g, j = state.group(layer)
     al = state.alloc[g]
-    fmt = c.storage_format
     _check_inputs(step, kv, score, params, ratio, csa, c.head_dim, "")
     B, T, _ = kv.shape
     pos = step.start[:, None] + jnp.arange(T)[None, :]
@@ -153,17 +157,20 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     blk = al.table[step.slot[:, None], jnp.clip(entry // bs, 0, al.table.shape[1] - 1)]
     write = complete & step.active[:, None]
     missing = jnp.any(write & (blk < 0), axis=1)
-    blk = jnp.where(write & (blk >= 0), blk, al.free.shape[0]).reshape(-1)
-    slot = (entry % bs).reshape(-1)
+    blk = jnp.where(write & (blk >= 0), blk, al.free.shape[0]).reshape(-1).astype(jnp.int32)
+    slot = (entry % bs).reshape(-1).astype(jnp.int32)
     freqs = freqs_of(c)
     x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
-    entries = write_items(state.entries[g], j, blk, slot, fmt.entry.encode(x).reshape(B * nw, -1), fmt.entry.segments)
-    new = dict(tails=_put(state.tails, g, _put(state.tails[g], j, tails)), entries=_put(state.entries, g, entries))
+    write = ref_flush_write if impl == "xla" else flush_write
+    new = dict(tails=_put(state.tails, g, _put(state.tails[g], j, tails)))
     if csa:
-        codec = fmt.index_key(c.index_dim)
         xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,
                       c.rope_dim, True)
-        new["index_keys"] = write_items(state.index_keys, j, blk, slot, codec.encode(xi).reshape(B * nw, -1), codec.segments)
+        entries, new["index_keys"] = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage,
+                                           index_pool=state.index_keys, xi=xi.reshape(B * nw, -1))
+    else:
+        entries = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage)
+    new["entries"] = _put(state.entries, g, entries)
     err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
         record(state.error[step.slot], True, Fault.POOL_EXHAUSTED), mode="drop")
     return state.replace(error=err, **new)

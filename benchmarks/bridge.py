@@ -1,0 +1,98 @@
+"""The drop-in ``torch_bridge.FlashInferKVCacheManager`` against the seed's own manager.
+
+One 24-layer frame step as lingbot-map's aggregator drives a manager: per block
+``append_frame`` + ``evict_frames`` + ``compute_attention`` (FlashInfer FA2, plan once per
+frame, run per block), synchronized once per frame. Both managers run in this process on
+the same GPU and the same random frames, after enough warm-up frames to fill the window
+(8 scale + 64 window); median ms/frame over the timed frames. The last frame's outputs of
+the two are compared (same visible tokens, different page order).
+
+    python benchmarks/bridge.py --seed-file .seeds/lingbot_map_flashinfer_cache.py
+
+The seed's file is not part of this repository (``../shared/seeds/``); pass its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+
+from _timing import times_ms  # noqa: E402
+from torch_bridge import FlashInferKVCacheManager  # noqa: E402
+
+RESOLUTIONS = {"224x224": 262, "518x378": 1005}
+
+
+def load_seed(path):
+    spec = importlib.util.spec_from_file_location("seed_flashinfer_cache", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.FlashInferKVCacheManager
+
+
+def bench(cls, tpf, layers, warm, iters, frames):
+    mgr = cls(num_blocks=layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
+              dtype=torch.bfloat16, device=torch.device("cuda"), max_total_frames=warm + iters + 8)
+    out = {}
+
+    def step(i):
+        k, v, q = frames[i % len(frames)]
+        for b in range(layers):
+            mgr.append_frame(b, k[b], v[b])
+            mgr.evict_frames(b, scale_frames=8, sliding_window=64)
+            out[b] = mgr.compute_attention(b, q[b])
+        torch.cuda.synchronize()
+
+    times = times_ms(step, iters, warmup=warm)
+    return statistics.median(times), out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seed-file", default=".seeds/lingbot_map_flashinfer_cache.py")
+    p.add_argument("--resolutions", nargs="+", default=list(RESOLUTIONS), choices=list(RESOLUTIONS))
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--warm", type=int, default=80)
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    seed_cls = load_seed(args.seed_file)
+    dev = torch.cuda.get_device_name()
+    print(f"device: {dev}  torch {torch.__version__}  jax {jax.__version__}", flush=True)
+    rows = []
+    for res in args.resolutions:
+        tpf = RESOLUTIONS[res]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+                        for _ in range(3)) for _ in range(2)]
+        outs = {}
+        for name, cls in (("seed manager (FA2)", seed_cls), ("jaxkv drop-in (FA2)", FlashInferKVCacheManager)):
+            ms, outs[name] = bench(cls, tpf, args.layers, args.warm, args.iters, frames)
+            rows.append(dict(resolution=res, manager=name, ms_per_frame=ms))
+            print(f"  {res} {name}: {ms:.2f} ms/frame", flush=True)
+            torch.cuda.empty_cache()
+        a, b = outs.values()
+        diff = max(float((a[l].float() - b[l].float()).abs().max()) for l in range(args.layers))
+        rows[-1]["max_abs_diff_vs_seed"] = diff
+    print(f"\n{'resolution':<10} {'manager':<22} {'ms/frame':>9} {'vs seed':>8}")
+    for r in rows:
+        base = next(x["ms_per_frame"] for x in rows if x["resolution"] == r["resolution"] and x["manager"].startswith("seed"))
+        extra = f"   max |out - seed out| {r['max_abs_diff_vs_seed']:.1e}" if "max_abs_diff_vs_seed" in r else ""
+        print(f"{r['resolution']:<10} {r['manager']:<22} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:8.2f}{extra}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(dict(device=dev, rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

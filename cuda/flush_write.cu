@@ -1,0 +1,415 @@
+// DeepSeek-V4 flush kernels for jaxkv's hybrid cache layout (jaxkv/hybrid/state.py).
+//
+//   flush_write  (CSA: entry + indexer key, HCA: entry only)
+//     finished BF16 entries -> FP8 (UE8M0 64-element tiles, or one float32 scale per
+//     entry) + BF16 rope dims, scattered into a layer's paged pool through (block, slot);
+//     CSA also writes the rotated indexer key in MXFP4 or NVFP4. One warp per entry.
+//   csa_rotate_state  after a CSA flush: previous-b <- current-b, current a/b emptied.
+//   hca_reset_state   after an HCA flush: the one stream emptied.
+//
+// Bytes are identical to jaxkv.hybrid.storage's jnp encoders: every step is exact
+// (IEEE div.rn, power-of-two scales, integer FP8/FP4 encoding), NaN handled as they do.
+// Two ways in: XLA FFI handlers (jax.ffi, buffers aliased in place) and extern "C"
+// launchers (ctypes, for torch_bridge). Built by jaxkv/cuda/build.py for sm_90a / sm_100a.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxkv {
+
+constexpr int kHeadDim = 512;   // stored entry: 448 FP8 + 64 BF16 rope dims
+constexpr int kNope = 448;
+constexpr int kTile = 64;       // UE8M0 tile
+constexpr int kIndexDim = 128;  // indexer key width
+constexpr int kRowsPerBlock = 4;  // warps per CTA, one entry each
+
+enum Storage : int32_t { kOfficial = 0, kSeed = 1 };
+
+// Item bytes and segment sizes of each storage family (storage.py's Codec.segments).
+__host__ __device__ constexpr int entry_bytes(int32_t s) { return s == kOfficial ? 584 : 580; }
+__host__ __device__ constexpr int key_bytes(int32_t s) { return s == kOfficial ? 68 : 76; }
+
+// ---- exact scalar helpers (mirror jaxkv/formats/_common.py) ------------------------------
+__device__ __forceinline__ float pow2f(int e) { return __int_as_float((e + 127) << 23); }  // e in [-126, 127]
+
+__device__ __forceinline__ float nanmax(float a, float b) {  // max that keeps NaN (amax_abs)
+  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+}
+
+template <int kWidth>  // reduce over aligned groups of kWidth lanes
+__device__ __forceinline__ float group_amax(float v) {
+#pragma unroll
+  for (int o = 1; o < kWidth; o <<= 1) v = nanmax(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+// float32 -> E4M3 byte: RNE, saturating at 448, subnormals exact, NaN -> 0x7F | sign.
+__device__ __forceinline__ uint8_t fp8_e4m3(float y) {
+  const uint8_t sign = signbit(y) ? 0x80 : 0;
+  if (isnan(y)) return 0x7F | sign;
+  const float a = fminf(fabsf(y), 448.f);
+  int e;
+  frexpf(a, &e);
+  const int ex = a > 0.f ? max(e - 1, -6) : -6;
+  const int steps = static_cast<int>(rintf(a * pow2f(3 - ex)));
+  return static_cast<uint8_t>(min(((ex + 6) << 3) + steps, 0x7E) | sign);
+}
+
+__device__ __forceinline__ float fp8_e4m3_value(uint8_t b) {
+  const int ex = (b >> 3) & 15, m = b & 7;
+  float v = (ex == 15 && m == 7) ? __int_as_float(0x7fc00000)
+            : ex == 0            ? m * pow2f(-9)
+                                 : (8 + m) * pow2f(ex - 10);
+  return (b & 0x80) ? -v : v;
+}
+
+// 2**ceil(log2(v)) as (float, E8M0 byte); non-finite v -> (NaN, 0xFF).
+__device__ __forceinline__ float ue8m0_scale(float v, uint8_t* byte) {
+  if (!isfinite(v)) {
+    *byte = 0xFF;
+    return __int_as_float(0x7fc00000);
+  }
+  int e;
+  const float m = frexpf(v, &e);
+  const int c = min(max(m == 0.5f ? e - 1 : e, -127), 127);
+  *byte = static_cast<uint8_t>(c + 127);
+  return c == -127 ? __int_as_float(1 << 22) : pow2f(c);
+}
+
+// float32 (already scaled) -> E2M1 code, RNE, saturating; NaN -> 7; sign in bit 3.
+__device__ __forceinline__ uint8_t e2m1(float y) {
+  if (isnan(y)) return 7;
+  const float a = fabsf(y);
+  const uint8_t c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return c | (signbit(y) ? 8 : 0);
+}
+
+__device__ __forceinline__ void store16(uint8_t* dst, const uint8_t (&src)[16]) {
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) dst[i] = src[i];
+  }
+}
+
+// ---- flush-write ---------------------------------------------------------------------------
+struct FlushArgs {
+  uint8_t* pool;          // u8[num_blocks, block_size * entry_bytes]  one layer's entry pool
+  uint8_t* index_pool;    // u8[num_blocks, block_size * key_bytes]    one layer's key pool, or null
+  const __nv_bfloat16* x;   // bf16[n, 512]  finished entries (RMSNorm + RoPE applied)
+  const __nv_bfloat16* xi;  // bf16[n, 128]  finished, rotated indexer keys, or null
+  const int32_t* block;   // i32[n]  physical block; rows outside [0, num_blocks) are skipped
+  const int32_t* slot;    // i32[n]  item within the block, in [0, block_size)
+  int64_t n;
+  int64_t num_blocks;
+  int32_t block_size;
+  int32_t storage;
+};
+
+__device__ void write_entry(const FlushArgs& a, int64_t row, int blk, int sl, int lane) {
+  const int bs = a.block_size;
+  uint8_t* base = a.pool + static_cast<int64_t>(blk) * bs * entry_bytes(a.storage);
+  // lane l holds elements [16l, 16l + 16): lanes 0..27 the FP8 part, 28..31 the rope dims.
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
+  uint4 raw[2] = {src[0], src[1]};
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
+  const bool nope = lane < kNope / 16;
+  float v[16];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    v[i] = __bfloat162float(h[i]);
+    if (nope) amax = nanmax(amax, fabsf(v[i]));
+  }
+  uint8_t q[16];
+  if (a.storage == kOfficial) {  // ds_mla: [448 fp8 | 64 bf16] x bs, then [7 UE8M0 + pad] x bs
+    amax = group_amax<kTile / 16>(amax);
+    float t = __fdiv_rn(amax, 448.f);
+    if (!isnan(t)) t = fmaxf(t, 1e-4f);
+    uint8_t byte;
+    const float s = ue8m0_scale(t, &byte);
+    if (nope) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) q[i] = fp8_e4m3(__fdiv_rn(v[i], s));
+      store16(base + sl * 576 + 16 * lane, q);
+      if (lane % 4 == 0) base[bs * 576 + sl * 8 + lane / 4] = byte;
+    } else {
+      uint8_t* dst = base + sl * 576 + kNope + 32 * (lane - kNope / 16);
+      const uint8_t* r = reinterpret_cast<const uint8_t*>(raw);
+      uint8_t lo[16], hi[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) lo[i] = r[i], hi[i] = r[16 + i];
+      store16(dst, lo);
+      store16(dst + 16, hi);
+      if (lane == kNope / 16) base[bs * 576 + sl * 8 + 7] = 0;
+    }
+  } else {  // seed: [448 fp8] x bs, [64 bf16] x bs, [f32 scale] x bs
+    amax = group_amax<32>(amax);
+    const float scale = isfinite(amax) ? __fdiv_rn(amax, 448.f) : __int_as_float(0x7fc00000);
+    if (nope) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) q[i] = scale > 0.f ? fp8_e4m3(__fdiv_rn(v[i], scale)) : 0;
+      store16(base + sl * kNope + 16 * lane, q);
+      if (lane == 0) {
+        const uint32_t bits = __float_as_uint(scale);
+        uint8_t* d = base + bs * 576 + sl * 4;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[i] = (bits >> (8 * i)) & 0xFF;
+      }
+    } else {
+      uint8_t* dst = base + bs * kNope + sl * 128 + 32 * (lane - kNope / 16);
+      const uint8_t* r = reinterpret_cast<const uint8_t*>(raw);
+      uint8_t lo[16], hi[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) lo[i] = r[i], hi[i] = r[16 + i];
+      store16(dst, lo);
+      store16(dst + 16, hi);
+    }
+  }
+}
+
+__device__ void write_index_key(const FlushArgs& a, int64_t row, int blk, int sl, int lane) {
+  const int bs = a.block_size;
+  uint8_t* base = a.index_pool + static_cast<int64_t>(blk) * bs * key_bytes(a.storage);
+  // lane l holds elements [4l, 4l + 4)
+  const uint2 raw = reinterpret_cast<const uint2*>(a.xi + row * kIndexDim)[lane];
+  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
+  float v[4];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) v[i] = __bfloat162float(h[i]), amax = nanmax(amax, fabsf(v[i]));
+  uint8_t c[4];
+  if (a.storage == kOfficial) {  // MXFP4: [64 B codes] x bs, [4 UE8M0] x bs
+    amax = group_amax<8>(amax);  // 32 elements = 8 lanes
+    const float t = isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, 1e-4f), 6.f);
+    uint8_t byte;
+    const float s = ue8m0_scale(t, &byte);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = e2m1(__fdiv_rn(v[i], s));
+    if (lane % 8 == 0) base[bs * 64 + sl * 4 + lane / 8] = byte;
+  } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
+    const float gmax = group_amax<32>(amax);
+    const float g = gmax > 0.f ? __fdiv_rn(gmax, 2688.f) : 1.f;
+    amax = group_amax<4>(amax);  // 16 elements = 4 lanes
+    const float bsc = isfinite(amax) ? __fdiv_rn(__fdiv_rn(amax, 6.f), g) : __int_as_float(0x7fc00000);
+    const uint8_t b8 = fp8_e4m3(bsc);
+    const float denom = fp8_e4m3_value(b8) * g;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? __fdiv_rn(v[i], denom) : 0.f);
+    if (lane % 4 == 0) base[bs * 64 + sl * 8 + lane / 4] = b8;
+    if (lane == 0) {
+      const uint32_t bits = __float_as_uint(g);
+      uint8_t* d = base + bs * 72 + sl * 4;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) d[i] = (bits >> (8 * i)) & 0xFF;
+    }
+  }
+  uint8_t* codes = base + sl * 64 + 2 * lane;
+  codes[0] = c[0] | (c[1] << 4);
+  codes[1] = c[2] | (c[3] << 4);
+}
+
+__global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.n) return;
+  const int32_t blk = a.block[row];
+  const int32_t sl = a.slot[row];
+  if (blk < 0 || blk >= a.num_blocks || sl < 0 || sl >= a.block_size) return;  // warp-uniform
+  write_entry(a, row, blk, sl, lane);
+  if (a.index_pool != nullptr) write_index_key(a, row, blk, sl, lane);
+}
+
+// ---- tail state: CSA rotation, HCA reset ----------------------------------------------------
+// tails: f32[R, streams, 3, width]  per stream the running softmax (M, S, A) (compressor.py).
+// CSA (3 streams: current a, current b, previous b): previous b <- current b, a and b emptied.
+// HCA (1 stream): emptied. Empty = (M, S, A) = (-inf, 0, 0). Rows whose slot is outside
+// [0, R) are skipped.
+__global__ void tail_state_kernel(float* tails, int64_t R, int32_t streams, int32_t width, const int32_t* slot) {
+  const int32_t s = slot[blockIdx.y];
+  if (s < 0 || s >= R) return;
+  const int64_t stream_size = 3LL * width;
+  float* t = tails + s * streams * stream_size;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < stream_size;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float empty = i < width ? -INFINITY : 0.f;  // row M of the triple, else S / A
+    if (streams == 3) t[2 * stream_size + i] = t[stream_size + i];
+    t[i] = empty;
+    if (streams == 3) t[stream_size + i] = empty;
+  }
+}
+
+cudaError_t launch_flush_write(cudaStream_t stream, const FlushArgs& a) {
+  if (a.n == 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>((a.n + kRowsPerBlock - 1) / kRowsPerBlock);
+  flush_write_kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_tail_state(cudaStream_t stream, float* tails, int64_t R, int32_t streams, int32_t width,
+                              const int32_t* slot, int64_t n) {
+  if (n == 0) return cudaSuccess;
+  const unsigned gx = static_cast<unsigned>((3 * width + 255) / 256);
+  tail_state_kernel<<<dim3(gx, static_cast<unsigned>(n)), 256, 0, stream>>>(tails, R, streams, width, slot);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxkv
+
+// ---- C ABI (ctypes; torch_bridge.kernels) -----------------------------------------------------
+extern "C" {
+
+// pool / index_pool point at one layer's pool (index_pool and xi null for HCA).
+int jaxkv_flush_write(void* stream, uint8_t* pool, uint8_t* index_pool, const void* x, const void* xi,
+                      const int32_t* block, const int32_t* slot, int64_t n, int64_t num_blocks, int32_t block_size,
+                      int32_t storage) {
+  jaxkv::FlushArgs a{pool, index_pool, static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(xi),
+                     block, slot, n, num_blocks, block_size, storage};
+  return static_cast<int>(jaxkv::launch_flush_write(static_cast<cudaStream_t>(stream), a));
+}
+
+// streams == 3: CSA rotation; streams == 1: HCA reset.
+int jaxkv_tail_state(void* stream, float* tails, int64_t R, int32_t streams, int32_t width, const int32_t* slot,
+                     int64_t n) {
+  return static_cast<int>(jaxkv::launch_tail_state(static_cast<cudaStream_t>(stream), tails, R, streams, width, slot, n));
+}
+
+}  // extern "C"
+
+// ---- XLA FFI handlers (jax.ffi; jaxkv/cuda/flush.py) ------------------------------------------
+namespace ffi = xla::ffi;
+
+namespace jaxkv {
+// Buffer types without commas, so they can sit inside the handler macros.
+using U8x3 = ffi::Buffer<ffi::U8, 3>;
+using BF16x2 = ffi::Buffer<ffi::BF16, 2>;
+using S32x1 = ffi::Buffer<ffi::S32, 1>;
+using F32x4 = ffi::Buffer<ffi::F32, 4>;
+using Stream = ffi::PlatformStream<cudaStream_t>;
+
+static ffi::Error check_cuda(cudaError_t e) {
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv CUDA kernel: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::U8, 3> index_pool,
+                                  ffi::Buffer<ffi::BF16, 2> x, ffi::Buffer<ffi::BF16, 2> xi,
+                                  ffi::Buffer<ffi::S32, 1> block, ffi::Buffer<ffi::S32, 1> slot,
+                                  ffi::ResultBuffer<ffi::U8, 3> pool_out, ffi::ResultBuffer<ffi::U8, 3> index_out,
+                                  int32_t layer, int32_t block_size, int32_t storage, bool with_index) {
+  const auto pd = pool.dimensions();
+  const int64_t n = x.dimensions()[0];
+  if (storage != kOfficial && storage != kSeed) return ffi::Error::InvalidArgument("storage: expected 0 or 1");
+  if (x.dimensions()[1] != kHeadDim) return ffi::Error::InvalidArgument("x: expected bf16[n, 512]");
+  if (block.dimensions()[0] != n || slot.dimensions()[0] != n)
+    return ffi::Error::InvalidArgument("block, slot: expected i32[n] with n = x.shape[0]");
+  if (layer < 0 || layer >= pd[0]) return ffi::Error::InvalidArgument("layer: out of range of the pool");
+  if (pd[2] != static_cast<int64_t>(block_size) * entry_bytes(storage))
+    return ffi::Error::InvalidArgument("pool: last axis must be block_size * entry bytes");
+  if (with_index) {
+    const auto id = index_pool.dimensions();
+    if (xi.dimensions()[0] != n || xi.dimensions()[1] != kIndexDim)
+      return ffi::Error::InvalidArgument("xi: expected bf16[n, 128]");
+    if (id[0] != pd[0] || id[1] != pd[1] || id[2] != static_cast<int64_t>(block_size) * key_bytes(storage))
+      return ffi::Error::InvalidArgument("index_pool: expected u8[layers, num_blocks, block_size * key bytes]");
+  }
+  // Aliased: XLA hands the same buffer in and out. Copy if it ever does not.
+  if (pool_out->untyped_data() != pool.untyped_data())
+    cudaMemcpyAsync(pool_out->untyped_data(), pool.untyped_data(), pool.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  if (with_index && index_out->untyped_data() != index_pool.untyped_data())
+    cudaMemcpyAsync(index_out->untyped_data(), index_pool.untyped_data(), index_pool.size_bytes(),
+                    cudaMemcpyDeviceToDevice, stream);
+  const int64_t layer_bytes = pd[1] * pd[2];
+  FlushArgs a{pool_out->typed_data() + layer * layer_bytes,
+              with_index ? index_out->typed_data() + layer * index_pool.dimensions()[1] * index_pool.dimensions()[2]
+                         : nullptr,
+              reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
+              with_index ? reinterpret_cast<const __nv_bfloat16*>(xi.untyped_data()) : nullptr,
+              block.typed_data(), slot.typed_data(), n, pd[1], block_size, storage};
+  return check_cuda(launch_flush_write(stream, a));
+}
+
+static ffi::Error flush_write_csa(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::U8, 3> index_pool,
+                                  ffi::Buffer<ffi::BF16, 2> x, ffi::Buffer<ffi::BF16, 2> xi,
+                                  ffi::Buffer<ffi::S32, 1> block, ffi::Buffer<ffi::S32, 1> slot,
+                                  ffi::ResultBuffer<ffi::U8, 3> pool_out, ffi::ResultBuffer<ffi::U8, 3> index_out,
+                                  int32_t layer, int32_t block_size, int32_t storage) {
+  return flush_write_ffi(stream, pool, index_pool, x, xi, block, slot, pool_out, index_out, layer, block_size, storage,
+                         true);
+}
+
+static ffi::Error flush_write_hca(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::BF16, 2> x,
+                                  ffi::Buffer<ffi::S32, 1> block, ffi::Buffer<ffi::S32, 1> slot,
+                                  ffi::ResultBuffer<ffi::U8, 3> pool_out, int32_t layer, int32_t block_size,
+                                  int32_t storage) {
+  return flush_write_ffi(stream, pool, pool, x, x, block, slot, pool_out, pool_out, layer, block_size, storage, false);
+}
+
+static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
+                                 ffi::ResultBuffer<ffi::F32, 4> out, int32_t streams) {
+  const auto d = tails.dimensions();
+  if (d[1] != streams || d[2] != 3)
+    return ffi::Error::InvalidArgument(streams == 3 ? "tails: expected f32[R, 3, 3, width] (a CSA tail)"
+                                                    : "tails: expected f32[R, 1, 3, width] (an HCA tail)");
+  if (out->untyped_data() != tails.untyped_data())
+    cudaMemcpyAsync(out->untyped_data(), tails.untyped_data(), tails.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  return check_cuda(launch_tail_state(stream, out->typed_data(), d[0], streams, static_cast<int32_t>(d[3]),
+                                      slot.typed_data(), slot.dimensions()[0]));
+}
+
+static ffi::Error csa_rotate_state(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
+                                   ffi::ResultBuffer<ffi::F32, 4> out) {
+  return tail_state_ffi(stream, tails, slot, out, 3);
+}
+
+static ffi::Error hca_reset_state(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
+                                  ffi::ResultBuffer<ffi::F32, 4> out) {
+  return tail_state_ffi(stream, tails, slot, out, 1);
+}
+
+}  // namespace jaxkv
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteCsa, jaxkv::flush_write_csa,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::U8x3>()    // pool
+                                  .Arg<jaxkv::U8x3>()    // index_pool
+                                  .Arg<jaxkv::BF16x2>()  // x
+                                  .Arg<jaxkv::BF16x2>()  // xi
+                                  .Arg<jaxkv::S32x1>()   // block
+                                  .Arg<jaxkv::S32x1>()   // slot
+                                  .Ret<jaxkv::U8x3>()    // pool (aliased)
+                                  .Ret<jaxkv::U8x3>()    // index_pool (aliased)
+                                  .Attr<int32_t>("layer")
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<int32_t>("storage"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteHca, jaxkv::flush_write_hca,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::U8x3>()    // pool
+                                  .Arg<jaxkv::BF16x2>()  // x
+                                  .Arg<jaxkv::S32x1>()   // block
+                                  .Arg<jaxkv::S32x1>()   // slot
+                                  .Ret<jaxkv::U8x3>()    // pool (aliased)
+                                  .Attr<int32_t>("layer")
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<int32_t>("storage"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCsaRotateState, jaxkv::csa_rotate_state,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::F32x4>()  // tails
+                                  .Arg<jaxkv::S32x1>()  // slot
+                                  .Ret<jaxkv::F32x4>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvHcaResetState, jaxkv::hca_reset_state,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::F32x4>()  // tails
+                                  .Arg<jaxkv::S32x1>()  // slot
+                                  .Ret<jaxkv::F32x4>());

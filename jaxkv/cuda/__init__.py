@@ -1,0 +1,45 @@
+"""The ``cuda/`` kernels: built with nvcc on first use (``build``) and registered as XLA
+FFI targets, so jitted JAX reaches them through ``jax.ffi`` (``jaxkv.hybrid.flush``) and
+PyTorch through ``ctypes`` (``torch_bridge.kernels``), on the same buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from jaxkv.cuda.build import ARCHS, BuildError, arch_of, build, check_compile, library
+
+# FFI target name -> exported handler symbol (cuda/flush_write.cu)
+FFI_TARGETS = {
+    "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
+    "jaxkv_flush_write_hca": "JaxkvFlushWriteHca",
+    "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
+    "jaxkv_hca_reset_state": "JaxkvHcaResetState",
+}
+
+
+def device_arch() -> str:
+    """The arch of jax's first GPU ("90a" on an H100); ValueError without one."""
+    import jax
+
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus:
+        raise ValueError("impl='cuda': expected a CUDA GPU visible to jax, found none (use impl='xla')")
+    return arch_of(gpus[0].compute_capability)
+
+
+@functools.lru_cache(maxsize=None)
+def register_ffi_targets() -> str:
+    """Build (or load from the cache) the library for this GPU and register its FFI
+    targets with jax, once per process. Returns the arch."""
+    import jax
+
+    arch = device_arch()
+    lib = library(arch)
+    for name, symbol in FFI_TARGETS.items():
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+    return arch
+
+
+__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "arch_of", "build", "check_compile", "device_arch", "library",
+           "register_ffi_targets"]

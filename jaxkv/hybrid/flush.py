@@ -1,0 +1,152 @@
+"""The write half of a CSA / HCA flush, and the tail-state update after it.
+
+``flush_write`` quantizes finished entries (RMSNorm and RoPE applied; for CSA also the
+rotated indexer keys) in the cache's storage family and scatters them into one layer of a
+paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
+request's tail on after its flush. Each has a jnp reference (``ref_…``; what
+``hybrid.compress`` runs with ``impl="xla"``) and a CUDA kernel from
+``cuda/flush_write.cu`` reached through ``jax.ffi``, buffers aliased in place; the two
+give the same bytes.
+
+Shapes (``L`` layers of the pool, ``NB`` blocks, ``bs`` entries per block, ``E`` / ``K``
+entry / key bytes of the storage family):
+
+    pool:       u8[L, NB, bs * E]      index_pool: u8[L, NB, bs * K]  (CSA only)
+    x:          bf16[N, 512]           xi:         bf16[N, 128]       (CSA only)
+    block:      i32[N]  physical block; rows outside [0, NB) are not written
+    slot:       i32[N]  entry within the block, in [0, bs)
+    tails:      f32[R, streams, 3, width]   (CSA 3 streams, HCA 1; see ``compressor``)
+    tail_slot:  i32[B]  request slots to move on; outside [0, R) skipped; distinct
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.hybrid.compressor import CUR_B, empty_tail
+from jaxkv.hybrid.storage import STORAGES, write_items
+
+IMPLS = ("auto", "xla", "cuda")
+_STORAGE_CODE = {"official": 0, "seed": 1}
+
+
+# --- validators -----------------------------------------------------------------------------
+def check_impl(impl: str) -> str:
+    """Resolve ``impl``: "auto" is "xla" (the CUDA kernels need nvcc at first use; ask for them)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    return "xla" if impl == "auto" else impl
+
+
+def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
+    if storage not in STORAGES:
+        raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}")
+    fmt = STORAGES[storage]
+    if pool.ndim != 3 or pool.dtype != jnp.uint8 or pool.shape[-1] % fmt.entry_bytes:
+        raise ValueError(f"pool: expected u8[layers, blocks, block_size * {fmt.entry_bytes}], "
+                         f"got {pool.dtype}{list(pool.shape)}")
+    if not isinstance(layer, (int, np.integer)) or not 0 <= layer < pool.shape[0]:
+        raise ValueError(f"layer: expected a static int in [0, {pool.shape[0]}), got {layer!r}")
+    if x.ndim != 2 or x.shape[1] != 512 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bf16[N, 512], got {x.dtype}{list(x.shape)}")
+    n = x.shape[0]
+    for name, a in (("block", block), ("slot", slot)):
+        if a.shape != (n,) or a.dtype != jnp.int32:
+            raise ValueError(f"{name}: expected i32[{n}], got {a.dtype}{list(a.shape)}")
+    if (index_pool is None) != (xi is None):
+        raise ValueError("index_pool, xi: expected both (a CSA layer) or neither (HCA)")
+    if index_pool is not None:
+        kb = fmt.index_key_bytes(128)
+        bs = pool.shape[-1] // fmt.entry_bytes
+        if index_pool.dtype != jnp.uint8 or index_pool.shape != (*pool.shape[:2], bs * kb):
+            raise ValueError(f"index_pool: expected u8{[*pool.shape[:2], bs * kb]}, got "
+                             f"{index_pool.dtype}{list(index_pool.shape)}")
+        if xi.shape != (n, 128) or xi.dtype != jnp.bfloat16:
+            raise ValueError(f"xi: expected bf16[{n}, 128], got {xi.dtype}{list(xi.shape)}")
+    return fmt
+
+
+def _check_tails(tails, tail_slot, streams):
+    if tails.ndim != 4 or tails.dtype != jnp.float32 or tails.shape[1:3] != (streams, 3):
+        what = "CSA" if streams == 3 else "HCA"
+        raise ValueError(f"tails: expected f32[R, {streams}, 3, width] (an {what} tail), got "
+                         f"{tails.dtype}{list(tails.shape)}")
+    if tail_slot.ndim != 1 or tail_slot.dtype != jnp.int32:
+        raise ValueError(f"tail_slot: expected i32[B], got {tail_slot.dtype}{list(tail_slot.shape)}")
+
+
+# --- flush-write ------------------------------------------------------------------------------
+def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
+    """jnp reference: the storage family's encoders, scattered with ``write_items``.
+    Returns the new pool, or ``(pool, index_pool)`` for CSA."""
+    fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
+    pool = write_items(pool, layer, block, slot, fmt.entry.encode(x), fmt.entry.segments)
+    if index_pool is None:
+        return pool
+    codec = fmt.index_key(xi.shape[-1])
+    return pool, write_items(index_pool, layer, block, slot, codec.encode(xi), codec.segments)
+
+
+def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
+    """The CUDA kernel (one warp per entry), in place on ``pool`` / ``index_pool``; same
+    arguments and result as ``ref_flush_write``. Needs a GPU and nvcc (first use builds)."""
+    from jaxkv.cuda import register_ffi_targets
+
+    fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
+    register_ffi_targets()
+    attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // fmt.entry_bytes),
+                 storage=np.int32(_STORAGE_CODE[storage]))
+    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
+    if index_pool is None:
+        return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(pool, x, block, slot, **attrs)
+    outs = (out, jax.ShapeDtypeStruct(index_pool.shape, index_pool.dtype))
+    pool, index_pool = jax.ffi.ffi_call("jaxkv_flush_write_csa", outs, input_output_aliases={0: 0, 1: 1})(
+        pool, index_pool, x, xi, block, slot, **attrs)
+    return pool, index_pool
+
+
+# --- tail state after a flush -------------------------------------------------------------------
+def _skip(tail_slot, R):
+    return jnp.where((tail_slot >= 0) & (tail_slot < R), tail_slot, R)
+
+
+def ref_csa_rotate_state(tails, tail_slot):
+    """CSA: previous-b <- current-b, current a and b emptied, for each listed request."""
+    _check_tails(tails, tail_slot, 3)
+    R, _, _, w = tails.shape
+    cur_b = tails[jnp.clip(tail_slot, 0, R - 1), CUR_B]  # f32[B, 3, w]
+    new = jnp.concatenate([empty_tail(tail_slot.shape, 2, w), cur_b[:, None]], axis=1)
+    return tails.at[_skip(tail_slot, R)].set(new, mode="drop")
+
+
+def ref_hca_reset_state(tails, tail_slot):
+    """HCA: the stream emptied, for each listed request."""
+    _check_tails(tails, tail_slot, 1)
+    R, _, _, w = tails.shape
+    return tails.at[_skip(tail_slot, R)].set(empty_tail(tail_slot.shape, 1, w), mode="drop")
+
+
+def _tail_call(name, tails, tail_slot):
+    from jaxkv.cuda import register_ffi_targets
+
+    register_ffi_targets()
+    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(tails.shape, tails.dtype), input_output_aliases={0: 0})(
+        tails, tail_slot)
+
+
+def csa_rotate_state(tails, tail_slot):
+    """The CUDA kernel of ``ref_csa_rotate_state``, in place."""
+    _check_tails(tails, tail_slot, 3)
+    return _tail_call("jaxkv_csa_rotate_state", tails, tail_slot)
+
+
+def hca_reset_state(tails, tail_slot):
+    """The CUDA kernel of ``ref_hca_reset_state``, in place."""
+    _check_tails(tails, tail_slot, 1)
+    return _tail_call("jaxkv_hca_reset_state", tails, tail_slot)
+
+
+__all__ = ["check_impl", "csa_rotate_state", "flush_write", "hca_reset_state", "ref_csa_rotate_state",
+           "ref_flush_write", "ref_hca_reset_state"]

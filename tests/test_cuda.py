@@ -1,0 +1,191 @@
+"""cuda/flush_write.cu: it compiles for sm_90a and sm_100a (CI, no GPU), and on a GPU its
+bytes equal the jnp flush (jaxkv.hybrid.flush refs) through jax.ffi and through torch."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import cuda
+from jaxkv import hybrid as H
+from jaxkv.hybrid import flush as F
+from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B
+
+import hybrid_driver as D
+
+
+def test_kernels_compile_for_sm90a_and_sm100a():
+    if shutil.which("nvcc") is None and not os.environ.get("NVCC"):
+        if os.environ.get("CI"):
+            pytest.fail("CI must compile cuda/ but nvcc is not on PATH")
+        pytest.skip("nvcc not found")
+    cuda.check_compile(("90a", "100a"))  # raises BuildError with nvcc's output
+
+
+def test_arch_of():
+    assert cuda.arch_of("9.0") == "90a" and cuda.arch_of((10, 0)) == "100a" and cuda.arch_of((8, 6)) == "86"
+
+
+# --- the jnp references ---------------------------------------------------------------------------
+def _tails(rng, R, streams, w):
+    t = rng.normal(size=(R, streams, 3, w)).astype(np.float32)
+    t[:, :, 0][rng.random((R, streams, w)) < 0.1] = -np.inf  # some empty channels
+    return jnp.asarray(t)
+
+
+def test_ref_tail_state(rng):
+    R, w = 5, 24
+    tails = _tails(rng, R, 3, w)
+    slots = jnp.asarray([3, 0, R, -1], jnp.int32)  # R and -1: skipped
+    out = np.asarray(F.ref_csa_rotate_state(tails, slots))
+    t = np.asarray(tails)
+    for s in range(R):
+        if s in (3, 0):
+            np.testing.assert_array_equal(out[s, PREV_B], t[s, CUR_B])
+            for st in (CUR_A, CUR_B):
+                assert np.all(out[s, st, 0] == -np.inf) and not out[s, st, 1:].any()
+        else:
+            np.testing.assert_array_equal(out[s], t[s])
+    h = _tails(rng, R, 1, w)
+    out = np.asarray(F.ref_hca_reset_state(h, jnp.asarray([2], jnp.int32)))
+    assert np.all(out[2, 0, 0] == -np.inf) and not out[2, 0, 1:].any()
+    np.testing.assert_array_equal(np.delete(out, 2, 0), np.delete(np.asarray(h), 2, 0))
+
+
+def test_flush_bad_inputs(rng):
+    pool = jnp.zeros((2, 4, 16 * 584), jnp.uint8)
+    x = jnp.ones((3, 512), jnp.bfloat16)
+    blk = slot = jnp.zeros((3,), jnp.int32)
+    with pytest.raises(ValueError, match="layer"):
+        F.ref_flush_write(pool, 2, x, blk, slot, storage="official")
+    with pytest.raises(ValueError, match="x: expected bf16"):
+        F.ref_flush_write(pool, 0, x.astype(jnp.float32), blk, slot, storage="official")
+    with pytest.raises(ValueError, match="block"):
+        F.ref_flush_write(pool, 0, x, blk[:2], slot, storage="official")
+    with pytest.raises(ValueError, match="pool"):
+        F.ref_flush_write(pool, 0, x, blk, slot, storage="seed")  # 584 is not a multiple of 580
+    with pytest.raises(ValueError, match="index_pool, xi"):
+        F.ref_flush_write(pool, 0, x, blk, slot, storage="official", xi=jnp.ones((3, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="tails"):
+        F.ref_csa_rotate_state(_tails(rng, 2, 1, 8), slot)
+    with pytest.raises(ValueError, match="impl"):
+        F.check_impl("triton")
+
+
+# --- on the GPU: kernel == reference, bit for bit ---------------------------------------------------
+def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
+    fmt = H.STORAGES[storage]
+    x = rng.normal(size=(N, 512)) * 10.0 ** rng.uniform(-3, 2, size=(N, 1))
+    x[0, :64] = 0  # an all-zero tile (clamped scale)
+    x[1, 64:128] *= 1e-7  # a tile below the 1e-4 clamp
+    x[2, :448] *= 1e4  # saturating magnitudes
+    x[3, 100] = np.inf
+    x[4, 5] = np.nan
+    xi = rng.normal(size=(N, 128)) * 10.0 ** rng.uniform(-3, 2, size=(N, 1))
+    xi[5, :32] = 0
+    xi[6, 40] = np.nan
+    # distinct (block, slot) per row; some rows go nowhere (block -1 or NB)
+    cells = rng.permutation(NB * bs)[:N]
+    block, slot = (cells // bs).astype(np.int32), (cells % bs).astype(np.int32)
+    block[rng.random(N) < 0.1] = -1
+    block[7] = NB
+    pool = jnp.asarray(rng.integers(0, 256, size=(L, NB, bs * fmt.entry_bytes), dtype=np.uint8))
+    args = dict(x=jnp.asarray(x, jnp.bfloat16), block=jnp.asarray(block), slot=jnp.asarray(slot))
+    if csa:
+        kb = fmt.index_key_bytes(128)
+        args.update(index_pool=jnp.asarray(rng.integers(0, 256, size=(L, NB, bs * kb), dtype=np.uint8)),
+                    xi=jnp.asarray(xi, jnp.bfloat16))
+    return pool, args
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["official", "seed"])
+@pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
+def test_cuda_flush_write_equals_jnp(rng, storage, csa):
+    pool, args = _flush_case(rng, storage, csa)
+    want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
+    kernel = jax.jit(functools.partial(F.flush_write, layer=1, storage=storage), donate_argnums=0)
+    got = kernel(jnp.array(pool), **{k: (jnp.array(v) if k == "index_pool" else v) for k, v in args.items()})
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert not np.array_equal(np.asarray(jax.tree_util.tree_leaves(want)[0]), np.asarray(pool))  # it wrote
+
+
+@pytest.mark.gpu
+def test_cuda_tail_state_equals_jnp(rng):
+    R = 64
+    slots = jnp.asarray(np.concatenate([rng.permutation(R)[:20], [R, -3]]).astype(np.int32))
+    for streams, w, ref, kern in ((3, 640, F.ref_csa_rotate_state, F.csa_rotate_state),
+                                  (1, 512, F.ref_hca_reset_state, F.hca_reset_state)):
+        tails = _tails(rng, R, streams, w)
+        want = jax.jit(ref)(tails, slots)
+        got = jax.jit(kern, donate_argnums=0)(jnp.array(tails), slots)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["official", "seed"])
+def test_compress_cuda_equals_xla(rng, storage):
+    """A prefill chunk then decode steps, rows at different positions: same cache bytes."""
+    c = dataclasses.replace(H.HybridConfig(compress_ratios=(4, 128), window=32, index_heads=4, top_k=16,
+                                           block_size=16, max_requests=3, max_context=1024), storage=storage)
+    params = D.make_params(c, rng)
+    B = 3
+    pre = D.make_inputs(c, rng, B, 300)
+    states = {}
+    for impl in ("xla", "cuda"):
+        st = H.init(c)
+        lens = np.array([300, 131, 257])
+        st, step = H.prepare_forward(st, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.asarray(lens), chunk=300)
+        st = _compress_all(st, step, pre, params, impl)
+        pos = lens.copy()
+        for t in range(12):
+            st, step = H.prepare_forward(st, jnp.arange(B), jnp.asarray(pos), chunk=1)
+            st = _compress_all(st, step, D.slice_tokens(pre, t, t + 1), params, impl)
+            pos += 1
+        states[impl] = st
+    for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["cuda"])):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+
+
+def _compress_all(st, step, x, params, impl):
+    for layer in st.config.compressed_layers:
+        xl, p = x[layer], params[layer]
+        index = (xl["ikv"], xl["iscore"], p["index"]) if "index" in p else None
+        st = H.compress(st, step, layer, xl["ckv"], xl["cscore"], p["main"], index, impl=impl)
+    return st
+
+
+# --- the same kernels from torch, on views of jax buffers ----------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["official", "seed"])
+def test_torch_flush_write_on_jax_buffers(rng, storage):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    from torch_bridge import kernels as K
+    from torch_bridge import to_torch
+
+    pool, args = _flush_case(rng, storage, True)
+    want_pool, want_index = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
+    jpool, jindex = jnp.array(pool), jnp.array(args["index_pool"])
+    tp, ti = to_torch(jpool), to_torch(jindex)
+    K.flush_write(tp[1], to_torch(args["x"]), to_torch(args["block"]), to_torch(args["slot"]), storage=storage,
+                  index_pool=ti[1], xi=to_torch(args["xi"]))
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(np.asarray(jpool), np.asarray(want_pool))  # the jax arrays see torch's writes
+    np.testing.assert_array_equal(np.asarray(jindex), np.asarray(want_index))
+    tails = _tails(rng, 8, 3, 640)
+    slots = jnp.asarray([5, 1], jnp.int32)
+    want = F.ref_csa_rotate_state(tails, slots)
+    jt = jnp.array(tails)
+    K.csa_rotate_state(to_torch(jt), to_torch(slots))
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(np.asarray(jt), np.asarray(want))

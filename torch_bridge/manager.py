@@ -1,0 +1,367 @@
+"""A drop-in for lingbot-map's ``FlashInferKVCacheManager`` whose buffers are jaxkv's.
+
+Same constructor arguments, methods and attributes as the seed's manager, so an
+aggregator switches by changing an import. Underneath:
+
+* The K/V buffers are a ``jaxkv.frame.FrameCacheState`` (one page structure for every
+  block). A frame starts when the first block appends it (``frame.begin_frame``: rows,
+  eviction and counters once per frame, on the device); each block's ``append_frame``
+  then writes its K/V into those rows with a small jitted writer that donates only that
+  block's two buffers.
+* Attention is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over zero-copy torch
+  views of those buffers (``[max_pages, page_size, H, D]`` each for K and V), planned once
+  per frame step and run per block. Without FlashInfer (or on CPU) it is jaxkv's own
+  attention; ``force_fp32`` uses jaxkv's float32 reference, as the seed's fp32 path does.
+* The manager mirrors the page structure's counts on the host (they follow from the
+  calls alone), so planning needs no device->host copy: the page ids stay on the device.
+
+Differences from the seed, all deliberate:
+* Blocks share one page structure. A block that falls behind (the seed's
+  ``_sanity_check`` appends 100 frames to block 0 before block 1) writes each frame into
+  the rows where that frame's tokens are now, and drops what was already evicted; a
+  block's attention reads the shared structure.
+* Eviction happens inside ``append_frame`` (``evict_frames`` only checks its arguments).
+  So ``rollback_last_frame`` needs the frame to have been appended with
+  ``_defer_eviction = True`` (keyframe selection does exactly that); otherwise it raises.
+* Special capacity grows on demand (``max_total_frames`` is the initial size), instead
+  of an ``assert`` when it runs out.
+* With ``fa3=True`` pages are rounded up to a power of two and, as in the seed, the zero
+  padding rows of each patch page are part of the keys FlashInfer attends to (jaxkv's
+  own attention masks them).
+
+Ownership: jaxkv owns every buffer. Torch views are taken per call and dropped before
+the next jaxkv update (a donated buffer must have no live view; see ``torch_bridge.dlpack``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from jaxkv import frame
+from jaxkv.errors import check as _check
+from jaxkv.frame.state import IN_SLOT, NONE, STAGED
+from jaxkv.kernels.frame_append import write_rows
+from torch_bridge.dlpack import from_torch, to_torch
+
+try:
+    import flashinfer
+
+    FLASHINFER_AVAILABLE = True
+except ImportError:  # jaxkv's own attention is used instead
+    flashinfer = None
+    FLASHINFER_AVAILABLE = False
+
+_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("num_special", "page_size"))
+def _write_block(kbuf, vbuf, k, v, special_row, patch_row, *, num_special, page_size):
+    """One block's frame into its buffers at the rows begin_frame chose (in place).
+    kbuf, vbuf: dtype[1, T, H, D]; k, v: dtype[1, NS + P, H, D]; rows: i32[1]."""
+    put = functools.partial(write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special,
+                            page_size=page_size)
+    return put(kbuf, k), put(vbuf, v)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames="tokens_per_frame")
+def _write_block_late(kbuf, vbuf, token_id, k, v, frame_index, *, tokens_per_frame):
+    """A lagging block's frame ``frame_index`` into the rows its tokens occupy now (the
+    rows' token ids say which), dropping evicted tokens. One pass over the buffer."""
+    hit = (token_id >= 0) & (token_id // tokens_per_frame == frame_index)  # [1, T]
+    src = jnp.clip(token_id % tokens_per_frame, 0, tokens_per_frame - 1)
+    take = lambda buf, x: jnp.where(hit[..., None, None], x[0][src[0]][None], buf)  # noqa: E731
+    return take(kbuf, k), take(vbuf, v)
+
+
+class _Pages:
+    """Host mirror of the shared page structure's counts (as ``jaxkv.frame`` keeps them on
+    the device), so the page count and ``last_page_len`` are known without a sync."""
+
+    def __init__(self, spec):
+        self.spec = spec
+        self.reset()
+
+    def reset(self):
+        self.frames = self.num_scale = self.num_window = self.num_special = 0
+        self.pending = NONE
+        self.version = 0  # bumps on every change: a new plan is needed
+
+    def begin(self, defer: bool):
+        s = self.spec
+        room = self.num_scale + self.num_window < s.scale_frames + s.sliding_window
+        if room:
+            if self.num_scale < s.scale_frames:
+                self.num_scale += 1
+            else:
+                self.num_window += 1
+        self.num_special += s.num_special
+        self.frames += 1
+        self.pending = (IN_SLOT if room else STAGED) if defer else NONE
+        self.version += 1
+
+    def resolve(self, keep: bool):
+        if not keep:
+            self.frames -= 1
+            self.num_special -= self.spec.num_special
+            if self.pending == IN_SLOT:
+                if self.num_window:
+                    self.num_window -= 1
+                else:
+                    self.num_scale -= 1
+        self.pending = NONE
+        self.version += 1
+
+    def tail_rows(self) -> int:
+        staged = self.spec.patches_per_frame if self.pending == STAGED else 0
+        return self.num_special + staged
+
+    def num_pages(self) -> int:
+        return self.num_scale + self.num_window + -(-self.tail_rows() // self.spec.page_size)
+
+    def last_page_len(self) -> int:
+        t = self.tail_rows()
+        return self.spec.patches_per_frame if t == 0 else (t - 1) % self.spec.page_size + 1
+
+
+class FlashInferKVCacheManager:
+    """Two-stream paged KV cache (pinned scale pages, a sliding window of patch pages,
+    append-only specials) over jaxkv buffers. Arguments as the seed's manager:
+
+    num_blocks: transformer blocks (one K and one V buffer each).
+    max_num_frames: accepted for compatibility (capacity follows scale_frames + sliding_window).
+    tokens_per_frame: specials + patches per frame (e.g. 262 = 6 + 256).
+    num_heads, head_dim: KV heads (= query heads) and their width.
+    dtype: storage dtype (float32 becomes bfloat16 unless ``force_fp32``).
+    device: where the buffers live (a CUDA device for FlashInfer).
+    num_special_tokens, scale_frames, sliding_window: the cache's policy.
+    max_total_frames: initial special capacity in frames (grows on demand).
+    force_fp32: float32 storage and jaxkv's float32 reference attention.
+    fa3: FlashInfer's FA3 backend (power-of-two pages).
+    """
+
+    def __init__(self, num_blocks: int, max_num_frames: int, tokens_per_frame: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device, num_special_tokens: int = 6, scale_frames: int = 8,
+                 sliding_window: int = 64, max_total_frames: int = 2048, force_fp32: bool = False, fa3: bool = False):
+        patches = tokens_per_frame - num_special_tokens
+        if patches <= 0:
+            raise ValueError(f"tokens_per_frame: expected more than num_special_tokens={num_special_tokens}, "
+                             f"got {tokens_per_frame}")
+        self.force_fp32 = force_fp32
+        dtype = torch.float32 if force_fp32 else (torch.bfloat16 if dtype == torch.float32 else dtype)
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: expected torch.bfloat16, float16 or float32, got {dtype}")
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_blocks = num_blocks
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.tokens_per_frame = tokens_per_frame
+        self.num_special_tokens = num_special_tokens
+        self.patches_per_frame = patches
+        self.scale_frames, self.sliding_window = scale_frames, sliding_window
+        self.max_num_frames = max_num_frames
+        self.fa3 = fa3
+        spec = frame.FrameSpec(num_layers=num_blocks, num_heads=num_heads, head_dim=head_dim,
+                               patches_per_frame=patches, num_special=num_special_tokens, scale_frames=scale_frames,
+                               sliding_window=sliding_window, max_frames=max(1, max_total_frames),
+                               dtype=_DTYPES[dtype], pow2_pages=fa3)
+        self.page_size = spec.page_size
+        self.max_patch_pages = spec.num_slots
+        self._jax_device = self._jax_device_for(self.device)
+        with jax.default_device(self._jax_device):
+            self.state = frame.init(spec)
+        self._pages = _Pages(spec)
+        self.frame_count: List[int] = [0] * num_blocks
+        self._frame_open = False  # the shared frame's write rows are valid
+        self._defer_eviction: bool = False
+        self._planned = None
+        self.backend = "jaxkv-reference" if force_fp32 else (
+            ("flashinfer-fa3" if fa3 else "flashinfer-fa2") if FLASHINFER_AVAILABLE and self.device.type == "cuda"
+            else "jaxkv")
+        if self.backend.startswith("flashinfer"):
+            self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
+            self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace_buffer, kv_layout="NHD", backend="fa3" if fa3 else "fa2")
+            self._qo_indptr = torch.tensor([0, tokens_per_frame], dtype=torch.int32)  # host: plan needs no sync
+
+    @staticmethod
+    def _jax_device_for(device: torch.device):
+        if device.type == "cuda":
+            gpus = [d for d in jax.devices() if d.platform == "gpu"]
+            if not gpus:
+                raise ValueError(f"device: {device} requested but jax sees no GPU")
+            return gpus[device.index or 0]
+        return jax.devices("cpu")[0]
+
+    @property
+    def spec(self) -> frame.FrameSpec:
+        return self.state.spec
+
+    # ---------------------------------------------------------------- checks
+    def _block(self, block_idx) -> int:
+        if not isinstance(block_idx, (int, np.integer)) or not 0 <= block_idx < self.num_blocks:
+            raise ValueError(f"block_idx: expected an int in [0, {self.num_blocks}), got {block_idx!r}")
+        return int(block_idx)
+
+    def _frame_tensor(self, name, x):
+        want = (self.tokens_per_frame, self.num_heads, self.head_dim)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name}: expected a tensor of shape {want} ([tokens_per_frame, H, D], specials "
+                             f"first), got {got}")
+        if x.device != self.device:
+            raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
+        return from_torch(x.to(self.dtype).contiguous()[None])
+
+    # ---------------------------------------------------------------- public API
+    def append_frame(self, block_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append one frame's K/V ([tokens_per_frame, H, D], specials first) to ``block_idx``."""
+        b = self._block(block_idx)
+        kj, vj = self._frame_tensor("k", k), self._frame_tensor("v", v)
+        n, p = self.frame_count[b], self._pages
+        if n == p.frames:  # this block leads: start the shared frame
+            if p.pending != NONE:
+                raise RuntimeError("append_frame: the previous frame was deferred and is neither committed "
+                                   "(execute_deferred_eviction) nor rolled back (rollback_last_frame)")
+            self._make_room()
+            self.state = frame.begin_frame(self.state, bool(self._defer_eviction))
+            p.begin(bool(self._defer_eviction))
+            self._frame_open = True
+        s = self.state
+        if n == p.frames - 1 and self._frame_open:
+            kb, vb = _write_block(s.k[b], s.v[b], kj, vj, s.write_special_row, s.write_patch_row,
+                                  num_special=self.num_special_tokens, page_size=self.page_size)
+        else:
+            kb, vb = _write_block_late(s.k[b], s.v[b], s.token_id, kj, vj, jnp.int32(n),
+                                       tokens_per_frame=self.tokens_per_frame)
+        self.state = s.replace(k=s.k[:b] + (kb,) + s.k[b + 1:], v=s.v[:b] + (vb,) + s.v[b + 1:])
+        self.frame_count[b] += 1
+
+    def _make_room(self):
+        s = self.spec
+        if (self._pages.frames + 1) * s.num_special > s.special_capacity:
+            self.state = frame.grow(self.state, 2 * s.max_frames)
+
+    def evict_frames(self, block_idx: int, scale_frames: int, sliding_window: int, cross_frame_special: bool = True,
+                     include_scale_frames: bool = True, camera_only: bool = False,
+                     num_register_tokens: int = 4) -> None:
+        """Eviction already happened in ``append_frame`` (or waits for the deferred
+        decision); this checks that the policy is the cache's."""
+        self._block(block_idx)
+        if (scale_frames, sliding_window) != (self.scale_frames, self.sliding_window):
+            raise ValueError(f"scale_frames, sliding_window: the cache was built with ({self.scale_frames}, "
+                             f"{self.sliding_window}), got ({scale_frames}, {sliding_window})")
+
+    def execute_deferred_eviction(self, block_idx: int, scale_frames: int, sliding_window: int, **kwargs) -> None:
+        """Keep the deferred frame (evict the oldest window frame if over the window);
+        done once for all blocks, at the first block's call."""
+        self.evict_frames(block_idx, scale_frames, sliding_window)
+        if self._pages.pending != NONE:
+            self.state = frame.commit(self.state)
+            self._pages.resolve(True)
+            self._frame_open = False
+
+    def rollback_last_frame(self, block_idx: int) -> None:
+        """Undo the most recent ``append_frame`` of ``block_idx`` (its patches, specials and
+        count); the frame must have been appended with ``_defer_eviction = True``."""
+        b = self._block(block_idx)
+        n, p = self.frame_count[b], self._pages
+        if n == 0:
+            raise ValueError(f"rollback_last_frame: block {b} has no frame to roll back")
+        if n == p.frames:
+            if p.pending == NONE:
+                raise RuntimeError(f"rollback_last_frame: block {b}'s last frame was appended without "
+                                   "_defer_eviction = True, so its eviction already happened; set "
+                                   "_defer_eviction = True before append_frame to be able to roll back")
+            self.state = frame.rollback(self.state)
+            p.resolve(False)
+            self._frame_open = False
+        elif n != p.frames + 1:
+            raise RuntimeError(f"rollback_last_frame: block {b} is at frame {n} but the cache at {p.frames}: "
+                               "only the last frame can be rolled back")
+        self.frame_count[b] -= 1
+
+    def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
+        cache shows -> [q_len, H, D]."""
+        b = self._block(block_idx)
+        if q.ndim != 3 or tuple(q.shape[1:]) != (self.num_heads, self.head_dim):
+            raise ValueError(f"q: expected [q_len, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        if self.frame_count[b] == 0:
+            return torch.zeros_like(q)
+        if not self.backend.startswith("flashinfer"):
+            impl = "reference" if self.force_fp32 else "auto"
+            out = frame.attention(self.state, from_torch(q.to(self.dtype).contiguous()[None]), b, impl=impl)
+            return to_torch(out)[0].to(q.dtype)
+        if self._planned != self._pages.version:  # once per frame step
+            self._plan()
+        ps, s = self.page_size, self.spec
+        rows = s.max_pages * ps
+        k = to_torch(self.state.k[b])[0, :rows].view(s.max_pages, ps, self.num_heads, self.head_dim)
+        v = to_torch(self.state.v[b])[0, :rows].view(s.max_pages, ps, self.num_heads, self.head_dim)
+        return self.prefill_wrapper.run(q.to(self.dtype).contiguous(), (k, v))
+
+    def _plan(self):
+        p = self._pages
+        indices = to_torch(frame.page_table(self.state).indices)[0]  # stays on the device
+        self.prefill_wrapper.plan(
+            self._qo_indptr, torch.tensor([0, p.num_pages()], dtype=torch.int32), indices,
+            torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
+            num_kv_heads=self.num_heads, head_dim_qk=self.head_dim, page_size=self.page_size, causal=False,
+            pos_encoding_mode="NONE", q_data_type=self.dtype)
+        self._planned = p.version
+
+    def reset(self) -> None:
+        """Empty the cache for a new sequence."""
+        self.state = frame.reset(self.state)
+        self._pages.reset()
+        self.frame_count = [0] * self.num_blocks
+        self._frame_open = False
+        self._planned = None
+
+    # ---------------------------------------------------------------- views
+    def build_visible_page_table(self, block_idx: int) -> List[int]:
+        """Visible page ids in scale -> window -> special order (reads the device: for
+        inspection, not for the per-frame step)."""
+        self._block(block_idx)
+        return np.asarray(frame.page_table(self.state).indices[0, : self._pages.num_pages()]).tolist()
+
+    def compute_last_page_len(self, block_idx: int) -> int:
+        """Valid rows of the last visible page (host bookkeeping, no sync)."""
+        self._block(block_idx)
+        return self._pages.last_page_len()
+
+    @property
+    def num_frames(self) -> int:
+        """Frames appended to block 0 (the seed's representative count)."""
+        return self.frame_count[0] if self.frame_count else 0
+
+    @property
+    def scale_patch_pages(self) -> List[List[int]]:
+        return [self.build_visible_page_table(0)[: self._pages.num_scale]] * self.num_blocks
+
+    @property
+    def live_window_patch_pages(self) -> List[List[int]]:
+        p = self._pages
+        return [self.build_visible_page_table(0)[p.num_scale: p.num_scale + p.num_window]] * self.num_blocks
+
+    @property
+    def all_special_pages(self) -> List[List[int]]:
+        p = self._pages
+        return [self.build_visible_page_table(0)[p.num_scale + p.num_window:]] * self.num_blocks
+
+    @property
+    def special_token_count(self) -> List[int]:
+        return [n * self.num_special_tokens for n in self.frame_count]
+
+    def check(self) -> None:
+        """Raise ``jaxkv.errors.CacheError`` if the device recorded a fault (a host sync)."""
+        _check(self.state)
+
+
+__all__ = ["FLASHINFER_AVAILABLE", "FlashInferKVCacheManager"]
