@@ -134,8 +134,11 @@ def finalize(p, entry_index, ratio: int, norm_weight, freqs, eps: float, rope_di
     rope = apply_rope(x[..., -rope_dim:], entry_index * ratio, freqs)
     x = jnp.concatenate([x[..., :-rope_dim], rope], axis=-1)
     if rotate:
-        x = hadamard(x).astype(jnp.bfloat16)
-    return x
+        x = hadamard(x)
+    # Round to bf16 explicitly: with XLA's default excess-precision rewrite, a later
+    # bf16 -> f32 convert (the quantizer's) would otherwise see the unrounded float32
+    # value when fused, and the bytes would depend on where the entry is quantized.
+    return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
 
 
 def ref_pool_sequence(kv, score, bias, ratio: int, overlap: bool):
