@@ -157,7 +157,10 @@ class FlashInferKVCacheManager:
         if dtype not in _DTYPES:
             raise ValueError(f"dtype: expected torch.bfloat16, float16 or float32, got {dtype}")
         self.dtype = dtype
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda" means the current CUDA device
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
