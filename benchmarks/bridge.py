@@ -57,6 +57,21 @@ def bench(cls, tpf, layers, warm, iters, frames):
     return statistics.median(times), out
 
 
+def profile(args):
+    import cProfile
+    import pstats
+
+    tpf = RESOLUTIONS[args.resolutions[0]]
+    frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))]
+    bench(FlashInferKVCacheManager, tpf, args.layers, args.warm, 2, frames)  # compile everything
+    prof = cProfile.Profile()
+    prof.enable()
+    ms, _ = bench(FlashInferKVCacheManager, tpf, args.layers, 0, args.iters, frames)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    print(f"{args.resolutions[0]}: {ms:.2f} ms/frame under the profiler")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed-file", default=".seeds/lingbot_map_flashinfer_cache.py")
@@ -65,10 +80,13 @@ def main(argv=None):
     p.add_argument("--warm", type=int, default=80)
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="cProfile the drop-in's host side over --iters frames")
     args = p.parse_args(argv)
     seed_cls = load_seed(args.seed_file)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}  jax {jax.__version__}", flush=True)
+    if args.profile:
+        return profile(args)
     rows = []
     for res in args.resolutions:
         tpf = RESOLUTIONS[res]

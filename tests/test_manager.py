@@ -95,14 +95,16 @@ def test_seed_sanity_check_scenario():
     assert mgr.frame_count[0] == 0 and mgr.num_frames == 0 and mgr.compute_last_page_len(0) == tpf - 6
 
 
-@pytest.mark.parametrize("force_fp32", [False, True])
-def test_attention_equals_dense_over_visible_tokens(force_fp32):
-    """Lockstep blocks with deferred frames committed or rolled back, like keyframe selection."""
-    L, H, D, P, NS, S, W = 3, 2, 16, 12, 2, 2, 3
+@pytest.mark.parametrize("force_fp32, fa3", [(False, False), (True, False), (True, True)])
+def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
+    """Lockstep blocks with deferred frames committed or rolled back, like keyframe selection.
+    (fa3 pads pages to 16 rows; FlashInfer's FA3 would attend the padding as the seed's does,
+    so that case runs on jaxkv's masked reference attention.)"""
+    L, H, D, P, NS, S, W = 3, 2, 64, 12, 2, 2, 3  # head_dim 64: FlashInfer has no FA2 kernel for 16
     tpf = P + NS
     mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
                                    dtype=torch.bfloat16, device=DEVICE, num_special_tokens=NS, scale_frames=S,
-                                   sliding_window=W, max_total_frames=4, force_fp32=force_fp32)
+                                   sliding_window=W, max_total_frames=4, force_fp32=force_fp32, fa3=fa3)
     model = SeedModel(S, W, P, NS, 10 ** 6)
     rs = np.random.default_rng(7 + force_fp32)
     dtype = torch.float32 if force_fp32 else torch.bfloat16

@@ -3,15 +3,20 @@
 Same constructor arguments, methods and attributes as the seed's manager, so an
 aggregator switches by changing an import. Underneath:
 
-* The K/V buffers are a ``jaxkv.frame.FrameCacheState`` (one page structure for every
-  block). A frame starts when the first block appends it (``frame.begin_frame``: rows,
-  eviction and counters once per frame, on the device); each block's ``append_frame``
-  then writes its K/V into those rows with a small jitted writer that donates only that
-  block's two buffers.
-* Attention is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over zero-copy torch
-  views of those buffers (``[max_pages, page_size, H, D]`` each for K and V), planned once
-  per frame step and run per block. Without FlashInfer (or on CPU) it is jaxkv's own
-  attention; ``force_fp32`` uses jaxkv's float32 reference, as the seed's fp32 path does.
+* The K/V buffers are a ``jaxkv.frame.FrameCacheState``'s (one page structure for every
+  block). jaxkv keeps the page structure on the device: when the first block appends a
+  frame, one jitted ``begin_frame`` over the state's small arrays picks the frame's rows,
+  evicts and counts, once for all blocks.
+* torch writes the K/V: the manager holds zero-copy torch views of every buffer for the
+  buffers' lifetime and each ``append_frame`` is one ``index_copy_`` per K and V into
+  the rows jaxkv chose (a device index tensor; no host sync), row moves of the layout
+  (specials relocated while slots fill, a staged frame committed, a rollback) likewise.
+  JAX never writes the K/V buffers, so no donation ever meets a live view, and the
+  per-block step crosses DLPack not at all (a few small arrays once per frame).
+* Attention is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over views of those
+  buffers (``[max_pages, page_size, H, D]`` each for K and V), planned once per frame
+  step and run per block. Without FlashInfer (or on CPU) it is jaxkv's own attention;
+  ``force_fp32`` uses jaxkv's float32 reference, as the seed's fp32 path does.
 * The manager mirrors the page structure's counts on the host (they follow from the
   calls alone), so planning needs no device->host copy: the page ids stay on the device.
 
@@ -29,8 +34,9 @@ Differences from the seed, all deliberate:
   padding rows of each patch page are part of the keys FlashInfer attends to (jaxkv's
   own attention masks them).
 
-Ownership: jaxkv owns every buffer. Torch views are taken per call and dropped before
-the next jaxkv update (a donated buffer must have no live view; see ``torch_bridge.dlpack``).
+Ownership: jaxkv allocates every buffer and decides every row; torch writes K/V through
+views (work on torch's current stream; jaxkv reads them only after importing a torch
+tensor made after those writes, e.g. the query, which orders the streams).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import torch
 from jaxkv import frame
 from jaxkv.errors import check as _check
 from jaxkv.frame.state import IN_SLOT, NONE, STAGED
-from jaxkv.kernels.frame_append import write_rows
+from jaxkv.frame import ops as frame_ops
 from torch_bridge.dlpack import from_torch, to_torch
 
 try:
@@ -60,23 +66,20 @@ except ImportError:  # jaxkv's own attention is used instead
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames=("num_special", "page_size"))
-def _write_block(kbuf, vbuf, k, v, special_row, patch_row, *, num_special, page_size):
-    """One block's frame into its buffers at the rows begin_frame chose (in place).
-    kbuf, vbuf: dtype[1, T, H, D]; k, v: dtype[1, NS + P, H, D]; rows: i32[1]."""
-    put = functools.partial(write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special,
-                            page_size=page_size)
-    return put(kbuf, k), put(vbuf, v)
+@functools.partial(jax.jit, donate_argnums=0)
+def _begin(meta, defer):
+    """Bookkeeping of a new frame on a state without K/V (``k = v = ()``) -> (meta,
+    i32[M, 3] row moves, i32[NS + ps] the rows the frame's tokens go to)."""
+    meta, moves = frame_ops._begin_frame(meta, defer)
+    s = meta.spec
+    rows = jnp.concatenate([meta.write_special_row[0] + jnp.arange(s.num_special, dtype=jnp.int32),
+                            meta.write_patch_row[0] + jnp.arange(s.page_size, dtype=jnp.int32)])
+    return meta, moves, rows
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1), static_argnames="tokens_per_frame")
-def _write_block_late(kbuf, vbuf, token_id, k, v, frame_index, *, tokens_per_frame):
-    """A lagging block's frame ``frame_index`` into the rows its tokens occupy now (the
-    rows' token ids say which), dropping evicted tokens. One pass over the buffer."""
-    hit = (token_id >= 0) & (token_id // tokens_per_frame == frame_index)  # [1, T]
-    src = jnp.clip(token_id % tokens_per_frame, 0, tokens_per_frame - 1)
-    take = lambda buf, x: jnp.where(hit[..., None, None], x[0][src[0]][None], buf)  # noqa: E731
-    return take(kbuf, k), take(vbuf, v)
+@functools.partial(jax.jit, donate_argnums=0)
+def _resolve(meta, keep):
+    return frame_ops._resolve(meta, keep)
 
 
 class _Pages:
@@ -92,9 +95,11 @@ class _Pages:
         self.pending = NONE
         self.version = 0  # bumps on every change: a new plan is needed
 
-    def begin(self, defer: bool):
+    def begin(self, defer: bool) -> bool:
+        """Count a new frame; True if jaxkv moves rows for it (a slot claimed over specials)."""
         s = self.spec
         room = self.num_scale + self.num_window < s.scale_frames + s.sliding_window
+        moves = room and self.num_special > 0
         if room:
             if self.num_scale < s.scale_frames:
                 self.num_scale += 1
@@ -104,8 +109,13 @@ class _Pages:
         self.frames += 1
         self.pending = (IN_SLOT if room else STAGED) if defer else NONE
         self.version += 1
+        return moves
 
-    def resolve(self, keep: bool):
+    def resolve(self, keep: bool) -> bool:
+        """Commit or roll back the pending frame; True if jaxkv moves rows for it."""
+        s = self.spec
+        moves = (keep and self.pending == STAGED and s.sliding_window > 0) or (
+            not keep and self.pending == IN_SLOT and self.num_special - s.num_special > 0)
         if not keep:
             self.frames -= 1
             self.num_special -= self.spec.num_special
@@ -116,6 +126,7 @@ class _Pages:
                     self.num_scale -= 1
         self.pending = NONE
         self.version += 1
+        return moves
 
     def tail_rows(self) -> int:
         staged = self.spec.patches_per_frame if self.pending == STAGED else 0
@@ -178,6 +189,7 @@ class FlashInferKVCacheManager:
         self._jax_device = self._jax_device_for(self.device)
         with jax.default_device(self._jax_device):
             self.state = frame.init(spec)
+        self._take_views()
         self._pages = _Pages(spec)
         self.frame_count: List[int] = [0] * num_blocks
         self._frame_open = False  # the shared frame's write rows are valid
@@ -219,36 +231,76 @@ class FlashInferKVCacheManager:
                              f"first), got {got}")
         if x.device != self.device:
             raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
-        return from_torch(x.to(self.dtype).contiguous()[None])
+        x = x.to(self.dtype)
+        pad = self.page_size - self.patches_per_frame
+        if pad:  # a power-of-two page's padding rows are written as zeros
+            x = torch.cat([x, x.new_zeros(pad, self.num_heads, self.head_dim)])
+        return x
+
+    # ---------------------------------------------------------------- buffers and bookkeeping
+    def _take_views(self):
+        """torch views of every K/V buffer ([T, H, D]) and their paged form, for the
+        buffers' lifetime (JAX never writes them, so never donates them)."""
+        s = self.spec
+        self._k = [to_torch(x)[0] for x in self.state.k]
+        self._v = [to_torch(x)[0] for x in self.state.v]
+        rows = s.max_pages * s.page_size
+        shape = (s.max_pages, s.page_size, self.num_heads, self.head_dim)
+        self._paged = [(k[:rows].view(shape), v[:rows].view(shape)) for k, v in zip(self._k, self._v)]
+
+    def _bookkeep(self, fn, arg):
+        """Run jaxkv bookkeeping on the state without its K/V buffers; keep the buffers."""
+        st = self.state
+        out = fn(st.replace(k=(), v=()), arg)
+        self.state = out[0].replace(k=st.k, v=st.v)
+        return out[1:]
+
+    def _apply_moves(self, moves):
+        """Replay jaxkv's row moves (i32[M, 3] stream, src, dst) on every K/V buffer."""
+        ps = self.page_size
+        ar = torch.arange(ps, device=self.device)
+        moves = to_torch(moves).to(torch.int64)
+        for m in range(moves.shape[0]):
+            src, dst = moves[m, 1] + ar, moves[m, 2] + ar
+            for buf in (*self._k, *self._v):
+                buf.index_copy_(0, dst, buf.index_select(0, src))
 
     # ---------------------------------------------------------------- public API
     def append_frame(self, block_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append one frame's K/V ([tokens_per_frame, H, D], specials first) to ``block_idx``."""
         b = self._block(block_idx)
-        kj, vj = self._frame_tensor("k", k), self._frame_tensor("v", v)
+        k, v = self._frame_tensor("k", k), self._frame_tensor("v", v)
         n, p = self.frame_count[b], self._pages
         if n == p.frames:  # this block leads: start the shared frame
             if p.pending != NONE:
                 raise RuntimeError("append_frame: the previous frame was deferred and is neither committed "
                                    "(execute_deferred_eviction) nor rolled back (rollback_last_frame)")
             self._make_room()
-            self.state = frame.begin_frame(self.state, bool(self._defer_eviction))
-            p.begin(bool(self._defer_eviction))
+            defer = bool(self._defer_eviction)
+            moves, rows = self._bookkeep(_begin, jnp.asarray(defer))
+            if p.begin(defer):
+                self._apply_moves(moves)
+            self._rows = to_torch(rows).to(torch.int64)
             self._frame_open = True
-        s = self.state
         if n == p.frames - 1 and self._frame_open:
-            kb, vb = _write_block(s.k[b], s.v[b], kj, vj, s.write_special_row, s.write_patch_row,
-                                  num_special=self.num_special_tokens, page_size=self.page_size)
-        else:
-            kb, vb = _write_block_late(s.k[b], s.v[b], s.token_id, kj, vj, jnp.int32(n),
-                                       tokens_per_frame=self.tokens_per_frame)
-        self.state = s.replace(k=s.k[:b] + (kb,) + s.k[b + 1:], v=s.v[:b] + (vb,) + s.v[b + 1:])
+            self._k[b].index_copy_(0, self._rows, k)
+            self._v[b].index_copy_(0, self._rows, v)
+        else:  # a lagging block: its frame n goes where that frame's tokens are now
+            tid = to_torch(self.state.token_id)[0]
+            tpf = self.tokens_per_frame
+            hit = ((tid >= 0) & (tid // tpf == n))[:, None, None]
+            src = (tid % tpf).clamp(0, tpf - 1).to(torch.int64)
+            self._k[b].copy_(torch.where(hit, k[src], self._k[b]))
+            self._v[b].copy_(torch.where(hit, v[src], self._v[b]))
         self.frame_count[b] += 1
 
     def _make_room(self):
         s = self.spec
         if (self._pages.frames + 1) * s.num_special > s.special_capacity:
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # torch's writes land before JAX copies
             self.state = frame.grow(self.state, 2 * s.max_frames)
+            self._take_views()
 
     def evict_frames(self, block_idx: int, scale_frames: int, sliding_window: int, cross_frame_special: bool = True,
                      include_scale_frames: bool = True, camera_only: bool = False,
@@ -265,9 +317,7 @@ class FlashInferKVCacheManager:
         done once for all blocks, at the first block's call."""
         self.evict_frames(block_idx, scale_frames, sliding_window)
         if self._pages.pending != NONE:
-            self.state = frame.commit(self.state)
-            self._pages.resolve(True)
-            self._frame_open = False
+            self._resolve_frame(True)
 
     def rollback_last_frame(self, block_idx: int) -> None:
         """Undo the most recent ``append_frame`` of ``block_idx`` (its patches, specials and
@@ -281,13 +331,17 @@ class FlashInferKVCacheManager:
                 raise RuntimeError(f"rollback_last_frame: block {b}'s last frame was appended without "
                                    "_defer_eviction = True, so its eviction already happened; set "
                                    "_defer_eviction = True before append_frame to be able to roll back")
-            self.state = frame.rollback(self.state)
-            p.resolve(False)
-            self._frame_open = False
+            self._resolve_frame(False)
         elif n != p.frames + 1:
             raise RuntimeError(f"rollback_last_frame: block {b} is at frame {n} but the cache at {p.frames}: "
                                "only the last frame can be rolled back")
         self.frame_count[b] -= 1
+
+    def _resolve_frame(self, keep: bool):
+        (moves,) = self._bookkeep(_resolve, jnp.asarray(keep))
+        if self._pages.resolve(keep):
+            self._apply_moves(moves)
+        self._frame_open = False
 
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
@@ -303,11 +357,7 @@ class FlashInferKVCacheManager:
             return to_torch(out)[0].to(q.dtype)
         if self._planned != self._pages.version:  # once per frame step
             self._plan()
-        ps, s = self.page_size, self.spec
-        rows = s.max_pages * ps
-        k = to_torch(self.state.k[b])[0, :rows].view(s.max_pages, ps, self.num_heads, self.head_dim)
-        v = to_torch(self.state.v[b])[0, :rows].view(s.max_pages, ps, self.num_heads, self.head_dim)
-        return self.prefill_wrapper.run(q.to(self.dtype).contiguous(), (k, v))
+        return self.prefill_wrapper.run(q.to(self.dtype).contiguous(), self._paged[b])
 
     def _plan(self):
         p = self._pages

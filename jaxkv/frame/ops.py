@@ -36,7 +36,8 @@ def _move_rows(state, moves, n):
     """Copy ``n`` rows per ``(stream, src, dst, ok)`` in every K/V buffer and token_id.
 
     Skipped when no ``ok`` holds (the steady state), so a frame pays for moves only when
-    it makes one.
+    it makes one. A state without K/V buffers (``k = v = ()``) moves only token_id: its
+    owner moves the K/V rows itself (``torch_bridge.FlashInferKVCacheManager``).
     """
     trash = state.spec.trash_row
     arrays = (*state.k, *state.v, state.token_id)
@@ -49,8 +50,14 @@ def _move_rows(state, moves, n):
 
     any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))
     arrays = lax.cond(any_ok, run, lambda a: a, arrays)
-    L = state.spec.num_layers
+    L = len(state.k)
     return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])
+
+
+def row_moves(moves, trash_row):
+    """The moves as i32[M, 3] ``(stream, src, dst)`` in order, ``dst`` = trash where not ok."""
+    return jnp.stack([jnp.stack([jnp.asarray(b, jnp.int32), src, jnp.where(ok, dst, trash_row)])
+                      for b, src, dst, ok in moves]).astype(jnp.int32)
 
 
 def _as_streams(x, B, name, dtype=jnp.bool_):
@@ -63,7 +70,8 @@ def _as_streams(x, B, name, dtype=jnp.bool_):
 
 
 # ---------------------------------------------------------------- append
-def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
+def _begin_frame(state: FrameCacheState, defer):
+    """-> (state, i32[B, 3] the row moves it made, ``row_moves``)."""
     s = state.spec
     B, ps, P, NS = s.num_streams, s.page_size, s.patches_per_frame, s.num_special
     S, W = s.scale_frames, s.sliding_window
@@ -88,7 +96,8 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
     # Claiming slot f: the specials sitting in its rows move to the tail's end.
     move = ok & room & (ns > 0)
     reloc_dst = jnp.maximum((f + 1) * ps, f * ps + ns)
-    moved = _move_rows(state, [(b, f[b] * ps, reloc_dst[b], move[b]) for b in range(B)], ps)
+    moves = [(b, f[b] * ps, reloc_dst[b], move[b]) for b in range(B)]
+    moved = _move_rows(state, moves, ps)
 
     # Token ids of the new frame: ps patch rows (padding rows of a page are -1), then specials.
     token_id = moved["token_id"]
@@ -116,7 +125,7 @@ def _begin_frame(state: FrameCacheState, defer) -> FrameCacheState:
         write_patch_row=patch_row,
         write_special_row=special_row,
         error=error,
-    )
+    ), row_moves(moves, s.trash_row)
 
 
 def _check_frame_kv(state, k, v, per_layer: bool):
@@ -161,7 +170,8 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
 
 
 # ---------------------------------------------------------------- commit / rollback
-def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
+def _resolve(state: FrameCacheState, keep):
+    """-> (state, i32[2B, 3] the row moves it made, ``row_moves``)."""
     s = state.spec
     B, ps, NS = s.num_streams, s.page_size, s.num_special
     S, W = s.scale_frames, s.sliding_window
@@ -183,8 +193,9 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
     stage_row = f * ps + ns
     oldest_row = (S + state.window_head) * ps
     back_src = jnp.maximum(f * ps, f0 * ps + ns0)
-    moved = _move_rows(state, [(b, stage_row[b], oldest_row[b], commit_staged[b]) for b in range(B)]
-                       + [(b, back_src[b], f0[b] * ps, undo_slot[b] & (ns0[b] > 0)) for b in range(B)], ps)
+    moves = ([(b, stage_row[b], oldest_row[b], commit_staged[b]) for b in range(B)]
+             + [(b, back_src[b], f0[b] * ps, undo_slot[b] & (ns0[b] > 0)) for b in range(B)])
+    moved = _move_rows(state, moves, ps)
 
     from_window = undo_slot & (state.num_window > 0)
     from_scale = undo_slot & ~from_window
@@ -199,7 +210,7 @@ def _resolve(state: FrameCacheState, keep) -> FrameCacheState:
         write_patch_row=jnp.full_like(state.write_patch_row, s.trash_row),
         write_special_row=jnp.full_like(state.write_special_row, s.trash_row),
         error=error,
-    )
+    ), row_moves(moves, s.trash_row)
 
 
 # ---------------------------------------------------------------- public, jitted
@@ -215,7 +226,7 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
     ``commit``; ``rollback`` removes the new frame instead. Faults (special capacity
     exhausted, a deferred frame still pending) skip the frame and set an error bit.
     """
-    return _begin_frame(state, defer)
+    return _begin_frame(state, defer)[0]
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
@@ -267,7 +278,7 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
 def _append(state, k, v, defer, impl):
-    state = _begin_frame(state, defer)
+    state = _begin_frame(state, defer)[0]
     if impl == "pallas":
         return _write_all_pallas(state, k, v)
     return _write_kv(state, None, k, v)
@@ -295,7 +306,7 @@ def resolve(state: FrameCacheState, keep) -> FrameCacheState:
     nothing is pending). Rollback removes the pending frame's patches, specials and count;
     with nothing pending it sets ROLLBACK_NOTHING_PENDING and changes nothing else.
     """
-    return _resolve(state, keep)
+    return _resolve(state, keep)[0]
 
 
 def commit(state: FrameCacheState) -> FrameCacheState:
