@@ -29,6 +29,7 @@ class PageTable:
     last_page_len: jax.Array
 
 
+@jax.jit
 def page_table(state: FrameCacheState) -> PageTable:
     s = state.spec
     ps, S, W = s.page_size, s.scale_frames, s.sliding_window
