@@ -66,20 +66,22 @@ except ImportError:  # jaxkv's own attention is used instead
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _begin(meta, defer):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="defer")
+def _begin(meta, defer: bool):
     """Bookkeeping of a new frame on a state without K/V (``k = v = ()``) -> (meta,
-    i32[M, 3] row moves, i32[NS + ps] the rows the frame's tokens go to)."""
+    i32[M, 3] row moves, i32[NS + ps] the rows the frame's tokens go to, i32[max_pages]
+    the visible page ids): one dispatch per frame."""
     meta, moves = frame_ops._begin_frame(meta, defer)
     s = meta.spec
     rows = jnp.concatenate([meta.write_special_row[0] + jnp.arange(s.num_special, dtype=jnp.int32),
                             meta.write_patch_row[0] + jnp.arange(s.page_size, dtype=jnp.int32)])
-    return meta, moves, rows
+    return meta, moves, rows, frame.page_table(meta).indices[0]
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _resolve(meta, keep):
-    return frame_ops._resolve(meta, keep)
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="keep")
+def _resolve(meta, keep: bool):
+    meta, moves = frame_ops._resolve(meta, keep)
+    return meta, moves, frame.page_table(meta).indices[0]
 
 
 class _Pages:
@@ -248,12 +250,14 @@ class FlashInferKVCacheManager:
         shape = (s.max_pages, s.page_size, self.num_heads, self.head_dim)
         self._paged = [(k[:rows].view(shape), v[:rows].view(shape)) for k, v in zip(self._k, self._v)]
 
-    def _bookkeep(self, fn, arg):
-        """Run jaxkv bookkeeping on the state without its K/V buffers; keep the buffers."""
+    def _bookkeep(self, fn, **static):
+        """Run jaxkv bookkeeping on the state without its K/V buffers; keep the buffers.
+        The visible page ids it returns stay on the device for the next plan."""
         st = self.state
-        out = fn(st.replace(k=(), v=()), arg)
+        out = fn(st.replace(k=(), v=()), **static)
         self.state = out[0].replace(k=st.k, v=st.v)
-        return out[1:]
+        self._indices = out[-1]
+        return out[1:-1]
 
     def _apply_moves(self, moves):
         """Replay jaxkv's row moves (i32[M, 3] stream, src, dst) on every K/V buffer."""
@@ -277,7 +281,7 @@ class FlashInferKVCacheManager:
                                    "(execute_deferred_eviction) nor rolled back (rollback_last_frame)")
             self._make_room()
             defer = bool(self._defer_eviction)
-            moves, rows = self._bookkeep(_begin, jnp.asarray(defer))
+            moves, rows = self._bookkeep(_begin, defer=defer)
             if p.begin(defer):
                 self._apply_moves(moves)
             self._rows = to_torch(rows).to(torch.int64)
@@ -338,7 +342,7 @@ class FlashInferKVCacheManager:
         self.frame_count[b] -= 1
 
     def _resolve_frame(self, keep: bool):
-        (moves,) = self._bookkeep(_resolve, jnp.asarray(keep))
+        (moves,) = self._bookkeep(_resolve, keep=keep)
         if self._pages.resolve(keep):
             self._apply_moves(moves)
         self._frame_open = False
@@ -361,7 +365,7 @@ class FlashInferKVCacheManager:
 
     def _plan(self):
         p = self._pages
-        indices = to_torch(frame.page_table(self.state).indices)[0]  # stays on the device
+        indices = to_torch(self._indices)  # stays on the device
         self.prefill_wrapper.plan(
             self._qo_indptr, torch.tensor([0, p.num_pages()], dtype=torch.int32), indices,
             torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
