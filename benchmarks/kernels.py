@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from _timing import times_ms  # noqa: E402
+from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 from jaxkv.hybrid import flush as F  # noqa: E402
 from jaxkv.hybrid.storage import STORAGES  # noqa: E402
@@ -84,6 +84,9 @@ def bench_mxfp4(n, iters, interpret=False):
     return rows
 
 
+KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
+
+
 def bench_flush_write(n, storage, iters):
     fmt = STORAGES[storage]
     bs, nb = 64, 2 * n // 64
@@ -105,7 +108,9 @@ def bench_flush_write(n, storage, iters):
 
         for i in range(3):
             one(i)
-        rows.append((f"CSA flush-write {n} x {storage}", name, moved, statistics.median(times_ms(one, iters))))
+        op = f"CSA flush-write {n} x {storage}"
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
         box.clear()
     return rows
 
@@ -136,6 +141,14 @@ def main(argv=None):
         gbps = nbytes / ms / 1e6
         out.append(dict(operation=op, impl=impl, bytes=nbytes, ms=ms, gbps=gbps, of_copy=gbps / copy))
         print(f"{op:<36} {impl:<7} {nbytes / 1e6:9.1f} {ms:8.3f} {gbps:8.0f} {gbps / copy:8.2f} {xla / ms:7.2f}")
+    if KERNEL_MS:
+        print(f"\nGPU kernel time only (profiler, 10 calls), same bytes:\n{'operation':<36} {'impl':<7} {'ms':>8} "
+              f"{'GB/s':>8} {'of copy':>8}")
+        for (op, impl), ms in KERNEL_MS.items():
+            nbytes = next(b for o, i, b, _ in rows if o == op and i == impl)
+            if ms:
+                print(f"{op:<36} {impl:<7} {ms:8.4f} {nbytes / ms / 1e6:8.0f} {nbytes / ms / 1e6 / copy:8.2f}")
+                next(r for r in out if r["operation"] == op and r["impl"] == impl)["kernel_ms"] = ms
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, copy_gbps=copy, rows=out), fh, indent=1)

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -46,17 +47,17 @@ __device__ __forceinline__ float group_amax(float v) {
   return v;
 }
 
-// float32 -> E4M3 byte: RNE, saturating at 448, subnormals exact, NaN -> 0x7F | sign.
+// float32 -> E4M3 byte: RNE, saturating at 448, subnormals exact, NaN -> 0x7F | sign
+// (the hardware conversion, cvt.rn.satfinite, for everything but NaN, whose sign it drops).
 __device__ __forceinline__ uint8_t fp8_e4m3(float y) {
-  const uint8_t sign = signbit(y) ? 0x80 : 0;
-  if (isnan(y)) return 0x7F | sign;
-  const float a = fminf(fabsf(y), 448.f);
-  int e;
-  frexpf(a, &e);
-  const int ex = a > 0.f ? max(e - 1, -6) : -6;
-  const int steps = static_cast<int>(rintf(a * pow2f(3 - ex)));
-  return static_cast<uint8_t>(min(((ex + 6) << 3) + steps, 0x7E) | sign);
+  if (isnan(y)) return 0x7F | (signbit(y) ? 0x80 : 0);
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
 }
+
+// x / s for a power-of-two s: a multiply by the exact inverse. Equal to the correctly
+// rounded quotient except where that is an f32 subnormal, which FP8 and FP4 both encode
+// as zero anyway. NaN s (a non-finite group) gives NaN like the division.
+__device__ __forceinline__ float div_pow2(float x, float s) { return x * __frcp_rn(s); }
 
 __device__ __forceinline__ float fp8_e4m3_value(uint8_t b) {
   const int ex = (b >> 3) & 15, m = b & 7;
@@ -134,7 +135,7 @@ __device__ void write_entry(const FlushArgs& a, int64_t row, int blk, int sl, in
     const float s = ue8m0_scale(t, &byte);
     if (nope) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) q[i] = fp8_e4m3(__fdiv_rn(v[i], s));
+      for (int i = 0; i < 16; ++i) q[i] = fp8_e4m3(div_pow2(v[i], s));
       store16(base + sl * 576 + 16 * lane, q);
       if (lane % 4 == 0) base[bs * 576 + sl * 8 + lane / 4] = byte;
     } else {
@@ -189,7 +190,7 @@ __device__ void write_index_key(const FlushArgs& a, int64_t row, int blk, int sl
     uint8_t byte;
     const float s = ue8m0_scale(t, &byte);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = e2m1(__fdiv_rn(v[i], s));
+    for (int i = 0; i < 4; ++i) c[i] = e2m1(div_pow2(v[i], s));
     if (lane % 8 == 0) base[bs * 64 + sl * 4 + lane / 8] = byte;
   } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
     const float gmax = group_amax<32>(amax);
