@@ -6,7 +6,8 @@ append + masked flush (entry and, for CSA, indexer key). One jitted function, st
 donated, requests at scattered positions so that some flush every step. Contenders:
 
 * jaxkv step: the whole bookkeeping, jitted, no host sync (run under
-  ``jax.transfer_guard("disallow")``);
+  ``jax.transfer_guard("disallow")``), with the flushes written by XLA (``impl="xla"``)
+  and, on a GPU, by the ``cuda/`` flush-write kernel (``impl="cuda"``);
 * jaxkv prepare_forward alone;
 * seed-style allocation: the dsv4 seed's ``prepare_forward`` logic — a Python loop over
   requests and layers reading each count from the device (``int(x)``) — on the same state.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -63,7 +65,7 @@ def make_inputs(cfg, B, key):
     return out
 
 
-def bookkeeping(state, slots, inputs, params):
+def bookkeeping(state, slots, inputs, params, impl="xla"):
     """prepare_forward + every layer's SWA write and compressor append/flush."""
     cfg = state.config
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
@@ -73,7 +75,7 @@ def bookkeeping(state, slots, inputs, params):
         if cfg.compress_ratios[layer]:
             p = params[layer]
             index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
-            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index)
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index, impl=impl)
     return state
 
 
@@ -166,6 +168,18 @@ def main():
         step_ms = statistics.median(times_ms(run_step, args.iters, warmup=5))
     kern = kernel_ms_per_step(run_step, 10, top=args.top)
     rows.append(("jaxkv step (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
+    if jax.default_backend() == "gpu":
+        cuda_fn = jax.jit(functools.partial(bookkeeping, impl="cuda"), donate_argnums=0)
+
+        def run_cuda(i):
+            box["s"] = cuda_fn(box["s"], slots, inputs, params)
+            box["s"].position.block_until_ready()
+
+        for _ in range(3):
+            run_cuda(0)
+        with jax.transfer_guard("disallow"):
+            cuda_ms = statistics.median(times_ms(run_cuda, args.iters, warmup=5))
+        rows.append(("jaxkv step, flush-write by the cuda/ kernel", cuda_ms, kernel_ms_per_step(run_cuda, 10)))
     prep_ms = statistics.median(times_ms(run_prep, args.iters, warmup=5))
     rows.append(("jaxkv prepare_forward alone", prep_ms, kernel_ms_per_step(run_prep, 10)))
     pos = box["s"].position[slots]
