@@ -21,6 +21,9 @@ entry / key bytes of the storage family):
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,10 +37,27 @@ _STORAGE_CODE = {"official": 0, "seed": 1}
 
 # --- validators -----------------------------------------------------------------------------
 def check_impl(impl: str) -> str:
-    """Resolve ``impl``: "auto" is "xla" (the CUDA kernels need nvcc at first use; ask for them)."""
+    """Resolve ``impl``; "auto" is ``default_impl()``."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    return "xla" if impl == "auto" else impl
+    return default_impl() if impl == "auto" else impl
+
+
+@functools.lru_cache(maxsize=None)
+def default_impl() -> str:
+    """"cuda" on a GPU where the kernel builds (nvcc on first use; 0.9 ms off a 256-request
+    V4-Flash decode step on an H100, ``benchmarks/RESULTS.md``), else "xla" (with a
+    warning when a GPU is there but the build failed)."""
+    if jax.default_backend() != "gpu":
+        return "xla"
+    from jaxkv.cuda import BuildError, register_ffi_targets
+
+    try:
+        register_ffi_targets()
+        return "cuda"
+    except (BuildError, OSError) as exc:
+        warnings.warn(f"jaxkv: the cuda/ flush kernel is unavailable, using the XLA flush: {exc}", stacklevel=2)
+        return "xla"
 
 
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):

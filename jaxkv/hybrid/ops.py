@@ -121,7 +121,8 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     ``entry * ratio``, quantizes and writes the entry at its block through the
     request's block table (allocated by ``prepare_forward``).
     impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
-      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi; same bytes), "auto" = "xla".
+      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi; same bytes), "auto" (cuda on a
+      GPU where it builds, else xla: ``hybrid.flush.default_impl``).
     """
     impl = check_impl(impl)
     c = state.config
