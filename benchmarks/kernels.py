@@ -10,7 +10,8 @@ Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x2
 518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
 packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
 indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
-requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda).
+requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and, for the
+official family, the Pallas kernel (pallas).
 """
 
 from __future__ import annotations
@@ -98,7 +99,10 @@ def bench_flush_write(n, storage, iters):
     block, slot = cells // bs, cells % bs
     moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
     rows = []
-    for name, fn in (("xla", F.ref_flush_write), ("cuda", F.flush_write)):
+    impls = [("xla", F.ref_flush_write), ("cuda", F.flush_write)]
+    if storage == "official":
+        impls.append(("pallas", F.pallas_flush_write))
+    for name, fn in impls:
         f = jax.jit(functools.partial(fn, layer=0, storage=storage), donate_argnames=("pool", "index_pool"))
         box = {"p": (jnp.zeros((1, nb, bs * fmt.entry_bytes), jnp.uint8), jnp.zeros((1, nb, bs * kb), jnp.uint8))}
 

@@ -1,5 +1,7 @@
 """Pallas kernels against their jnp references on fresh random inputs (interpret mode on CPU)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -130,3 +132,50 @@ def test_mxfp4_pack_extreme_magnitudes(rng):
     got = quantize_mxfp4(jnp.asarray(x), interpret=not HAS_GPU)
     for a, b in zip(got, ref_quantize_mxfp4(jnp.asarray(x)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --- flush-write (official storage family) ------------------------------------------------------
+@pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
+def test_flush_write_matches_reference(rng, csa):
+    from test_cuda import _flush_case
+
+    from jaxkv.hybrid import flush as F
+    from jaxkv.kernels import flush_write as FW
+
+    pool, args = _flush_case(rng, "official", csa, N=70)
+    want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage="official"))(pool, **args)
+    got = FW.flush_write_official(jnp.array(pool), 1, **{k: (jnp.array(v) if k == "index_pool" else v)
+                                                          for k, v in args.items()},
+                                  interpret=jax.default_backend() != "gpu")
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_compress_pallas_equals_xla(rng):
+    """hybrid.compress with the Pallas flush-write: the same cache bytes over a prefill and decodes."""
+    from test_cuda import _compress_all
+
+    from jaxkv import hybrid as H
+    import hybrid_driver as D
+
+    c = H.HybridConfig(compress_ratios=(4, 128), window=32, index_heads=4, top_k=16, block_size=16, max_requests=2,
+                       max_context=512)
+    params = D.make_params(c, rng)
+    pre = D.make_inputs(c, rng, 2, 140)
+    states = {}
+    for impl in ("xla", "pallas"):
+        st = H.init(c)
+        st, step = H.prepare_forward(st, jnp.arange(2), jnp.zeros(2, jnp.int32), jnp.asarray([140, 61]), chunk=140)
+        st = _compress_all(st, step, pre, params, impl)
+        pos = np.array([140, 61])
+        for t in range(5):
+            st, step = H.prepare_forward(st, jnp.arange(2), jnp.asarray(pos), chunk=1)
+            st = _compress_all(st, step, D.slice_tokens(pre, t, t + 1), params, impl)
+            pos += 1
+        states[impl] = st
+    for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["pallas"])):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    with pytest.raises(ValueError, match="storage"):
+        from jaxkv.hybrid import flush as F
+        F.pallas_flush_write(jnp.zeros((1, 2, 16 * 580), jnp.uint8), 0, jnp.ones((1, 512), jnp.bfloat16),
+                             jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), storage="seed")

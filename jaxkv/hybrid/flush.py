@@ -4,9 +4,10 @@
 rotated indexer keys) in the cache's storage family and scatters them into one layer of a
 paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
 request's tail on after its flush. Each has a jnp reference (``ref_…``; what
-``hybrid.compress`` runs with ``impl="xla"``) and a CUDA kernel from
-``cuda/flush_write.cu`` reached through ``jax.ffi``, buffers aliased in place; the two
-give the same bytes.
+``hybrid.compress`` runs with ``impl="xla"``), a CUDA kernel from
+``cuda/flush_write.cu`` reached through ``jax.ffi`` (``impl="cuda"``), and for the
+flush-write of the official storage family a Pallas kernel (``impl="pallas"``,
+``jaxkv.kernels.flush_write``); buffers aliased in place; all give the same bytes.
 
 Shapes (``L`` layers of the pool, ``NB`` blocks, ``bs`` entries per block, ``E`` / ``K``
 entry / key bytes of the storage family):
@@ -31,7 +32,7 @@ import numpy as np
 from jaxkv.hybrid.compressor import CUR_B, empty_tail
 from jaxkv.hybrid.storage import STORAGES, write_items
 
-IMPLS = ("auto", "xla", "cuda")
+IMPLS = ("auto", "xla", "cuda", "pallas")
 _STORAGE_CODE = {"official": 0, "seed": 1}
 
 
@@ -127,6 +128,22 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
     return pool, index_pool
 
 
+def pallas_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
+    """The Pallas kernel (official storage family only; interpret mode off a GPU); same
+    arguments and result as ``ref_flush_write``."""
+    from jaxkv.kernels.flush_write import flush_write_official
+
+    _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
+    if storage != "official":
+        raise ValueError(f"storage: the Pallas flush-write supports 'official', got {storage!r} (use impl='cuda' "
+                         "or 'xla')")
+    return flush_write_official(pool, layer, x, block, slot, index_pool=index_pool, xi=xi,
+                                interpret=jax.default_backend() != "gpu")
+
+
+WRITERS = {"xla": ref_flush_write, "cuda": flush_write, "pallas": pallas_flush_write}
+
+
 # --- tail state after a flush -------------------------------------------------------------------
 def _skip(tail_slot, R):
     return jnp.where((tail_slot >= 0) & (tail_slot < R), tail_slot, R)
@@ -168,5 +185,5 @@ def hca_reset_state(tails, tail_slot):
     return _tail_call("jaxkv_hca_reset_state", tails, tail_slot)
 
 
-__all__ = ["check_impl", "csa_rotate_state", "flush_write", "hca_reset_state", "ref_csa_rotate_state",
+__all__ = ["WRITERS", "check_impl", "csa_rotate_state", "default_impl", "flush_write", "pallas_flush_write", "hca_reset_state", "ref_csa_rotate_state",
            "ref_flush_write", "ref_hca_reset_state"]

@@ -17,7 +17,7 @@ from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
 from jaxkv.hybrid.config import CSA, HCA
-from jaxkv.hybrid.flush import check_impl, flush_write, ref_flush_write
+from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.hybrid.rope import rope_freqs
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
@@ -121,8 +121,9 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     ``entry * ratio``, quantizes and writes the entry at its block through the
     request's block table (allocated by ``prepare_forward``).
     impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
-      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi; same bytes), "auto" (cuda on a
-      GPU where it builds, else xla: ``hybrid.flush.default_impl``).
+      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi), "pallas" (official storage
+      only), "auto" (cuda on a GPU where it builds, else xla: ``hybrid.flush.default_impl``);
+      all give the same bytes.
     """
     impl = check_impl(impl)
     c = state.config
@@ -162,7 +163,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     slot = (entry % bs).reshape(-1).astype(jnp.int32)
     freqs = freqs_of(c)
     x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
-    write = ref_flush_write if impl == "xla" else flush_write
+    write = WRITERS[impl]
     new = dict(tails=_put(state.tails, g, _put(state.tails[g], j, tails)))
     if csa:
         xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,

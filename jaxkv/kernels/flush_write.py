@@ -1,0 +1,132 @@
+"""CSA / HCA flush-write as a Pallas kernel: finished entries -> ``ds_mla`` bytes (and
+MXFP4 indexer keys) scattered into one layer of a paged pool, in place.
+
+The official storage family (``hybrid.storage``): per entry 448 FP8 dims with one UE8M0
+scale per 64-element tile and 64 BF16 RoPE dims, 584 B in a segment-major block; per key
+64 B of E2M1 nibbles and 4 UE8M0 bytes. The math is the formats' (same helpers, same
+bytes as ``hybrid.flush.ref_flush_write``); dividing by a power-of-two scale is a
+multiply by its exact inverse, as in ``fp4_pack``. Each program handles ``ROWS`` entries
+and writes them with scatter stores (integer-array indexers of the pool viewed as
+``[layers * blocks, block bytes]``). Lowering: Triton (``pltriton.CompilerParams``).
+
+    pool: u8[L, NB, bs * 584]      index_pool: u8[L, NB, bs * 68] (CSA) or None
+    x: bf16[N, 512]                xi: bf16[N, 128] (CSA) or None
+    block, slot: i32[N]            rows outside [0, NB) are not written
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jaxkv.formats import fp4 as _fp4
+from jaxkv.formats._common import E8M0_NAN, FP4_MAX, FP8_MAX, e8m0_to_float, exact_div, ue8m0_scale
+from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
+
+ROWS = 16  # entries per program (a power of two: Triton blocks)
+ENTRY, DATA, NOPE_TILES = 584, 576, 7
+KEY, CODES = 68, 64
+
+
+def _is_nan(v):
+    bits = lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
+    return (bits > 0x7F800000).astype(jnp.int32)
+
+
+def _pow2_inverse(byte):
+    """1 / 2**(byte - 127) exactly (NaN for the NaN byte)."""
+    b = byte.astype(jnp.int32)
+    return jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))
+
+
+def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
+            with_index):
+    # x_ref: bf16[N, 8, 64] (tiles; tile 7 = the rope dims); xi_e/o_ref: bf16[N, 4, 16] even / odd
+    # elements of each 32-group; blk_ref, slot_ref: i32[N]; pool_ref: u8[L * NB, bs * 584];
+    # index_ref: u8[L * NB, bs * 68]
+    from jax.experimental.pallas import triton as pltriton
+
+    del pool_in, index_in  # aliased to pool_ref / index_ref
+    i = pl.program_id(0)
+    rows = pl.ds(i * ROWS, ROWS)
+    live = i * ROWS + jnp.arange(ROWS) < n
+    blk = pltriton.load(blk_ref.at[rows], mask=live, other=-1)
+    sl = pltriton.load(slot_ref.at[rows], mask=live, other=0)
+    ok = live & (blk >= 0) & (blk < nb) & (sl >= 0) & (sl < bs)
+    prow = jnp.where(ok, layer * nb + blk, 0)  # i32[ROWS] pool row (block of the layer)
+
+    # entry: FP8 tiles with UE8M0 scales, then the rope dims' raw bytes
+    x = pltriton.load(x_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
+    nan = jnp.max(_is_nan(x), axis=-1) > 0  # [R, 8]
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
+    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
+    q = lax.bitcast_convert_type((x * _pow2_inverse(byte)[..., None]).astype(jnp.float8_e4m3fn), jnp.uint8)
+    q = jnp.where((byte == E8M0_NAN)[..., None], jnp.uint8(0x7F), q)  # a NaN tile: all NaN codes
+    tile = jnp.arange(8)[None, :, None]
+    col = sl[:, None, None] * DATA + tile * 64 + jnp.arange(64)[None, None, :]  # [R, 8, 64]
+    row3 = jnp.broadcast_to(prow[:, None, None], col.shape)
+    pltriton.store(pool_ref.at[row3, col], q, mask=ok[:, None, None] & (tile < NOPE_TILES))
+    raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[rows, jnp.int32(7)], mask=ok[:, None], other=0),
+                                   jnp.uint16)  # [R, 64] rope dims
+    rcol = sl[:, None] * DATA + NOPE_TILES * 64 + 2 * jnp.arange(64)[None, :]
+    prow2 = jnp.broadcast_to(prow[:, None], rcol.shape)
+    pltriton.store(pool_ref.at[prow2, rcol], (raw & 0xFF).astype(jnp.uint8), mask=ok[:, None])
+    pltriton.store(pool_ref.at[prow2, rcol + 1], (raw >> 8).astype(jnp.uint8), mask=ok[:, None])
+    scol = bs * DATA + sl[:, None] * 8 + jnp.arange(8)[None, :]  # 7 scale bytes + a zero pad
+    tile2 = jnp.arange(8)[None, :]
+    pltriton.store(pool_ref.at[jnp.broadcast_to(prow[:, None], scol.shape), scol],
+                   jnp.where(tile2 < NOPE_TILES, byte, jnp.uint8(0)), mask=ok[:, None])
+
+    if with_index:  # MXFP4 key: 4 groups of 32 = 16 even/odd pairs
+        ev = pltriton.load(xi_e_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 4, 16]
+        od = pltriton.load(xi_o_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)
+        knan = jnp.maximum(jnp.max(_is_nan(ev), axis=-1), jnp.max(_is_nan(od), axis=-1)) > 0  # [R, 4]
+        kmax = jnp.maximum(jnp.max(jnp.abs(ev), axis=-1), jnp.max(jnp.abs(od), axis=-1))
+        _, kbyte = ue8m0_scale(exact_div(jnp.maximum(kmax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+        kbyte = jnp.where(knan, jnp.uint8(E8M0_NAN), kbyte)
+        inv = _pow2_inverse(kbyte)[..., None]
+        lo = jnp.where(knan[..., None], jnp.uint8(7), _fp4.e2m1_encode(ev * inv))
+        hi = jnp.where(knan[..., None], jnp.uint8(7), _fp4.e2m1_encode(od * inv))
+        g = jnp.arange(4)[None, :, None]
+        kcol = sl[:, None, None] * CODES + g * 16 + jnp.arange(16)[None, None, :]  # [R, 4, 16]
+        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None, None], kcol.shape), kcol], lo | (hi << 4),
+                       mask=ok[:, None, None])
+        kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
+        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None], kscol.shape), kscol], kbyte, mask=ok[:, None])
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "interpret"), donate_argnames=("pool", "index_pool"))
+def flush_write_official(pool, layer: int, x, block, slot, *, index_pool=None, xi=None, interpret: bool = False):
+    """The kernel; same contract and bytes as ``hybrid.flush.ref_flush_write(storage="official")``.
+    Returns the new pool, or ``(pool, index_pool)`` for CSA."""
+    from jax.experimental.pallas import triton as pltriton
+
+    L, nb, w = pool.shape
+    bs = w // ENTRY
+    n = x.shape[0]
+    with_index = index_pool is not None
+    if not with_index:  # a 1-row stand-in keeps one kernel signature
+        index_pool = jnp.zeros((1, 1, bs * KEY), jnp.uint8)
+        xi = jnp.zeros((1, 128), jnp.bfloat16)
+    ni = xi.shape[0]
+    xi4 = xi.reshape(ni, 4, 16, 2)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, n=n, nb=nb, bs=bs, layer=layer, with_index=with_index),
+        out_shape=(jax.ShapeDtypeStruct((L * nb, w), jnp.uint8),
+                   jax.ShapeDtypeStruct((index_pool.shape[0] * index_pool.shape[1], index_pool.shape[2]), jnp.uint8)),
+        grid=(pl.cdiv(n, ROWS),),
+        input_output_aliases={5: 0, 6: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_flush_write",
+    )(x.reshape(n, 8, 64), xi4[..., 0], xi4[..., 1], block, slot, pool.reshape(L * nb, w),
+      index_pool.reshape(-1, index_pool.shape[2]))
+    pool = outs[0].reshape(L, nb, w)
+    if not with_index:
+        return pool
+    return pool, outs[1].reshape(index_pool.shape)
