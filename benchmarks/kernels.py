@@ -33,7 +33,9 @@ from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 from jaxkv.hybrid import flush as F  # noqa: E402
 from jaxkv.hybrid.storage import STORAGES  # noqa: E402
+from jaxkv.kernels import dequant_gather as _dg  # noqa: E402
 from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
+from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
 
 def copy_gbps(iters):
@@ -119,6 +121,25 @@ def bench_flush_write(n, storage, iters):
     return rows
 
 
+def bench_dequant_gather(tokens, top_k, iters):
+    """``tokens`` query tokens each selecting ``top_k`` entries at random from a 153 MB pool."""
+    nb, bs = 4096, 64
+    key = jax.random.key(4)
+    pool = jax.random.randint(key, (1, nb, bs * 584), 0, 256, jnp.int32).astype(jnp.uint8)
+    m = tokens * top_k
+    cells = jax.random.randint(jax.random.fold_in(key, 1), (m,), 0, nb * bs)
+    block, slot = (cells // bs).astype(jnp.int32), (cells % bs).astype(jnp.int32)
+    moved = m * (584 + 8 + 1024)
+    rows = []
+    for name, fn in (("xla", jax.jit(ref_dequant_gather, static_argnums=1)), ("pallas", _dg)):
+        fn(pool, 0, block, slot).block_until_ready()
+        one = lambda i: fn(pool, 0, block, slot).block_until_ready()  # noqa: E731
+        op = f"dequant-gather {tokens} tok x top-{top_k}"
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=50)
@@ -134,6 +155,9 @@ def main(argv=None):
         rows += bench_frame_append(P, args.layers, args.iters, interpret)
     for n in ((1 << 21, 1 << 16) if not interpret else (256,)):
         rows += bench_mxfp4(n, args.iters, interpret)
+    if not interpret:
+        for tokens, k in ((64, 512), (256, 512), (256, 1024)):
+            rows += bench_dequant_gather(tokens, k, args.iters)
     if not interpret:  # the CUDA kernel needs a GPU
         for n in (4096, 65536):
             for storage in ("official", "seed"):

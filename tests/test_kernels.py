@@ -175,7 +175,34 @@ def test_compress_pallas_equals_xla(rng):
         states[impl] = st
     for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["pallas"])):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    # the Pallas dequant-gather reads the same entries back (top-k style and all entries)
+    st = states["xla"]
+    idx = jnp.asarray(rng.integers(-1, 36, size=(2, 3, 8)), jnp.int32)
+    for impl_args in ((0, idx),):
+        want = H.gather_entries(st, step, *impl_args, impl="xla")
+        got = H.gather_entries(st, step, *impl_args, impl="pallas")
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert np.asarray(want, np.float32).any()
+    (want, cnt), (got, _) = H.all_entries(st, step, 1, impl="xla"), H.all_entries(st, step, 1, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert int(cnt[0]) == 1 and np.asarray(want[0, 0], np.float32).any()
     with pytest.raises(ValueError, match="storage"):
         from jaxkv.hybrid import flush as F
         F.pallas_flush_write(jnp.zeros((1, 2, 16 * 580), jnp.uint8), 0, jnp.ones((1, 512), jnp.bfloat16),
                              jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), storage="seed")
+
+
+# --- dequant-gather (official storage family) ---------------------------------------------------
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_dequant_gather_matches_reference(rng, m):
+    """Every byte pattern (random pool bytes: subnormal, NaN and saturated codes, NaN scales)."""
+    from jaxkv.kernels import dequant_gather, ref_dequant_gather
+
+    L, NB, bs = 2, 12, 16
+    pool = jnp.asarray(rng.integers(0, 256, size=(L, NB, bs * 584), dtype=np.uint8))
+    block = rng.integers(-1, NB + 1, size=m).astype(np.int32)  # -1 and NB: zeros
+    slot = rng.integers(0, bs, size=m).astype(np.int32)
+    want = jax.jit(ref_dequant_gather, static_argnums=1)(pool, 1, jnp.asarray(block), jnp.asarray(slot))
+    got = dequant_gather(pool, 1, jnp.asarray(block), jnp.asarray(slot), interpret=not HAS_GPU)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not np.asarray(got[(block < 0) | (block >= NB)], np.float32).any()

@@ -214,33 +214,54 @@ def entry_count(step: Step, ratio: int):
     return (step.start + step.num_tokens) // ratio
 
 
-def _gather(pool, j, table, slot, idx, codec, bs):
+GATHER_IMPLS = ("auto", "xla", "pallas")
+
+
+def _gather(pool, j, table, slot, idx, codec, bs, impl="xla"):
     valid = idx >= 0
     e = jnp.maximum(idx, 0)
     sl = slot.reshape(slot.shape + (1,) * (idx.ndim - 1))
     blk = table[sl, jnp.clip(e // bs, 0, table.shape[1] - 1)]
+    if impl == "pallas":  # one gather-dequantize kernel; invalid items come back as zeros
+        from jaxkv.kernels.dequant_gather import dequant_gather
+
+        flat = dequant_gather(pool, j, jnp.where(valid, blk, -1).reshape(-1), (e % bs).reshape(-1),
+                              interpret=jax.default_backend() != "gpu")
+        return flat.reshape(*idx.shape, flat.shape[-1])
     items = codec.decode(read_items(pool, j, blk, e % bs, codec.segments))
     return jnp.where((valid & (blk >= 0))[..., None], items, 0).astype(jnp.bfloat16)
 
 
-def gather_entries(state: HybridCacheState, step: Step, layer: int, idx):
+def _gather_impl(config, impl: str) -> str:
+    if impl not in GATHER_IMPLS:
+        raise ValueError(f"impl: expected one of {GATHER_IMPLS}, got {impl!r}")
+    if impl == "pallas" and config.storage != "official":
+        raise ValueError(f"impl: the Pallas dequant-gather reads the official storage family, this cache is "
+                         f"{config.storage!r} (use impl='xla')")
+    return "xla" if impl == "auto" else impl
+
+
+def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl: str = "auto"):
     """Compressed entries of layer ``layer`` by logical index, each request through its
     own block table, dequantized: idx i32[B, ...] (-1: none) -> bf16[B, ..., head_dim]
-    (zeros where idx is -1). K = V: the one entry serves as key and value."""
+    (zeros where idx is -1). K = V: the one entry serves as key and value.
+    impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``, official storage; same
+    values), "auto" = "xla"."""
     check_layer(state, layer, (CSA, HCA))
     c = state.config
     g, j = state.group(layer)
-    return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size)
+    return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
+                   _gather_impl(c, impl))
 
 
-def all_entries(state: HybridCacheState, step: Step, layer: int):
+def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = "auto"):
     """Every compressed entry slot of each request: (bf16[B, max_entries, head_dim],
     count i32[B]); entries at or past ``count`` are zeros."""
     c = state.config
     ratio = c.compress_ratios[layer]
     cnt = entry_count(step, ratio)
     e = jnp.arange(c.max_entries(ratio))[None, :]
-    return gather_entries(state, step, layer, jnp.where(e < cnt[:, None], e, -1)), cnt
+    return gather_entries(state, step, layer, jnp.where(e < cnt[:, None], e, -1), impl=impl), cnt
 
 
 def index_keys(state: HybridCacheState, step: Step, layer: int):

@@ -2,14 +2,17 @@
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
   (Triton lowering).
+* ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
+  (``hybrid.gather_entries(impl="pallas")``).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in the official storage
   family (``ds_mla`` entries + MXFP4 keys; ``hybrid.compress(impl="pallas")``).
 * ``fp4_pack``: MXFP4 packing of indexer keys (E2M1 nibbles + UE8M0 scales), the formats'
   own jnp math tiled into a kernel (Triton lowering).
 """
 
+from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import flush_write_official
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, ref_quantize_mxfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 
-__all__ = ["flush_write_official", "quantize_mxfp4", "ref_quantize_mxfp4", "ref_write_frame", "write_frame"]
+__all__ = ["dequant_gather", "flush_write_official", "ref_dequant_gather", "quantize_mxfp4", "ref_quantize_mxfp4", "ref_write_frame", "write_frame"]
