@@ -238,7 +238,9 @@ def _gather_impl(config, impl: str) -> str:
     if impl == "pallas" and config.storage != "official":
         raise ValueError(f"impl: the Pallas dequant-gather reads the official storage family, this cache is "
                          f"{config.storage!r} (use impl='xla')")
-    return "xla" if impl == "auto" else impl
+    if impl == "auto":  # the kernel: 1.6x XLA's gather by kernel time on an H100 (benchmarks/RESULTS.md)
+        return "pallas" if jax.default_backend() == "gpu" and config.storage == "official" else "xla"
+    return impl
 
 
 def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl: str = "auto"):
@@ -246,7 +248,7 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     own block table, dequantized: idx i32[B, ...] (-1: none) -> bf16[B, ..., head_dim]
     (zeros where idx is -1). K = V: the one entry serves as key and value.
     impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``, official storage; same
-    values), "auto" = "xla"."""
+    values), "auto" (pallas on a GPU for the official storage, else xla)."""
     check_layer(state, layer, (CSA, HCA))
     c = state.config
     g, j = state.group(layer)
