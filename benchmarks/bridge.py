@@ -74,6 +74,44 @@ def profile(args):
     print(f"{args.resolutions[0]}: {ms:.2f} ms/frame under the profiler")
 
 
+def kernel_breakdown(args, seed_cls):
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for res in args.resolutions:
+        tpf = RESOLUTIONS[res]
+        frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))]
+        for name, cls in (("seed", seed_cls), ("drop-in", FlashInferKVCacheManager)):
+            mgr = cls(num_blocks=args.layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
+                      dtype=torch.bfloat16, device=torch.device("cuda"), max_total_frames=256)
+            k, v, q = frames[0]
+
+            def step():
+                for b in range(args.layers):
+                    mgr.append_frame(b, k[b], v[b])
+                    mgr.evict_frames(b, scale_frames=8, sliding_window=64)
+                    mgr.compute_attention(b, q[b])
+                torch.cuda.synchronize()
+
+            for _ in range(args.warm):
+                step()
+            with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step()
+            by = {}
+            for e in prof.events():
+                if e.device_type.name == "CUDA":
+                    kk = by.setdefault(e.name[:60], [0.0, 0])
+                    kk[0] += e.device_time
+                    kk[1] += 1
+            mgr = None  # free its buffers before the next manager
+            frames_n = 5
+            total = sum(v[0] for v in by.values()) / frames_n / 1e3
+            print(f"{res} {name}: {total:.2f} ms of CUDA kernels per frame (5 frames after {args.warm} warm-up)")
+            for kname, (t, c) in sorted(by.items(), key=lambda kv: -kv[1][0])[:8]:
+                print(f"    {t / frames_n / 1e3:8.3f} ms {c / frames_n:6.1f}x  {kname}")
+            torch.cuda.empty_cache()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed-file", default=".seeds/lingbot_map_flashinfer_cache.py")
@@ -83,12 +121,15 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=40)
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="cProfile the drop-in's host side over --iters frames")
+    p.add_argument("--kernels", action="store_true", help="torch-profile 5 frames of each manager: GPU time by kernel")
     args = p.parse_args(argv)
     seed_cls = load_seed(args.seed_file)
     dev = torch.cuda.get_device_name()
     print(f"device: {dev}  torch {torch.__version__}  jax {jax.__version__}", flush=True)
     if args.profile:
         return profile(args)
+    if args.kernels:
+        return kernel_breakdown(args, seed_cls)
     rows = []
     for res in args.resolutions:
         tpf = RESOLUTIONS[res]
