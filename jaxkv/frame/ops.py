@@ -48,8 +48,11 @@ def _move_rows(state, moves, n):
             arrays = tuple(_write(x, b, dst, _read(x, b, src, n)) for x in arrays)
         return arrays
 
-    any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))
-    arrays = lax.cond(any_ok, run, lambda a: a, arrays)
+    if state.k:
+        any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))
+        arrays = lax.cond(any_ok, run, lambda a: a, arrays)
+    else:  # token_id alone: cheaper to move (to the trash rows) than to branch (XLA GPU syncs on a cond)
+        arrays = run(arrays)
     L = len(state.k)
     return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])
 
