@@ -18,10 +18,8 @@ import ctypes
 
 import torch
 
-from jaxkv.cuda import arch_of, library
+from jaxkv.cuda import STORAGE_CODES, arch_of, library
 from jaxkv.hybrid.storage import STORAGES
-
-_STORAGE_CODE = {"official": 0, "seed": 1}
 
 
 def _lib(device: torch.device):
@@ -53,8 +51,8 @@ def _ok(code: int, what: str) -> None:
 def flush_write(pool, x, block, slot, *, storage: str, index_pool=None, xi=None) -> None:
     """Quantize ``x`` (and ``xi``) in ``storage``'s format and write them into ``pool``
     (and ``index_pool``) at ``(block, slot)``, in place."""
-    if storage not in _STORAGE_CODE:
-        raise ValueError(f"storage: expected one of {sorted(_STORAGE_CODE)}, got {storage!r}")
+    if storage not in STORAGE_CODES:
+        raise ValueError(f"storage: expected one of {sorted(STORAGE_CODES)}, got {storage!r}")
     fmt = STORAGES[storage]
     _check("pool", pool, torch.uint8, 2)
     dev = pool.device
@@ -82,7 +80,7 @@ def flush_write(pool, x, block, slot, *, storage: str, index_pool=None, xi=None)
     code = _lib(dev).jaxkv_flush_write(
         stream, pool.data_ptr(), None if index_pool is None else index_pool.data_ptr(), x.data_ptr(),
         None if xi is None else xi.data_ptr(), block.data_ptr(), slot.data_ptr(), n, pool.shape[0], bs,
-        _STORAGE_CODE[storage])
+        STORAGE_CODES[storage])
     _ok(code, "flush_write")
 
 

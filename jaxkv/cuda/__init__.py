@@ -9,6 +9,9 @@ import functools
 
 from jaxkv.cuda.build import ARCHS, BuildError, arch_of, build, check_compile, library
 
+# The kernels' storage-family argument (cuda/flush_write.cu's enum Storage).
+STORAGE_CODES = {"official": 0, "seed": 1}
+
 # FFI target name -> exported handler symbol (cuda/flush_write.cu)
 FFI_TARGETS = {
     "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
@@ -41,5 +44,5 @@ def register_ffi_targets() -> str:
     return arch
 
 
-__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "arch_of", "build", "check_compile", "device_arch", "library",
+__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "STORAGE_CODES", "arch_of", "build", "check_compile", "device_arch", "library",
            "register_ffi_targets"]

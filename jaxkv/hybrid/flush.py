@@ -33,7 +33,6 @@ from jaxkv.hybrid.compressor import CUR_B, empty_tail
 from jaxkv.hybrid.storage import STORAGES, write_items
 
 IMPLS = ("auto", "xla", "cuda", "pallas")
-_STORAGE_CODE = {"official": 0, "seed": 1}
 
 
 # --- validators -----------------------------------------------------------------------------
@@ -113,12 +112,12 @@ def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_poo
 def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
     """The CUDA kernel (one warp per entry), in place on ``pool`` / ``index_pool``; same
     arguments and result as ``ref_flush_write``. Needs a GPU and nvcc (first use builds)."""
-    from jaxkv.cuda import register_ffi_targets
+    from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 
     fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
     register_ffi_targets()
     attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // fmt.entry_bytes),
-                 storage=np.int32(_STORAGE_CODE[storage]))
+                 storage=np.int32(STORAGE_CODES[storage]))
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
     if index_pool is None:
         return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(pool, x, block, slot, **attrs)

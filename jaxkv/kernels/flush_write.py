@@ -5,7 +5,7 @@ The official storage family (``hybrid.storage``): per entry 448 FP8 dims with on
 scale per 64-element tile and 64 BF16 RoPE dims, 584 B in a segment-major block; per key
 64 B of E2M1 nibbles and 4 UE8M0 bytes. The math is the formats' (same helpers, same
 bytes as ``hybrid.flush.ref_flush_write``); dividing by a power-of-two scale is a
-multiply by its exact inverse, as in ``fp4_pack``. Each program handles ``ROWS`` entries
+multiply by its exact inverse and the keys use ``fp4_pack.mxfp4_pairs``. Each program handles ``ROWS`` entries
 and writes them with scatter stores (integer-array indexers of the pool viewed as
 ``[layers * blocks, block bytes]``). Lowering: Triton (``pltriton.CompilerParams``).
 
@@ -23,24 +23,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.formats import fp4 as _fp4
-from jaxkv.formats._common import E8M0_NAN, FP4_MAX, FP8_MAX, e8m0_to_float, exact_div, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, FP8_MAX, exact_div, ue8m0_scale
 from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
+from jaxkv.kernels.fp4_pack import is_nan_bits, mxfp4_pairs, pow2_inverse
 
 ROWS = 16  # entries per program (a power of two: Triton blocks)
 ENTRY, DATA, NOPE_TILES = 584, 576, 7
 KEY, CODES = 68, 64
-
-
-def _is_nan(v):
-    bits = lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
-    return (bits > 0x7F800000).astype(jnp.int32)
-
-
-def _pow2_inverse(byte):
-    """1 / 2**(byte - 127) exactly (NaN for the NaN byte)."""
-    b = byte.astype(jnp.int32)
-    return jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))
 
 
 def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
@@ -61,11 +50,11 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
 
     # entry: FP8 tiles with UE8M0 scales, then the rope dims' raw bytes
     x = pltriton.load(x_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
-    nan = jnp.max(_is_nan(x), axis=-1) > 0  # [R, 8]
+    nan = jnp.max(is_nan_bits(x), axis=-1) > 0  # [R, 8]
     amax = jnp.max(jnp.abs(x), axis=-1)
     _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
     byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
-    q = lax.bitcast_convert_type((x * _pow2_inverse(byte)[..., None]).astype(jnp.float8_e4m3fn), jnp.uint8)
+    q = lax.bitcast_convert_type((x * pow2_inverse(byte)[..., None]).astype(jnp.float8_e4m3fn), jnp.uint8)
     q = jnp.where((byte == E8M0_NAN)[..., None], jnp.uint8(0x7F), q)  # a NaN tile: all NaN codes
     tile = jnp.arange(8)[None, :, None]
     col = sl[:, None, None] * DATA + tile * 64 + jnp.arange(64)[None, None, :]  # [R, 8, 64]
@@ -85,16 +74,10 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
     if with_index:  # MXFP4 key: 4 groups of 32 = 16 even/odd pairs
         ev = pltriton.load(xi_e_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 4, 16]
         od = pltriton.load(xi_o_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)
-        knan = jnp.maximum(jnp.max(_is_nan(ev), axis=-1), jnp.max(_is_nan(od), axis=-1)) > 0  # [R, 4]
-        kmax = jnp.maximum(jnp.max(jnp.abs(ev), axis=-1), jnp.max(jnp.abs(od), axis=-1))
-        _, kbyte = ue8m0_scale(exact_div(jnp.maximum(kmax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
-        kbyte = jnp.where(knan, jnp.uint8(E8M0_NAN), kbyte)
-        inv = _pow2_inverse(kbyte)[..., None]
-        lo = jnp.where(knan[..., None], jnp.uint8(7), _fp4.e2m1_encode(ev * inv))
-        hi = jnp.where(knan[..., None], jnp.uint8(7), _fp4.e2m1_encode(od * inv))
+        packed, kbyte = mxfp4_pairs(ev, od)  # [R, 4, 16], [R, 4]
         g = jnp.arange(4)[None, :, None]
         kcol = sl[:, None, None] * CODES + g * 16 + jnp.arange(16)[None, None, :]  # [R, 4, 16]
-        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None, None], kcol.shape), kcol], lo | (hi << 4),
+        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None, None], kcol.shape), kcol], packed,
                        mask=ok[:, None, None])
         kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
         pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None], kscol.shape), kscol], kbyte, mask=ok[:, None])

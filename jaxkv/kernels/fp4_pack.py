@@ -30,10 +30,32 @@ def ref_quantize_mxfp4(x):
     return _fp4.quantize_mxfp4(x)
 
 
-def _is_nan(v):
-    """i32 1 where v is NaN, from its bits."""
+def is_nan_bits(v):
+    """i32 1 where v is NaN, from its bits (the Triton lowering folds ``x != x`` to false)."""
     bits = lax.bitcast_convert_type(v, jnp.int32) & 0x7FFFFFFF
     return (bits > 0x7F800000).astype(jnp.int32)
+
+
+def pow2_inverse(byte):
+    """``1 / 2**(byte - 127)`` exactly, NaN for the UE8M0 NaN byte. Dividing by a power-of-two
+    scale is then a multiply: exact, and where a quotient would be an f32 subnormal (the
+    only place the two could round differently) FP8 and E2M1 both encode zero — the
+    reference's integer long division is not needed in a kernel."""
+    b = byte.astype(jnp.int32)
+    return jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))
+
+
+def mxfp4_pairs(even, odd):
+    """MXFP4 of groups given as their even and odd elements, f32[..., G, 16] each ->
+    (packed bytes u8[..., G, 16], UE8M0 scales u8[..., G]); a group with a NaN is all 7s."""
+    nan = jnp.maximum(jnp.max(is_nan_bits(even), axis=-1), jnp.max(is_nan_bits(odd), axis=-1)) > 0
+    amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
+    _, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
+    inv = pow2_inverse(byte)[..., None]
+    lo = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(even * inv))
+    hi = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(odd * inv))
+    return lo | (hi << 4), byte
 
 
 def _kernel(x_ref, packed_ref, scales_ref, *, n):
@@ -45,19 +67,8 @@ def _kernel(x_ref, packed_ref, scales_ref, *, n):
     ok = i * ROWS + jnp.arange(ROWS) < n
     even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
     odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    # NaN found from the bits: the Triton lowering folds ``x != x`` to false
-    nan = jnp.maximum(jnp.max(_is_nan(even), axis=-1), jnp.max(_is_nan(odd), axis=-1)) > 0  # [ROWS, G]
-    amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
-    _, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
-    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
-    # x / 2**k == x * 2**-k exactly (a correctly rounded multiply by a power of two), and
-    # where the two could round differently (subnormal quotients) E2M1 codes them both 0:
-    # the reference's integer long division is not needed here.
-    b = byte.astype(jnp.int32)
-    inv = jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))[..., None]
-    lo = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(even * inv))  # a NaN group: all 7s
-    hi = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(odd * inv))
-    pltriton.store(packed_ref.at[rows], lo | (hi << 4), mask=ok[:, None, None])
+    packed, byte = mxfp4_pairs(even, odd)
+    pltriton.store(packed_ref.at[rows], packed, mask=ok[:, None, None])
     pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
 
 
