@@ -41,20 +41,25 @@ def load_seed(path):
     return mod.FlashInferKVCacheManager
 
 
+def make_manager(cls, tpf, layers):
+    return cls(num_blocks=layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
+               dtype=torch.bfloat16, device=torch.device("cuda"), max_total_frames=256)
+
+
+def frame_step(mgr, layers, frame, out):
+    """One frame as lingbot-map drives a manager; ``out[b]`` gets block b's attention."""
+    k, v, q = frame
+    for b in range(layers):
+        mgr.append_frame(b, k[b], v[b])
+        mgr.evict_frames(b, scale_frames=8, sliding_window=64)
+        out[b] = mgr.compute_attention(b, q[b])
+    torch.cuda.synchronize()
+
+
 def bench(cls, tpf, layers, warm, iters, frames):
-    mgr = cls(num_blocks=layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
-              dtype=torch.bfloat16, device=torch.device("cuda"), max_total_frames=256)
-    out = {}
-
-    def step(i):
-        k, v, q = frames[i % len(frames)]
-        for b in range(layers):
-            mgr.append_frame(b, k[b], v[b])
-            mgr.evict_frames(b, scale_frames=8, sliding_window=64)
-            out[b] = mgr.compute_attention(b, q[b])
-        torch.cuda.synchronize()
-
-    return times_ms(step, iters, warmup=warm), out
+    mgr, out = make_manager(cls, tpf, layers), {}
+    times = times_ms(lambda i: frame_step(mgr, layers, frames[i % len(frames)], out), iters, warmup=warm)
+    return times, out
 
 
 def profile(args):
@@ -81,22 +86,12 @@ def kernel_breakdown(args, seed_cls):
         tpf = RESOLUTIONS[res]
         frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))]
         for name, cls in (("seed", seed_cls), ("drop-in", FlashInferKVCacheManager)):
-            mgr = cls(num_blocks=args.layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
-                      dtype=torch.bfloat16, device=torch.device("cuda"), max_total_frames=256)
-            k, v, q = frames[0]
-
-            def step():
-                for b in range(args.layers):
-                    mgr.append_frame(b, k[b], v[b])
-                    mgr.evict_frames(b, scale_frames=8, sliding_window=64)
-                    mgr.compute_attention(b, q[b])
-                torch.cuda.synchronize()
-
+            mgr, out = make_manager(cls, tpf, args.layers), {}
             for _ in range(args.warm):
-                step()
+                frame_step(mgr, args.layers, frames[0], out)
             with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    step()
+                    frame_step(mgr, args.layers, frames[0], out)
             by = {}
             for e in prof.events():
                 if e.device_type.name == "CUDA":
