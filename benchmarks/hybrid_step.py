@@ -7,7 +7,10 @@ donated, requests at scattered positions so that some flush every step. Contende
 
 * jaxkv step: the whole bookkeeping, jitted, no host sync (run under
   ``jax.transfer_guard("disallow")``), with the flushes written by XLA (``impl="xla"``)
-  and, on a GPU, by the ``cuda/`` flush-write kernel (``impl="cuda"``);
+  and, on a GPU, by the ``cuda/`` flush-write kernels (``impl="cuda"``) and by the fused
+  Pallas decode kernel (``impl="pallas"``, also with the inputs passed as a few stacked
+  arrays instead of ~300 separate ones);
+* the dispatch floor: a jitted call with the step's arguments that does nothing;
 * jaxkv prepare_forward alone;
 * seed-style allocation: the dsv4 seed's ``prepare_forward`` logic — a Python loop over
   requests and layers reading each count from the device (``int(x)``) — on the same state.
@@ -71,12 +74,46 @@ def bookkeeping(state, slots, inputs, params, impl="xla"):
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
     for layer in range(cfg.num_layers):
         x = inputs[layer]
-        state = H.write_window(state, step, layer, x["kv"])
+        state = H.write_window(state, step, layer, x["kv"], impl=impl)
         if cfg.compress_ratios[layer]:
             p = params[layer]
             index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index, impl=impl)
     return state
+
+
+def stack_layers(cfg, inputs, params):
+    """The per-layer inputs and parameters as a few stacked arrays (one per kind of
+    layer and tensor): what a model hands the bookkeeping when they come from its own
+    stacked activations and weights, not from ~300 separate arguments."""
+    def stack(tree, layers):
+        return jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[l] for l in layers]) if layers else None
+
+    kinds = {k: [l for l in cfg.compressed_layers if cfg.kind(l) == k] for k in (H.CSA, H.HCA)}
+    return (jnp.stack([inputs[l]["kv"] for l in range(cfg.num_layers)]),
+            {k: (stack(inputs, ls), stack(params, ls)) for k, ls in kinds.items()})
+
+
+def bookkeeping_stacked(state, slots, stacked, impl="pallas"):
+    """``bookkeeping`` on ``stack_layers``' arrays, indexed per layer inside the step."""
+    cfg = state.config
+    kv, by_kind = stacked
+    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    seen = {H.CSA: 0, H.HCA: 0}
+    for layer in range(cfg.num_layers):
+        state = H.write_window(state, step, layer, kv[layer], impl=impl)
+        if cfg.compress_ratios[layer]:
+            kind = cfg.kind(layer)
+            x, p = jax.tree.map(lambda a, i=seen[kind]: a[i], by_kind[kind])
+            seen[kind] += 1
+            index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index, impl=impl)
+    return state
+
+
+def dispatch_floor(state, slots, inputs, params):
+    """The same call with the same arguments doing (almost) nothing: the per-call cost."""
+    return state.replace(position=state.position + 0 * slots.sum())
 
 
 def prepare_only(state, slots):
@@ -167,19 +204,46 @@ def main():
     with jax.transfer_guard("disallow"):
         step_ms = statistics.median(times_ms(run_step, args.iters, warmup=5))
     kern = kernel_ms_per_step(run_step, 10, top=args.top)
-    rows.append(("jaxkv step (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
-    if jax.default_backend() == "gpu":
-        cuda_fn = jax.jit(functools.partial(bookkeeping, impl="cuda"), donate_argnums=0)
+    rows.append(("jaxkv step, XLA (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
+    gpu_impls = (("cuda", "cuda/ flush-write kernels"), ("pallas", "fused Pallas decode kernels"))
+    for impl, what in gpu_impls if jax.default_backend() == "gpu" else ():
+        if impl == "pallas" and args.storage != "official":
+            continue
+        fn = jax.jit(functools.partial(bookkeeping, impl=impl), donate_argnums=0)
 
-        def run_cuda(i):
-            box["s"] = cuda_fn(box["s"], slots, inputs, params)
+        def run_impl(i, fn=fn):
+            box["s"] = fn(box["s"], slots, inputs, params)
             box["s"].position.block_until_ready()
 
         for _ in range(3):
-            run_cuda(0)
+            run_impl(0)
         with jax.transfer_guard("disallow"):
-            cuda_ms = statistics.median(times_ms(run_cuda, args.iters, warmup=5))
-        rows.append(("jaxkv step, flush-write by the cuda/ kernel", cuda_ms, kernel_ms_per_step(run_cuda, 10)))
+            ms = statistics.median(times_ms(run_impl, args.iters, warmup=5))
+        rows.append((f"jaxkv step, {what}", ms, kernel_ms_per_step(run_impl, 10, top=args.top)))
+    if jax.default_backend() == "gpu" and args.storage == "official":
+        stacked = stack_layers(cfg, inputs, params)
+        st_fn = jax.jit(bookkeeping_stacked, donate_argnums=0)
+
+        def run_stacked(i):
+            box["s"] = st_fn(box["s"], slots, stacked)
+            box["s"].position.block_until_ready()
+
+        for _ in range(3):
+            run_stacked(0)
+        with jax.transfer_guard("disallow"):
+            ms = statistics.median(times_ms(run_stacked, args.iters, warmup=5))
+        rows.append(("jaxkv step, fused Pallas, inputs as 6 stacked arrays", ms,
+                     kernel_ms_per_step(run_stacked, 10, top=args.top)))
+    floor_fn = jax.jit(dispatch_floor, donate_argnums=0, keep_unused=True)
+
+    def run_floor(i):
+        box["s"] = floor_fn(box["s"], slots, inputs, params)
+        box["s"].position.block_until_ready()
+
+    for _ in range(3):
+        run_floor(0)
+    rows.append(("dispatch floor: a no-op jit call with the step's arguments",
+                 statistics.median(times_ms(run_floor, args.iters, warmup=5)), kernel_ms_per_step(run_floor, 10)))
     prep_ms = statistics.median(times_ms(run_prep, args.iters, warmup=5))
     rows.append(("jaxkv prepare_forward alone", prep_ms, kernel_ms_per_step(run_prep, 10)))
     pos = box["s"].position[slots]

@@ -11,7 +11,9 @@ Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x2
 packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
 indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
 requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and, for the
-official family, the Pallas kernel (pallas).
+official family, the Pallas kernel (pallas); one decode step's CSA / HCA append + flush
+of 4,096 and 16,384 requests that all complete a window: the XLA path, the XLA pooling with
+the cuda/ write, and the fused Pallas kernel.
 """
 
 from __future__ import annotations
@@ -121,6 +123,51 @@ def bench_flush_write(n, storage, iters):
     return rows
 
 
+def bench_fused_flush(n, ratio, iters):
+    """One decode step's compressor update of one CSA (ratio 4) or HCA (128) layer for ``n``
+    requests that all complete a window: ``hybrid.compress`` with the XLA path (jnp
+    pooling + jnp write), the XLA pooling + the ``cuda/`` write, and the fused Pallas kernel
+    (``kernels.compress_decode``: append + pool + norm + rope + quantize + scatter)."""
+    from jaxkv import hybrid as H
+
+    csa = ratio == 4
+    cfg = H.HybridConfig(compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64)
+    key = jax.random.key(5)
+    ks = jax.random.split(key, 8)
+    coff = 2 if csa else 1
+    kv = jax.random.normal(ks[0], (n, 1, coff * 512))
+    score = jax.random.normal(ks[1], (n, 1, coff * 512))
+    params = H.CompressorParams(jax.random.normal(ks[2], (ratio, coff * 512)), 1 + 0.1 * jax.random.normal(ks[3], (512,)))
+    index = None
+    if csa:
+        index = (jax.random.normal(ks[4], (n, 1, 256)), jax.random.normal(ks[5], (n, 1, 256)),
+                 H.CompressorParams(jax.random.normal(ks[6], (ratio, 256)), 1 + 0.1 * jax.random.normal(ks[7], (128,))))
+    slots = jnp.arange(n, dtype=jnp.int32)
+    pos = jnp.full((n,), ratio - 1, jnp.int32)  # every request completes window 0
+    streams, width = (3, 640) if csa else (1, 512)
+    # f32 inputs; tails read and written (CSA: 3 streams); entry (+ key) written
+    moved = n * (4 * (kv.shape[-1] + score.shape[-1]) + (2 * 256 * 4 if csa else 0) + 2 * streams * 3 * width * 4
+                 + 584 + (68 if csa else 0))
+    rows = []
+    op = f"{'CSA' if csa else 'HCA'} decode append+flush {n}"
+    for name in ("xla", "cuda", "pallas"):
+        state = H.init(cfg)
+        state, step = H.prepare_forward(state.replace(position=pos + 0), slots, pos, chunk=1)
+        f = jax.jit(functools.partial(H.compress, layer=0, impl=name), donate_argnums=0)
+        box = {"s": state}
+
+        def one(i):
+            box["s"] = f(box["s"], step, kv=kv, score=score, params=params, index=index)
+            box["s"].error.block_until_ready()
+
+        for i in range(3):
+            one(i)
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+        box.clear()
+    return rows
+
+
 def bench_dequant_gather(tokens, top_k, iters):
     """``tokens`` query tokens selecting ``top_k`` entries each, all distinct, at random
     from a 612 MB pool (12x the H100's L2)."""
@@ -147,7 +194,7 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--json", default=None)
     p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, "
-                   "dequant, flush)")
+                   "dequant, flush, fused)")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
     interpret = dev.platform != "gpu"
@@ -162,6 +209,10 @@ def main(argv=None):
     if not interpret and want("dequant"):  # the Pallas gather has no cheap interpret size here
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)
+    if not interpret and want("fused"):
+        for n in (4096, 16384):
+            for ratio in (4, 128):
+                rows += bench_fused_flush(n, ratio, args.iters)
     if not interpret and want("flush"):  # the CUDA kernel needs a GPU
         for n in (4096, 65536):
             for storage in ("official", "seed"):

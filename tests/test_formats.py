@@ -289,3 +289,17 @@ def test_nan_anywhere_in_a_group_poisons_its_scale(pos):
     assert np.isnan(s[0, pos // 16]) and not np.isnan(s[0, (pos // 16) + 2])
     _, inv = F.quantize_fp8_per_entry(jnp.asarray(x))
     assert np.isnan(np.asarray(inv)).all()
+
+
+def test_round_bf16_matches_ml_dtypes(rng):
+    """The integer bf16 rounding (used where XLA could elide a cast round trip) equals a
+    real cast: random magnitudes over the whole range, ties, overflow, inf, NaN, -0."""
+    from jaxkv.formats._common import round_bf16
+
+    x = (rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 39, 1 << 16)).astype(np.float32)
+    ties = (rng.integers(0, 1 << 15, 256).astype(np.uint32) << 16 | 0x8000).view(np.float32)  # exactly halfway
+    x = np.concatenate([x, ties, np.float32([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4e38, -3.39e38, 1e-45])])
+    want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.asarray(jax.jit(round_bf16)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))

@@ -152,7 +152,8 @@ def test_flush_write_matches_reference(rng, csa):
 
 
 def test_compress_pallas_equals_xla(rng):
-    """hybrid.compress with the Pallas flush-write: the same cache bytes over a prefill and decodes."""
+    """hybrid.compress with the Pallas flush-write: the same cache bytes over a prefill and
+    2-token steps (1-token steps take the fused kernel: ``test_compress_decode_fused_matches_xla``)."""
     from test_cuda import _compress_all
 
     from jaxkv import hybrid as H
@@ -169,9 +170,9 @@ def test_compress_pallas_equals_xla(rng):
         st = _compress_all(st, step, pre, params, impl)
         pos = np.array([140, 61])
         for t in range(5):
-            st, step = H.prepare_forward(st, jnp.arange(2), jnp.asarray(pos), chunk=1)
-            st = _compress_all(st, step, D.slice_tokens(pre, t, t + 1), params, impl)
-            pos += 1
+            st, step = H.prepare_forward(st, jnp.arange(2), jnp.asarray(pos), chunk=2)
+            st = _compress_all(st, step, D.slice_tokens(pre, 2 * t, 2 * t + 2), params, impl)
+            pos += 2
         states[impl] = st
     for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["pallas"])):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
@@ -206,3 +207,90 @@ def test_dequant_gather_matches_reference(rng, m):
     got = dequant_gather(pool, 1, jnp.asarray(block), jnp.asarray(slot), interpret=not HAS_GPU)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.asarray(got[(block < 0) | (block >= NB)], np.float32).any()
+
+
+# --- fused decode compressor (official storage family) ------------------------------------------
+def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
+    """Prefill with the XLA path to ``pos0``, then ``steps`` decode steps (all layers) with
+    ``impl``; ``drop_block = (slot, block)`` clears a table cell before every decode flush."""
+    from test_cuda import _compress_all
+
+    from jaxkv import hybrid as H
+    import hybrid_driver as D
+
+    B = len(pos0)
+    T = max(pos0)
+    st = H.init(c)
+    st, step = H.prepare_forward(st, slots, jnp.zeros(B, jnp.int32), jnp.asarray(pos0), chunk=T)
+    st = _compress_all(st, step, D.slice_tokens(x, 0, T), params, "xla")
+    before = jax.tree.map(np.array, st)  # a host copy: st is donated below
+    pos = np.array(pos0)
+    for t in range(steps):
+        st, step = H.prepare_forward(st, slots, jnp.asarray(pos), chunk=1)
+        if drop_block is not None:
+            al = st.alloc[0]
+            st = st.replace(alloc=(al.replace(table=al.table.at[drop_block].set(-1)),) + st.alloc[1:])
+        for layer in range(c.num_layers):
+            xl = D.slice_tokens(x, T + t, T + t + 1)[layer]
+            st = H.write_window(st, step, layer, xl["kv"], impl=impl)
+        st = _compress_all(st, step, D.slice_tokens(x, T + t, T + t + 1), params, impl)
+        pos += 1
+    return before, st
+
+
+def test_compress_decode_fused_matches_xla(rng):
+    """Decode steps through the fused kernel (and the Pallas SWA write) give the XLA path's
+    cache: CSA and HCA flushes on different steps, and a request whose flush finds no block
+    (POOL_EXHAUSTED recorded, nothing written for it)."""
+    from jaxkv import hybrid as H
+    from jaxkv.errors import Fault
+    import hybrid_driver as D
+
+    c = H.HybridConfig(compress_ratios=(4, 128, 0), window=32, index_heads=4, top_k=16, block_size=16,
+                       max_requests=5, max_context=512)
+    params = D.make_params(c, rng)
+    pos0 = [130, 61, 127, 3, 20]
+    x = D.make_inputs(c, rng, len(pos0), max(pos0) + 9)
+    slots = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
+    want_before, want = _decode_run(c, params, x, slots, pos0, 9, "xla", drop_block=(3, 0))
+    _, got = _decode_run(c, params, x, slots, pos0, 9, "pallas", drop_block=(3, 0))
+    leaves = jax.tree_util.tree_leaves_with_path
+    for (path, w), g, b in zip(leaves(want), jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want_before),
+                               strict=True):
+        w, g, b = np.asarray(w), np.asarray(g), np.asarray(b)
+        name = jax.tree_util.keystr(path)
+        if w.dtype == np.float32:  # tails: same math, float32 rounding order may differ
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=name)
+        elif w.dtype == np.uint8 and HAS_GPU:  # last-bit BF16 differences move a code now and then
+            assert (g != w).mean() <= 2e-3, name
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=name)
+        if name.startswith((".entries", ".index_keys", ".window")):
+            assert (w != b).any(), f"{name}: the decode steps wrote nothing"
+    assert int(want.error[3]) == int(Fault.POOL_EXHAUSTED) and not np.asarray(want.error)[[0, 1, 2, 4]].any()
+    # the dropped request's CSA entries stay as the prefill left them (it had none)
+    assert int(got.alloc[0].owned[3]) >= 1
+    # the entries read back equal (dequantized)
+    step = H.Step(slot=slots, write_slot=slots, start=jnp.asarray(pos0) + 9, num_tokens=jnp.zeros(5, jnp.int32),
+                  active=jnp.ones(5, bool))
+    for layer in (0, 1):
+        (we, cnt), (ge, _) = H.all_entries(want, step, layer, impl="xla"), H.all_entries(got, step, layer, impl="xla")
+        assert int(cnt.sum()) > 0
+        ge, we = np.asarray(ge, np.float32), np.asarray(we, np.float32)
+        np.testing.assert_allclose(ge, we, rtol=0.13, atol=1e-2)  # at most one FP8 code apart
+        written = int(cnt.sum()) * ge.shape[-1]  # elements of the entries that exist
+        assert (ge != we).sum() <= (0.01 * written if HAS_GPU else 0)
+
+
+def test_compress_decode_bad_inputs(rng):
+    from jaxkv import hybrid as H
+
+    c = H.HybridConfig(compress_ratios=(4,), max_requests=2, max_context=64, block_size=16, storage="seed")
+    st, step = H.prepare_forward(H.init(c), jnp.arange(2), jnp.zeros(2, jnp.int32), chunk=1)
+    p = H.CompressorParams(jnp.ones((4, 1024)), jnp.ones(512))
+    ip = H.CompressorParams(jnp.ones((4, 256)), jnp.ones(128))
+    with pytest.raises(ValueError, match="impl: the Pallas flush writes the official storage"):
+        H.compress(st, step, 0, jnp.ones((2, 1, 1024)), jnp.ones((2, 1, 1024)), p,
+                   (jnp.ones((2, 1, 256)), jnp.ones((2, 1, 256)), ip), impl="pallas")
+    with pytest.raises(ValueError, match="storage: the Pallas flush-write supports 'official'"):
+        H.write_window(st, step, 0, jnp.ones((2, 1, 512), jnp.bfloat16), impl="pallas")

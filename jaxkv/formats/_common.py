@@ -136,6 +136,21 @@ def fp8_e4m3_encode(y):
     return lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)
 
 
+def round_bf16(x):
+    """float32 -> float32 rounded to the nearest bfloat16 (ties to even), by integer ops.
+
+    ``x.astype(bf16).astype(f32)`` is not reliable under XLA: its excess-precision rewrite
+    may drop the round trip when fused, so a value meant to be rounded to bf16 keeps its
+    float32 bits (and Pallas's Triton lowering has no ``reduce_precision``). NaN stays NaN.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    lsb = (bits >> 16) & 1
+    r = lax.bitcast_convert_type((bits + 0x7FFF + lsb) & jnp.int32(-65536), jnp.float32)
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    return jnp.where(nan, x, r)
+
+
 def group(x, size: int):
     """[..., d] -> [..., d/size, size]."""
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)

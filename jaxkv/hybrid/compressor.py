@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.formats._common import round_bf16
 from jaxkv.hybrid.rope import apply_rope, hadamard
 
 M, S, A = 0, 1, 2  # rows of a stream's triple
@@ -117,28 +118,26 @@ def next_tail(tail, wins, start, n, ratio: int, overlap: bool):
 
 
 def rms_norm(x, weight, eps: float):
-    """DeepSeek's RMSNorm: float32 math, result in x.dtype. x: [..., c], weight: f32[c]."""
-    xf = x.astype(jnp.float32)
-    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight * y).astype(x.dtype)
+    """DeepSeek's RMSNorm: float32 math on bf16 values, the result rounded to bf16
+    (``round_bf16``). x: f32[..., c] holding bf16 values, weight: f32[c] -> f32[..., c]."""
+    y = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+    return round_bf16(weight * y)
 
 
 def finalize(p, entry_index, ratio: int, norm_weight, freqs, eps: float, rope_dim: int, rotate: bool):
     """Pooled float32 entries -> the BF16 entries that get quantized.
 
     p: f32[..., c]; entry_index: i32[...]; norm_weight: f32[c]; freqs: f32[rope_dim/2].
-    bf16 -> RMSNorm -> RoPE on the last ``rope_dim`` dims at ``entry_index * ratio``;
-    indexer keys (``rotate``) then get the Hadamard rotation.
+    bf16 -> RMSNorm -> bf16 -> RoPE on the last ``rope_dim`` dims at ``entry_index * ratio``
+    -> bf16; indexer keys (``rotate``) then get the Hadamard rotation -> bf16. Every bf16
+    rounding is explicit (``round_bf16``), so the bytes do not depend on how XLA fuses.
     """
-    x = rms_norm(p.astype(jnp.bfloat16), norm_weight, eps)
-    rope = apply_rope(x[..., -rope_dim:], entry_index * ratio, freqs)
+    x = rms_norm(round_bf16(p), norm_weight, eps)
+    rope = round_bf16(apply_rope(x[..., -rope_dim:], entry_index * ratio, freqs))
     x = jnp.concatenate([x[..., :-rope_dim], rope], axis=-1)
     if rotate:
-        x = hadamard(x)
-    # Round to bf16 explicitly: with XLA's default excess-precision rewrite, a later
-    # bf16 -> f32 convert (the quantizer's) would otherwise see the unrounded float32
-    # value when fused, and the bytes would depend on where the entry is quantized.
-    return lax.reduce_precision(x.astype(jnp.float32), exponent_bits=8, mantissa_bits=7).astype(jnp.bfloat16)
+        x = round_bf16(hadamard(x))
+    return x.astype(jnp.bfloat16)  # exact: the values are bf16 already
 
 
 def ref_pool_sequence(kv, score, bias, ratio: int, overlap: bool):

@@ -21,7 +21,7 @@ from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.hybrid.rope import rope_freqs
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
-from jaxkv.hybrid.storage import read_items, write_items
+from jaxkv.hybrid.storage import read_items
 
 
 @cache_dataclass
@@ -61,26 +61,28 @@ def freqs_of(config):
 
 
 # --- sliding window -----------------------------------------------------------------------
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
-def write_window(state: HybridCacheState, step: Step, layer: int, kv):
+@functools.partial(jax.jit, donate_argnums=0, static_argnames=("layer", "impl"))
+def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: str = "auto"):
     """Write the step's tokens into layer ``layer``'s SWA ring.
 
     kv: bf16[B, T, head_dim]  the layer's normalised, RoPE'd KV of the step's tokens.
     Only each row's last ``window`` real tokens are written (earlier ones would be
-    overwritten within the same step).
+    overwritten within the same step). A ring is one block of ``window`` entries in the
+    storage's entry format, so the flush-writers quantize and scatter it: impl as in
+    ``compress`` ("xla", "cuda", "pallas" for the official storage, "auto"); same bytes.
     """
     c = state.config
+    impl = check_impl(impl, c.storage)
     check_layer(state, layer)
     check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
-    fmt = c.storage_format
     B, T, _ = kv.shape
     t = jnp.arange(T)[None, :]
     n = step.num_tokens[:, None]
     valid = (t < n) & (t >= n - c.window)
-    blk = jnp.where(valid, step.write_slot[:, None], c.max_requests)
-    item = (step.start[:, None] + t) % c.window
-    ring = write_items(state.window, layer, blk.reshape(-1), item.reshape(-1),
-                       fmt.entry.encode(kv).reshape(B * T, -1), fmt.entry.segments)
+    blk = jnp.where(valid, step.write_slot[:, None], c.max_requests).astype(jnp.int32)
+    item = ((step.start[:, None] + t) % c.window).astype(jnp.int32)
+    ring = WRITERS[impl](state.window, layer, kv.reshape(B * T, -1), blk.reshape(-1), item.reshape(-1),
+                         storage=c.storage)
     return state.replace(window=ring)
 
 
@@ -122,11 +124,14 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     request's block table (allocated by ``prepare_forward``).
     impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
       (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi), "pallas" (official storage
-      only), "auto" (cuda on a GPU where it builds, else xla: ``hybrid.flush.default_impl``);
-      all give the same bytes.
+      only; a decode step, T = 1, runs the whole append + flush as one fused kernel,
+      ``jaxkv.kernels.compress_decode``), "auto" (``hybrid.flush.default_impl``: on a GPU
+      pallas for the official storage, cuda for the seed's; xla elsewhere). xla and cuda
+      give the same bytes, and pallas too except in decode, where an entry can differ in
+      its last bit (see the kernel).
     """
-    impl = check_impl(impl)
     c = state.config
+    impl = check_impl(impl, c.storage)
     kind = check_layer(state, layer, (CSA, HCA))
     csa = kind == CSA
     if (index is None) == csa:
@@ -140,18 +145,24 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     pos = step.start[:, None] + jnp.arange(T)[None, :]
     kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
     z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
-    if csa:  # the indexer's compressor: the same math on 128 more channels
+    if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
+    if impl == "pallas" and c.storage != "official":
+        raise ValueError(f"impl: the Pallas flush writes the official storage family, this cache is {c.storage!r} "
+                         "(use impl='cuda' or 'xla')")
+    if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
+        return _compress_decode(state, step, layer, kv, score, params, index)
+    if csa:  # the indexer's compressor: the same math on 128 more channels
         kv_rows = jnp.concatenate([kv_rows, _rows(ikv, None, pos, ratio, True, c.index_dim)], axis=-1)
         z_rows = jnp.concatenate([z_rows, _rows(iscore, iparams.bias, pos, ratio, True, c.index_dim)], axis=-1)
 
-    tails = state.tails[g][j]  # f32[R, streams, 3, width]
-    tail = tails[step.slot]  # f32[B, streams, 3, width]
+    tails = state.tails[g]  # f32[Lg, R, streams, 3, width]
+    tail = tails[j, step.slot]  # f32[B, streams, 3, width]
     wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
         tail, kv_rows, z_rows, step.start, step.num_tokens)
     new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
-    tails = tails.at[step.write_slot].set(new_tail, mode="drop")
+    tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
 
     nw = pooled.shape[1]
     entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
@@ -164,7 +175,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     freqs = freqs_of(c)
     x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
     write = WRITERS[impl]
-    new = dict(tails=_put(state.tails, g, _put(state.tails[g], j, tails)))
+    new = dict(tails=_put(state.tails, g, tails))
     if csa:
         xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,
                       c.rope_dim, True)
@@ -176,6 +187,30 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
         record(state.error[step.slot], True, Fault.POOL_EXHAUSTED), mode="drop")
     return state.replace(error=err, **new)
+
+
+def _compress_decode(state, step, layer, kv, score, params, index):
+    from jaxkv.kernels.compress_decode import compress_decode
+
+    def f32(x):
+        return x.astype(jnp.float32)
+
+    c = state.config
+    g, j = state.group(layer)
+    csa = index is not None
+    extra = {}
+    if csa:
+        ikv, iscore, iparams = index
+        extra = dict(index=(ikv[:, 0], iscore[:, 0], f32(iparams.bias), f32(iparams.norm)), index_pool=state.index_keys)
+    out = compress_decode(state.tails[g], kv[:, 0], score[:, 0], f32(params.bias), f32(params.norm), step.slot,
+                          step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
+                          state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
+                          eps=c.norm_eps, interpret=jax.default_backend() != "gpu", **extra)
+    new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]),
+               error=out[-1])
+    if csa:
+        new["index_keys"] = out[2]
+    return state.replace(**new)
 
 
 def _put(tup, i, x):

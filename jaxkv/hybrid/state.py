@@ -7,11 +7,11 @@ handful of buffers, not a few per layer. Per request slot (``R = config.max_requ
 * ``window: u8[L, R, window * E]`` every layer's SWA ring: the token at position p sits in
   item ``p % window`` of the request's block (``E`` = the storage's entry bytes; in the
   official family a request's ring is one ds_mla block);
-* ``tails[g]: Lg x f32[R, streams, 3, width]`` the running-softmax tails of the ``Lg``
-  layers of ratio ``config.ratios[g]``, one array per layer (see ``compressor``): CSA 3
-  streams over ``head_dim + index_dim`` channels (the main and the indexer compressor
-  side by side), HCA 1 stream over ``head_dim``. Not stacked: XLA GPU copied a whole
-  stacked tail before each layer's scatter into it (``benchmarks/RESULTS.md``).
+* ``tails[g]: f32[Lg, R, streams, 3, width]`` the running-softmax tails of the ``Lg``
+  layers of ratio ``config.ratios[g]`` (see ``compressor``): CSA 3 streams over
+  ``head_dim + index_dim`` channels (the main and the indexer compressor side by side),
+  HCA 1 stream over ``head_dim``. Stacked, like the pools: every buffer of the state costs
+  the step's dispatch a few microseconds (``benchmarks/RESULTS.md``).
 
 Per ratio ``g``, paged pools ``entries[g]: u8[Lg, num_blocks, block_size * E]`` and, for the
 CSA ratio, ``index_keys: u8[Lg, num_blocks, block_size * K]``. Every layer of a ratio
@@ -94,10 +94,10 @@ def init(config: HybridConfig) -> HybridCacheState:
     R = c.max_requests
     key_bytes = fmt.index_key_bytes(c.index_dim)
 
-    def tails(r):  # Lg x f32[R, streams, 3, width]: CSA's three streams over main + indexer channels
+    def tails(r):  # f32[Lg, R, streams, 3, width]: CSA's three streams over main + indexer channels
         csa = r == c.indexer_ratio
         streams, width = (3, c.head_dim + c.index_dim) if csa else (1, c.head_dim)
-        return tuple(jnp.array(empty_tail((R,), streams, width)) for _ in range(_layers_of(c, r)))
+        return jnp.array(empty_tail((_layers_of(c, r), R), streams, width))
 
     n_csa = _layers_of(c, c.indexer_ratio)
     return HybridCacheState(

@@ -178,12 +178,12 @@ def finish(state: HybridCacheState, slots):
                Fault.SLOT_REPEATED)
     )
 
-    def reset(t):  # f32[R, streams, 3, w]
-        return t.at[ws].set(empty_tail((), t.shape[1], t.shape[-1]), mode="drop")
+    def reset(t):  # f32[Lg, R, streams, 3, w]
+        return t.at[:, ws].set(empty_tail((), t.shape[2], t.shape[-1]), mode="drop")
 
     return state.replace(
         position=state.position.at[ws].set(0, mode="drop"),
-        tails=tuple(tuple(map(reset, ts)) for ts in state.tails),
+        tails=tuple(map(reset, state.tails)),
         alloc=tuple(new_alloc),
         error=err,
     )
