@@ -98,17 +98,16 @@ def bookkeeping_stacked(state, slots, stacked, impl="pallas"):
     """``bookkeeping`` on ``stack_layers``' arrays, indexed per layer inside the step."""
     cfg = state.config
     kv, by_kind = stacked
-    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    inputs, params = {}, {}
     seen = {H.CSA: 0, H.HCA: 0}
     for layer in range(cfg.num_layers):
-        state = H.write_window(state, step, layer, kv[layer], impl=impl)
+        inputs[layer] = {"kv": kv[layer]}
         if cfg.compress_ratios[layer]:
             kind = cfg.kind(layer)
-            x, p = jax.tree.map(lambda a, i=seen[kind]: a[i], by_kind[kind])
+            x, params[layer] = jax.tree.map(lambda a, i=seen[kind]: a[i], by_kind[kind])
+            inputs[layer].update(x)
             seen[kind] += 1
-            index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
-            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index, impl=impl)
-    return state
+    return bookkeeping(state, slots, inputs, params, impl)
 
 
 def dispatch_floor(state, slots, inputs, params):

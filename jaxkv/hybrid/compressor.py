@@ -41,20 +41,34 @@ def empty_tail(shape_prefix, streams: int, dim: int):
     return jnp.concatenate([m, jnp.zeros((*shape_prefix, streams, 2, dim), jnp.float32)], axis=-2)
 
 
+def fold_triple(m, s, a, kv, z):
+    """``fold`` on the triple's parts (also what the fused decode kernel runs)."""
+    m_new = jnp.maximum(m, z)
+    keep = jnp.exp(m - m_new)
+    w = jnp.exp(z - m_new)
+    return m_new, s * keep + w, a * keep + kv * w
+
+
+def combine_triples(x, y):
+    """``combine`` on (M, S, A) tuples."""
+    m_new = jnp.maximum(x[M], y[M])
+    ex = jnp.exp(x[M] - m_new)
+    ey = jnp.exp(y[M] - m_new)
+    return m_new, x[S] * ex + y[S] * ey, x[A] * ex + y[A] * ey
+
+
+def _parts(st):
+    return st[..., M, :], st[..., S, :], st[..., A, :]
+
+
 def fold(st, kv, z):
     """Add one row to a stream. st: f32[..., 3, c]; kv, z: f32[..., c]."""
-    m_new = jnp.maximum(st[..., M, :], z)
-    keep = jnp.exp(st[..., M, :] - m_new)
-    w = jnp.exp(z - m_new)
-    return jnp.stack([m_new, st[..., S, :] * keep + w, st[..., A, :] * keep + kv * w], axis=-2)
+    return jnp.stack(fold_triple(*_parts(st), kv, z), axis=-2)
 
 
 def combine(x, y):
     """Pool two streams (log-sum-exp merge). x, y: f32[..., 3, c] -> f32[..., 3, c]."""
-    m_new = jnp.maximum(x[..., M, :], y[..., M, :])
-    ex = jnp.exp(x[..., M, :] - m_new)
-    ey = jnp.exp(y[..., M, :] - m_new)
-    return jnp.stack([m_new, x[..., S, :] * ex + y[..., S, :] * ey, x[..., A, :] * ex + y[..., A, :] * ey], axis=-2)
+    return jnp.stack(combine_triples(_parts(x), _parts(y)), axis=-2)
 
 
 def pooled(st):

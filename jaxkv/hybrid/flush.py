@@ -46,7 +46,7 @@ def check_impl(impl: str, storage: str = "official") -> str:
 @functools.lru_cache(maxsize=None)
 def default_impl(storage: str = "official") -> str:
     """Off a GPU "xla". On a GPU, for the official storage "pallas" (a decode step's
-    append + flush is one fused kernel per layer: 4.0 -> 1.4 ms for a 256-request
+    append + flush is one fused kernel per layer: 4.0 -> 1.6 ms for a 256-request
     V4-Flash step on an H100, ``benchmarks/RESULTS.md``); for the seed storage "cuda"
     where the ``cuda/`` kernels build (nvcc on first use), else "xla" with a warning."""
     if jax.default_backend() != "gpu":

@@ -142,9 +142,6 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     al = state.alloc[g]
     _check_inputs(step, kv, score, params, ratio, csa, c.head_dim, "")
     B, T, _ = kv.shape
-    pos = step.start[:, None] + jnp.arange(T)[None, :]
-    kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
-    z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
@@ -153,6 +150,9 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
                          "(use impl='cuda' or 'xla')")
     if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
         return _compress_decode(state, step, layer, kv, score, params, index)
+    pos = step.start[:, None] + jnp.arange(T)[None, :]
+    kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
+    z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
     if csa:  # the indexer's compressor: the same math on 128 more channels
         kv_rows = jnp.concatenate([kv_rows, _rows(ikv, None, pos, ratio, True, c.index_dim)], axis=-1)
         z_rows = jnp.concatenate([z_rows, _rows(iscore, iparams.bias, pos, ratio, True, c.index_dim)], axis=-1)

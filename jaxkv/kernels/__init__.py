@@ -6,6 +6,9 @@
   (``hybrid.gather_entries(impl="pallas")``).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in the official storage
   family (``ds_mla`` entries + MXFP4 keys; ``hybrid.compress(impl="pallas")``).
+* ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
+  pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
+  (``hybrid.compress(impl="pallas")`` with one token per request).
 * ``fp4_pack``: MXFP4 packing of indexer keys (E2M1 nibbles + UE8M0 scales), the formats'
   own jnp math tiled into a kernel (Triton lowering).
 """

@@ -43,17 +43,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.errors import Fault
-from jaxkv.formats._common import E8M0_NAN, FP8_MAX, exact_div, round_bf16, ue8m0_scale
-from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
-from jaxkv.kernels.fp4_pack import is_nan_bits, mxfp4_pairs, pow2_inverse
+from jaxkv.formats._common import round_bf16
+from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
+from jaxkv.kernels.flush_write import ue8m0_tile_codes
+from jaxkv.kernels.fp4_pack import mxfp4_pairs
 
 ROWS = 1  # requests per program
 NUM_WARPS = 4  # per program (one request: 512 + 128 channels, 3 streams)
 ENTRY, DATA, NOPE_TILES = 584, 576, 7
 KEY, CODES = 68, 64
 HEAD, INDEX = 512, 128
-M_, S_, A_ = 0, 1, 2
-CUR_A, CUR_B, PREV_B = 0, 1, 2
 
 
 def _sylvester(n: int) -> np.ndarray:
@@ -61,19 +60,6 @@ def _sylvester(n: int) -> np.ndarray:
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
     return h
-
-
-def _fold(m, s, a, kv, z):
-    m_new = jnp.maximum(m, z)
-    keep = jnp.exp(m - m_new)
-    w = jnp.exp(z - m_new)
-    return m_new, s * keep + w, a * keep + kv * w
-
-
-def _combine(x, y):
-    m = jnp.maximum(x[0], y[0])
-    ex, ey = jnp.exp(x[0] - m), jnp.exp(y[0] - m)
-    return m, x[1] * ex + y[1] * ey, x[2] * ex + y[2] * ey
 
 
 _bf16 = round_bf16  # f32 -> f32 rounded to bf16, as ``hybrid.compressor.finalize`` rounds
@@ -134,11 +120,11 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
             return kv, z + load(bias_r.at[brow, col], mask=a3, other=0)
 
         empty = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
-        cur_a = _fold(*(tail(CUR_A, k, a3) for k in range(3)), *inputs(in_off_a))
+        cur_a = fold_triple(*(tail(CUR_A, k, a3) for k in range(3)), *inputs(in_off_a))
         if csa:
-            cur_b = _fold(*(tail(CUR_B, k, a3) for k in range(3)), *inputs(in_off_b))
+            cur_b = fold_triple(*(tail(CUR_B, k, a3) for k in range(3)), *inputs(in_off_b))
             prev_b = tuple(tail(PREV_B, k, d3) for k in range(3))
-            st = _combine(cur_a, prev_b)
+            st = combine_triples(cur_a, prev_b)
             for k in range(3):
                 put(CUR_A, k, jnp.where(d3, empty[k], cur_a[k]), a3)
                 put(CUR_B, k, jnp.where(d3, empty[k], cur_b[k]), a3)
@@ -147,7 +133,7 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
             st = cur_a
             for k in range(3):
                 put(CUR_A, k, jnp.where(d3, empty[k], cur_a[k]), a3)
-        return st[A_] / st[S_]
+        return st[A] / st[S]
 
     def rope(e, o, on, j):
         """RoPE of (even, odd) pairs where ``on``, pair index ``j`` (f32 math, bf16 result)."""
@@ -175,17 +161,11 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
     xe, xo = rope(xe, xo, t == NOPE_TILES, jnp.broadcast_to(k, shp))
 
     w3 = b3(write)
-    nan = jnp.maximum(jnp.max(is_nan_bits(xe), axis=-1), jnp.max(is_nan_bits(xo), axis=-1)) > 0  # [ROWS, 8]
-    amax = jnp.maximum(jnp.max(jnp.abs(xe), axis=-1), jnp.max(jnp.abs(xo), axis=-1))
-    _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
-    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
-    inv = pow2_inverse(byte)[..., None]
+    byte, codes = ue8m0_tile_codes(xe, xo)  # [ROWS, 8], 2 x [ROWS, 8, 32]
     prow3 = jnp.broadcast_to(b3(prow), shp)
     base = b3(sl) * DATA
     nope = w3 & (t < NOPE_TILES)
-    for par, x in ((0, xe), (1, xo)):
-        q = lax.bitcast_convert_type((x * inv).astype(jnp.float8_e4m3fn), jnp.uint8)
-        q = jnp.where((byte == E8M0_NAN)[..., None], jnp.uint8(0x7F), q)
+    for par, x, q in ((0, xe, codes[0]), (1, xo, codes[1])):
         store(pool_ref.at[prow3, base + ch + par], q, mask=nope)
         raw = lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)  # the rope dims as stored
         col = base + NOPE_TILES * 64 + 4 * k + 2 * par

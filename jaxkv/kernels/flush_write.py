@@ -32,6 +32,20 @@ ENTRY, DATA, NOPE_TILES = 584, 576, 7
 KEY, CODES = 68, 64
 
 
+def ue8m0_tile_codes(*parts):
+    """FP8 E4M3 codes with one UE8M0 scale per tile, a tile given as ``parts`` f32[..., n]
+    (its elements are all the parts' last axes together) -> (scale bytes u8[...], codes
+    u8[..., n] per part). A tile holding a NaN gets the NaN scale byte and all NaN codes."""
+    nan = functools.reduce(jnp.maximum, [jnp.max(is_nan_bits(x), axis=-1) for x in parts]) > 0
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in parts])
+    _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
+    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
+    inv = pow2_inverse(byte)[..., None]
+    nan_tile = (byte == E8M0_NAN)[..., None]
+    return byte, [jnp.where(nan_tile, jnp.uint8(0x7F),
+                            lax.bitcast_convert_type((x * inv).astype(jnp.float8_e4m3fn), jnp.uint8)) for x in parts]
+
+
 def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
             with_index):
     # x_ref: bf16[N, 8, 64] (tiles; tile 7 = the rope dims); xi_e/o_ref: bf16[N, 4, 16] even / odd
@@ -50,12 +64,7 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
 
     # entry: FP8 tiles with UE8M0 scales, then the rope dims' raw bytes
     x = pltriton.load(x_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
-    nan = jnp.max(is_nan_bits(x), axis=-1) > 0  # [R, 8]
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
-    byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
-    q = lax.bitcast_convert_type((x * pow2_inverse(byte)[..., None]).astype(jnp.float8_e4m3fn), jnp.uint8)
-    q = jnp.where((byte == E8M0_NAN)[..., None], jnp.uint8(0x7F), q)  # a NaN tile: all NaN codes
+    byte, (q,) = ue8m0_tile_codes(x)  # [R, 8], [R, 8, 64]
     tile = jnp.arange(8)[None, :, None]
     col = sl[:, None, None] * DATA + tile * 64 + jnp.arange(64)[None, None, :]  # [R, 8, 64]
     row3 = jnp.broadcast_to(prow[:, None, None], col.shape)
