@@ -8,8 +8,9 @@ donated, requests at scattered positions so that some flush every step. Contende
 * jaxkv step: the whole bookkeeping, jitted, no host sync (run under
   ``jax.transfer_guard("disallow")``), with the flushes written by XLA (``impl="xla"``)
   and, on a GPU, by the ``cuda/`` flush-write kernels (``impl="cuda"``) and by the fused
-  Pallas decode kernel (``impl="pallas"``, also with the inputs passed as a few stacked
-  arrays instead of ~300 separate ones);
+  Pallas decode kernel (``impl="pallas"``, also with the inputs passed as a few arrays
+  stacked per kind of layer, each layer's rows a ``hybrid.Stacked`` read in place,
+  instead of ~300 separate arguments);
 * the dispatch floor: a jitted call with the step's arguments that does nothing;
 * jaxkv prepare_forward alone;
 * seed-style allocation: the dsv4 seed's ``prepare_forward`` logic — a Python loop over
@@ -27,7 +28,6 @@ import argparse
 import dataclasses
 import functools
 import json
-import os
 import statistics
 
 import jax
@@ -95,22 +95,23 @@ def stack_layers(cfg, inputs, params):
 
 
 def bookkeeping_stacked(state, slots, stacked, impl="pallas"):
-    """``bookkeeping`` on ``stack_layers``' arrays, indexed per layer inside the step."""
+    """``bookkeeping`` on ``stack_layers``' arrays, each layer's input a ``hybrid.Stacked``
+    row (read in place by the Pallas kernels: no per-layer slice copies)."""
     cfg = state.config
     kv, by_kind = stacked
     inputs, params = {}, {}
     seen = {H.CSA: 0, H.HCA: 0}
     for layer in range(cfg.num_layers):
-        inputs[layer] = {"kv": kv[layer]}
+        inputs[layer] = {"kv": H.Stacked(kv, layer)}
         if cfg.compress_ratios[layer]:
             kind = cfg.kind(layer)
-            x, params[layer] = jax.tree.map(lambda a, i=seen[kind]: a[i], by_kind[kind])
+            x, params[layer] = jax.tree.map(lambda a, i=seen[kind]: H.Stacked(a, i), by_kind[kind])
             inputs[layer].update(x)
             seen[kind] += 1
     return bookkeeping(state, slots, inputs, params, impl)
 
 
-def dispatch_floor(state, slots, inputs, params):
+def dispatch_floor(state, slots, *args):
     """The same call with the same arguments doing (almost) nothing: the per-call cost."""
     return state.replace(position=state.position + 0 * slots.sum())
 
@@ -231,18 +232,22 @@ def main():
             run_stacked(0)
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run_stacked, args.iters, warmup=5))
-        rows.append(("jaxkv step, fused Pallas, inputs as 6 stacked arrays", ms,
+        rows.append((f"jaxkv step, fused Pallas, inputs as {len(jax.tree.leaves(stacked))} stacked arrays", ms,
                      kernel_ms_per_step(run_stacked, 10, top=args.top)))
     floor_fn = jax.jit(dispatch_floor, donate_argnums=0, keep_unused=True)
+    floors = [("", (inputs, params))]
+    if jax.default_backend() == "gpu" and args.storage == "official":
+        floors.append((", stacked", (stacked,)))
+    for what, floor_args in floors:
+        def run_floor(i, floor_args=floor_args):
+            box["s"] = floor_fn(box["s"], slots, *floor_args)
+            box["s"].position.block_until_ready()
 
-    def run_floor(i):
-        box["s"] = floor_fn(box["s"], slots, inputs, params)
-        box["s"].position.block_until_ready()
-
-    for _ in range(3):
-        run_floor(0)
-    rows.append(("dispatch floor: a no-op jit call with the step's arguments",
-                 statistics.median(times_ms(run_floor, args.iters, warmup=5)), kernel_ms_per_step(run_floor, 10)))
+        for _ in range(3):
+            run_floor(0)
+        n_args = len(jax.tree.leaves((box["s"], slots, floor_args)))
+        rows.append((f"dispatch floor: a no-op jit call with the step's {n_args} arguments{what}",
+                     statistics.median(times_ms(run_floor, args.iters, warmup=5)), kernel_ms_per_step(run_floor, 10)))
     prep_ms = statistics.median(times_ms(run_prep, args.iters, warmup=5))
     rows.append(("jaxkv prepare_forward alone", prep_ms, kernel_ms_per_step(run_prep, 10)))
     pos = box["s"].position[slots]

@@ -40,6 +40,9 @@ from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
 from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
 
+KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
+
+
 def copy_gbps(iters):
     x = jnp.ones((1 << 29,), jnp.bfloat16)  # 1 GiB
     f = jax.jit(lambda x: x + 0)
@@ -84,12 +87,12 @@ def bench_mxfp4(n, iters, interpret=False):
     rows = []
     for name, fn in (("xla", ref), ("pallas", pallas)):
         fn(x)[0].block_until_ready()
-        ms = statistics.median(times_ms(lambda i: jax.block_until_ready(fn(x)), iters))
-        rows.append((f"mxfp4 pack {n} keys x 128", name, moved, ms))
+        one = lambda i: jax.block_until_ready(fn(x))  # noqa: E731
+        op = f"mxfp4 pack {n} keys x 128"
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        if not interpret:
+            KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
     return rows
-
-
-KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
 
 
 def bench_flush_write(n, storage, iters):

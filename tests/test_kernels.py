@@ -294,3 +294,57 @@ def test_compress_decode_bad_inputs(rng):
                    (jnp.ones((2, 1, 256)), jnp.ones((2, 1, 256)), ip), impl="pallas")
     with pytest.raises(ValueError, match="storage: the Pallas flush-write supports 'official'"):
         H.write_window(st, step, 0, jnp.ones((2, 1, 512), jnp.bfloat16), impl="pallas")
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_stacked_rows_equal_slices(rng, impl):
+    """Layer inputs and compressor params passed as ``Stacked`` rows of per-kind stacks
+    (read in place by the kernels) give the same cache bytes as the sliced arrays."""
+    from jaxkv import hybrid as H
+    import hybrid_driver as D
+
+    c = H.HybridConfig(compress_ratios=(0, 4, 128, 4, 128), window=32, index_heads=4, top_k=16, block_size=16,
+                       max_requests=3, max_context=512)
+    params = D.make_params(c, rng)
+    pos0 = [3, 126, 127]  # flushes of both ratios on the decode steps
+    x = D.make_inputs(c, rng, 3, 2)
+    slots = jnp.arange(3, dtype=jnp.int32)
+    kinds = {k: [l for l in c.compressed_layers if c.kind(l) == k] for k in (H.CSA, H.HCA)}
+    kv_all = jnp.stack([x[l]["kv"] for l in range(c.num_layers)])  # bf16[L, B, T, D]
+    stacks = {k: (jax.tree.map(lambda *a: jnp.stack(a), *[x[l] for l in ls]),
+                  jax.tree.map(lambda *a: jnp.stack(a), *[params[l] for l in ls])) for k, ls in kinds.items()}
+    states = []
+    for stacked in (False, True):
+        st = H.init(c)
+        st, _ = H.prepare_forward(st, slots, jnp.zeros(3, jnp.int32), jnp.asarray(pos0), chunk=max(pos0))
+        pos = np.array(pos0)
+        for t in range(2):
+            st, step = H.prepare_forward(st, slots, jnp.asarray(pos), chunk=1)
+            for layer in range(c.num_layers):
+                xl, p = D.slice_tokens(x, t, t + 1)[layer], params[layer]
+                kv = H.Stacked(kv_all[:, :, t:t + 1], layer) if stacked else xl["kv"]
+                st = H.write_window(st, step, layer, kv, impl=impl)
+                if not c.compress_ratios[layer]:
+                    continue
+                if stacked:
+                    kind = c.kind(layer)
+                    i = kinds[kind].index(layer)
+                    xs, ps = stacks[kind]
+
+                    def rowof(a, i=i):
+                        return H.Stacked(a[:, :, t:t + 1], i) if a.ndim == 4 else H.Stacked(a, i)
+                    xl = {k: rowof(v) for k, v in xs.items()}
+                    p = {k: H.CompressorParams(H.Stacked(v.bias, i), H.Stacked(v.norm, i)) for k, v in ps.items()
+                         if k != "sink"}
+                index = (xl["ikv"], xl["iscore"], p["index"]) if "index" in p else None
+                st = H.compress(st, step, layer, xl["ckv"], xl["cscore"], p["main"], index, impl=impl)
+            pos += 1
+        states.append(st)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(states[0]), jax.tree_util.tree_leaves(states[1])):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a), err_msg=jax.tree_util.keystr(path))
+    assert np.asarray(states[1].entries[0]).any() and np.asarray(states[1].entries[1]).any()
+    with pytest.raises(ValueError, match=r"kv: expected Stacked.index a static int in \[0, 5\)"):
+        H.write_window(st, step, 0, H.Stacked(kv_all[:, :, :1], 5), impl=impl)
+    with pytest.raises(ValueError, match=r"params.bias: expected Stacked.index"):
+        H.compress(st, step, 2, x[2]["ckv"][:, :1], x[2]["cscore"][:, :1],
+                   H.CompressorParams(H.Stacked(stacks[H.HCA][1]["main"].bias, 2), params[2]["main"].norm), impl=impl)

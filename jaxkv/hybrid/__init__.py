@@ -14,7 +14,8 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
     state = finish(state, done_slots)
 
 ``Step`` is the boundary type between the cache and a model (its docstring defines the
-batch indexing); ``HybridCache`` is the eager wrapper that raises on recorded faults.
+batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an array
+stacked over layers, without a copy; ``HybridCache`` is the eager wrapper that raises on recorded faults.
 """
 
 from jaxkv.hybrid.attention import (
@@ -39,6 +40,7 @@ from jaxkv.hybrid.ops import (
     window_keys,
     write_window,
 )
+from jaxkv.hybrid.stacked import Stacked
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward
 from jaxkv.hybrid.storage import STORAGES
@@ -46,7 +48,7 @@ from jaxkv.hybrid.views import LayerView, layer_view
 
 __all__ = [
     "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
-    "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
+    "Stacked", "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
     "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
     "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",
     "window_mask", "write_window",

@@ -14,6 +14,7 @@ entry / key bytes of the storage family):
 
     pool:       u8[L, NB, bs * E]      index_pool: u8[L, NB, bs * K]  (CSA only)
     x:          bf16[N, 512]           xi:         bf16[N, 128]       (CSA only)
+                (x may be a ``hybrid.Stacked`` row of bf16[n, N, 512]; the Pallas writer reads it in place)
     block:      i32[N]  physical block; rows outside [0, NB) are not written
     slot:       i32[N]  entry within the block, in [0, bs)
     tails:      f32[R, streams, 3, width]   (CSA 3 streams, HCA 1; see ``compressor``)
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.hybrid.compressor import CUR_B, empty_tail
+from jaxkv.hybrid.stacked import check_stacked, row
 from jaxkv.hybrid.storage import STORAGES, write_items
 
 IMPLS = ("auto", "xla", "cuda", "pallas")
@@ -72,6 +74,7 @@ def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
                          f"got {pool.dtype}{list(pool.shape)}")
     if not isinstance(layer, (int, np.integer)) or not 0 <= layer < pool.shape[0]:
         raise ValueError(f"layer: expected a static int in [0, {pool.shape[0]}), got {layer!r}")
+    check_stacked("x", x)
     if x.ndim != 2 or x.shape[1] != 512 or x.dtype != jnp.bfloat16:
         raise ValueError(f"x: expected bf16[N, 512], got {x.dtype}{list(x.shape)}")
     n = x.shape[0]
@@ -105,7 +108,7 @@ def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_poo
     """jnp reference: the storage family's encoders, scattered with ``write_items``.
     Returns the new pool, or ``(pool, index_pool)`` for CSA."""
     fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
-    pool = write_items(pool, layer, block, slot, fmt.entry.encode(x), fmt.entry.segments)
+    pool = write_items(pool, layer, block, slot, fmt.entry.encode(row(x)), fmt.entry.segments)
     if index_pool is None:
         return pool
     codec = fmt.index_key(xi.shape[-1])
@@ -118,6 +121,7 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
     from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 
     fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
+    x = row(x)
     register_ffi_targets()
     attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // fmt.entry_bytes),
                  storage=np.int32(STORAGE_CODES[storage]))

@@ -19,6 +19,7 @@ from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
 from jaxkv.hybrid.config import CSA, HCA
 from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.hybrid.rope import rope_freqs
+from jaxkv.hybrid.stacked import check_stacked, map_stack, row
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
 from jaxkv.hybrid.storage import read_items
@@ -48,6 +49,7 @@ def check_layer(state: HybridCacheState, layer, kinds=None) -> str:
 
 
 def check_tokens(name, x, step: Step, width: int, dtypes=None):
+    check_stacked(name, x)
     B = step.slot.shape[0]
     if x.ndim != 3 or x.shape[0] != B or x.shape[2] != width:
         raise ValueError(f"{name}: expected shape [{B}, T, {width}], got {tuple(x.shape)}")
@@ -65,8 +67,8 @@ def freqs_of(config):
 def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: str = "auto"):
     """Write the step's tokens into layer ``layer``'s SWA ring.
 
-    kv: bf16[B, T, head_dim]  the layer's normalised, RoPE'd KV of the step's tokens.
-    Only each row's last ``window`` real tokens are written (earlier ones would be
+    kv: bf16[B, T, head_dim]  the layer's normalised, RoPE'd KV of the step's tokens
+      (or a ``Stacked`` row of ``bf16[n, B, T, head_dim]``). Only each row's last ``window`` real tokens are written (earlier ones would be
     overwritten within the same step). A ring is one block of ``window`` entries in the
     storage's entry format, so the flush-writers quantize and scatter it: impl as in
     ``compress`` ("xla", "cuda", "pallas" for the official storage, "auto"); same bytes.
@@ -81,7 +83,8 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     valid = (t < n) & (t >= n - c.window)
     blk = jnp.where(valid, step.write_slot[:, None], c.max_requests).astype(jnp.int32)
     item = ((step.start[:, None] + t) % c.window).astype(jnp.int32)
-    ring = WRITERS[impl](state.window, layer, kv.reshape(B * T, -1), blk.reshape(-1), item.reshape(-1),
+    rows = map_stack(lambda a: a.reshape(a.shape[0], B * T, -1), kv)  # [B * T, head_dim]
+    ring = WRITERS[impl](state.window, layer, rows, blk.reshape(-1), item.reshape(-1),
                          storage=c.storage)
     return state.replace(window=ring)
 
@@ -91,6 +94,8 @@ def _check_inputs(step, kv, score, params, ratio, overlap, width, what):
     coff = 2 if overlap else 1
     check_tokens(f"{what}kv", kv, step, coff * width)
     check_tokens(f"{what}score", score, step, coff * width)
+    check_stacked(f"{what}params.bias", params.bias)
+    check_stacked(f"{what}params.norm", params.norm)
     if params.bias.shape != (ratio, coff * width) or params.norm.shape != (width,):
         raise ValueError(
             f"{what}params: expected bias f32[{ratio}, {coff * width}] and norm f32[{width}], "
@@ -117,6 +122,8 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     kv, score: float[B, T, coff * head_dim]  C and Z of each token (CSA: ``[..., :c]`` the
       b stream, ``[..., c:]`` the a stream; HCA: one stream), Z without the bias.
     params: CompressorParams of the layer's compressor.
+    Any of these arrays (and the index tuple's) may be a ``Stacked`` row of an array
+    stacked over layers: the fused kernel reads it in place, other paths slice it.
     index: for CSA layers, ``(kv, score, params)`` of the indexer's compressor
       (width ``index_dim``); its keys are rotated and stored in FP4. None for HCA.
     A flush pools the window (eqs. 11-12 / 20-23), applies RMSNorm and RoPE at
@@ -150,6 +157,9 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
                          "(use impl='cuda' or 'xla')")
     if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
         return _compress_decode(state, step, layer, kv, score, params, index)
+    kv, score, params = row(kv), row(score), _row_params(params)
+    if csa:
+        ikv, iscore, iparams = row(ikv), row(iscore), _row_params(iparams)
     pos = step.start[:, None] + jnp.arange(T)[None, :]
     kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
     z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
@@ -192,8 +202,8 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
 def _compress_decode(state, step, layer, kv, score, params, index):
     from jaxkv.kernels.compress_decode import compress_decode
 
-    def f32(x):
-        return x.astype(jnp.float32)
+    def token(x):  # [B, 1, w] -> [B, w], a Stacked row's stack reshaped (no copy)
+        return map_stack(lambda a: a.reshape(a.shape[:2] + a.shape[3:]), x)
 
     c = state.config
     g, j = state.group(layer)
@@ -201,8 +211,8 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     extra = {}
     if csa:
         ikv, iscore, iparams = index
-        extra = dict(index=(ikv[:, 0], iscore[:, 0], f32(iparams.bias), f32(iparams.norm)), index_pool=state.index_keys)
-    out = compress_decode(state.tails[g], kv[:, 0], score[:, 0], f32(params.bias), f32(params.norm), step.slot,
+        extra = dict(index=(token(ikv), token(iscore), iparams.bias, iparams.norm), index_pool=state.index_keys)
+    out = compress_decode(state.tails[g], token(kv), token(score), params.bias, params.norm, step.slot,
                           step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
                           state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
                           eps=c.norm_eps, interpret=jax.default_backend() != "gpu", **extra)
@@ -211,6 +221,10 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     if csa:
         new["index_keys"] = out[2]
     return state.replace(**new)
+
+
+def _row_params(p: CompressorParams) -> CompressorParams:
+    return CompressorParams(row(p.bias), row(p.norm))
 
 
 def _put(tup, i, x):

@@ -30,6 +30,9 @@ Lowering: Triton (``pltriton.CompilerParams``).
     slot, write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
     table: i32[R, max_blocks]   pool: u8[L, NB, bs * 584]   index_pool: u8[L, NB, bs * 68]
     error: u32[R + 1]
+
+Each of kv, score, bias, norm (and the indexer's) may instead be a ``hybrid.Stacked`` row
+of an array stacked over layers; the kernel reads that row in place.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from jax.experimental import pallas as pl
 from jaxkv.errors import Fault
 from jaxkv.formats._common import round_bf16
 from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
+from jaxkv.hybrid.stacked import as_stack, check_stacked
 from jaxkv.kernels.flush_write import ue8m0_tile_codes
 from jaxkv.kernels.fp4_pack import mxfp4_pairs
 
@@ -65,7 +69,7 @@ def _sylvester(n: int) -> np.ndarray:
 _bf16 = round_bf16  # f32 -> f32 rounded to bf16, as ``hybrid.compressor.finalize`` rounds
 
 
-def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
+def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets):
     from jax.experimental.pallas import triton as pltriton
 
     if csa:
@@ -77,6 +81,8 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
     streams = 3 if csa else 1
     c = HEAD
     load, store = pltriton.load, pltriton.store
+    # first row of this layer's kv, score, bias, norm (and the indexer's) in their stacks
+    kv_off, z_off, bias_off, norm_off, ikv_off, iz_off, ibias_off, inorm_off = offsets
 
     i = pl.program_id(0)
     rows = pl.ds(i * ROWS, ROWS)
@@ -98,7 +104,7 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
     def b3(x):  # i32[ROWS] -> [ROWS, 1, 1]
         return x[:, None, None]
 
-    def pool_group(chan, in_off_a, in_off_b, kv_r, z_r, bias_r, shape):
+    def pool_group(chan, in_off_a, in_off_b, kv_r, z_r, bias_r, offs, shape):
         """Fold the token into one channel group of the tail and pool it.
         chan: i32[ROWS, G, K] channel in the tail; returns the pooled f32 values."""
         def tail(stream, comp, mask):
@@ -110,13 +116,14 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
             store(tails_ref.at[jnp.broadcast_to(row, shape), chan], val, mask=mask)
 
         a3, d3 = b3(act), b3(done)
-        brow = jnp.broadcast_to(b3(fill), shape)
+        kv_o, z_o, bias_o = offs
+        brow = jnp.broadcast_to(b3(fill + bias_o), shape)
         brows = jnp.broadcast_to(b3(jnp.arange(ROWS) + i * ROWS), shape)
 
         def inputs(off):
             col = chan + off
-            kv = load(kv_r.at[brows, col], mask=a3, other=0).astype(jnp.float32)
-            z = load(z_r.at[brows, col], mask=a3, other=0).astype(jnp.float32)
+            kv = load(kv_r.at[brows + kv_o, col], mask=a3, other=0).astype(jnp.float32)
+            z = load(z_r.at[brows + z_o, col], mask=a3, other=0).astype(jnp.float32)
             return kv, z + load(bias_r.at[brow, col], mask=a3, other=0)
 
         empty = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32))
@@ -142,12 +149,12 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
         re, im = _bf16(e * cs - o * sn), _bf16(e * sn + o * cs)
         return jnp.where(on, re, e), jnp.where(on, im, o)
 
-    def norm(e, o, w_ref, chan, width):
+    def norm(e, o, w_ref, chan, width, w_off):
         """bf16 -> RMSNorm (float32 math) -> bf16, on the even / odd halves."""
         e, o = _bf16(e), _bf16(o)
         ms = (jnp.sum(jnp.sum(e * e, axis=2), axis=1) + jnp.sum(jnp.sum(o * o, axis=2), axis=1)) / width
         r = b3(lax.rsqrt(ms + eps))
-        return _bf16(load(w_ref.at[chan]) * (e * r)), _bf16(load(w_ref.at[chan + 1]) * (o * r))
+        return _bf16(load(w_ref.at[chan + w_off]) * (e * r)), _bf16(load(w_ref.at[chan + w_off + 1]) * (o * r))
 
     # --- main entry: [ROWS, 8, 32] even / odd -----------------------------------------------
     shp = (ROWS, 8, 32)
@@ -155,9 +162,10 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
     k = jnp.arange(32)[None, None, :]
     ch = jnp.broadcast_to(t * 64 + 2 * k, shp)  # even channel
     off_a, off_b = (c, 0) if csa else (0, 0)
-    pe = pool_group(ch, off_a, off_b, kv_ref, z_ref, bias_ref, shp)
-    po = pool_group(ch + 1, off_a, off_b, kv_ref, z_ref, bias_ref, shp)
-    xe, xo = norm(pe, po, norm_ref, ch, c)
+    offs = (kv_off, z_off, bias_off)
+    pe = pool_group(ch, off_a, off_b, kv_ref, z_ref, bias_ref, offs, shp)
+    po = pool_group(ch + 1, off_a, off_b, kv_ref, z_ref, bias_ref, offs, shp)
+    xe, xo = norm(pe, po, norm_ref, ch, c, norm_off)
     xe, xo = rope(xe, xo, t == NOPE_TILES, jnp.broadcast_to(k, shp))
 
     w3 = b3(write)
@@ -183,9 +191,10 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps):
     g = jnp.arange(4)[None, :, None]
     kk = jnp.arange(16)[None, None, :]
     ich = jnp.broadcast_to(g * 32 + 2 * kk, ishp)  # even channel of the 128
-    pe = pool_group(ich + c, INDEX - c, -c, ikv_ref, iz_ref, ibias_ref, ishp)
-    po = pool_group(ich + c + 1, INDEX - c, -c, ikv_ref, iz_ref, ibias_ref, ishp)
-    ie, io = norm(pe, po, inorm_ref, ich, INDEX)
+    ioffs = (ikv_off, iz_off, ibias_off)
+    pe = pool_group(ich + c, INDEX - c, -c, ikv_ref, iz_ref, ibias_ref, ioffs, ishp)
+    po = pool_group(ich + c + 1, INDEX - c, -c, ikv_ref, iz_ref, ibias_ref, ioffs, ishp)
+    ie, io = norm(pe, po, inorm_ref, ich, INDEX, inorm_off)
     ie, io = rope(ie, io, g >= 2, jnp.broadcast_to((g - 2) * 16 + kk, ishp))
     # Hadamard: y[2b+q] = sum_a H64[a, b] (x[2a] + (-1)^q x[2a+1]) / sqrt(128), a = 16 g + k
     h = load(had_ref.at[...])  # f32[4, 16, 4, 16] = H64[a, b]
@@ -215,6 +224,9 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
             raise ValueError(f"{name}: expected {names}{list(shape)}, got {x.dtype}{list(x.shape)}")
 
     floats = (jnp.float32, jnp.bfloat16)
+    for name, x in (("kv", kv), ("score", score), ("bias", bias), ("norm", norm)) + tuple(
+            zip(("index kv", "index score", "index bias", "index norm"), index or ())):
+        check_stacked(name, x)
     if tails.ndim != 5:
         raise ValueError(f"tails: expected f32[layers, R, {streams}, 3, {width}], got {tails.dtype}{list(tails.shape)}")
     L, R = tails.shape[:2]
@@ -244,13 +256,23 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
         want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // ENTRY * KEY), (jnp.uint8,))
 
 
+def _flat(x, dtype=None):
+    """An operand or ``Stacked`` row -> (its stack with the row axes flattened into the
+    first, the index of the row's first element there)."""
+    stack, index = as_stack(x, dtype)
+    per = int(np.prod(stack.shape[1:-1], dtype=np.int64)) if stack.ndim > 2 else stack.shape[-1]
+    flat = stack.reshape(-1, stack.shape[-1]) if stack.ndim > 2 else stack.reshape(-1)
+    return flat, index * per
+
+
 @functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "interpret"),
                    donate_argnames=("tails", "pool", "index_pool", "error"))
 def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
                     layer: int, ratio: int, eps: float, index=None, index_pool=None, interpret: bool = False):
     """The kernel. ``index = (ikv, iscore, ibias, inorm)`` for a CSA layer (with
-    ``index_pool``), None for HCA. Returns ``(tails, pool, error)`` or, for CSA,
-    ``(tails, pool, index_pool, error)``, all updated in place."""
+    ``index_pool``), None for HCA. Each of kv, score, bias, norm and the index tuple may
+    be a ``hybrid.Stacked`` row, read in place. Returns ``(tails, pool, error)`` or, for
+    CSA, ``(tails, pool, index_pool, error)``, all updated in place."""
     from jax.experimental.pallas import triton as pltriton
 
     check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, layer=layer, ratio=ratio,
@@ -261,21 +283,25 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
     bs = w // ENTRY
     B = slot.shape[0]
     flat_tails = tails.reshape(-1, tails.shape[-1])
-    args = [slot, write_slot, start, num_tokens, kv, score, bias, norm]
+    operands = [_flat(kv), _flat(score), _flat(bias, jnp.float32), _flat(norm, jnp.float32)]
     outs = [jax.ShapeDtypeStruct(flat_tails.shape, jnp.float32), jax.ShapeDtypeStruct((L * nb, w), jnp.uint8)]
     aliased = [flat_tails, pool.reshape(L * nb, w)]
     if csa:
         ikv, iscore, ibias, inorm = index
-        had = jnp.asarray(_sylvester(64).reshape(4, 16, 4, 16))
-        args += [ikv, iscore, ibias, inorm, had]
+        operands += [_flat(ikv), _flat(iscore), _flat(ibias, jnp.float32), _flat(inorm, jnp.float32)]
         outs.append(jax.ShapeDtypeStruct((L * nb, index_pool.shape[2]), jnp.uint8))
         aliased.append(index_pool.reshape(L * nb, index_pool.shape[2]))
+    offsets = tuple(off for _, off in operands) + (0,) * (8 - len(operands))
+    args = [slot, write_slot, start, num_tokens] + [a for a, _ in operands]
+    if csa:
+        args.append(jnp.asarray(_sylvester(64).reshape(4, 16, 4, 16)))
     args += [jnp.asarray(freqs, jnp.float32), table]
     outs.append(jax.ShapeDtypeStruct(error.shape, error.dtype))
     aliased.append(error)
     first = len(args)
     res = pl.pallas_call(
-        functools.partial(_kernel, ratio=ratio, csa=csa, nb=nb, bs=bs, layer=layer, R=R, mb=table.shape[1], eps=eps),
+        functools.partial(_kernel, ratio=ratio, csa=csa, nb=nb, bs=bs, layer=layer, R=R, mb=table.shape[1], eps=eps,
+                          offsets=offsets),
         out_shape=tuple(outs),
         grid=(pl.cdiv(B, ROWS),),
         input_output_aliases={first + n: n for n in range(len(aliased))},

@@ -22,7 +22,10 @@ from jax.experimental import pallas as pl
 from jaxkv.formats import fp4 as _fp4
 from jaxkv.formats._common import E8M0_NAN, FP4_MAX, check_float, check_groups, e8m0_to_float, exact_div, ue8m0_scale
 
-ROWS = 32  # keys per program (a power of two: Triton blocks)
+# keys per program (a power of two: Triton blocks) and warps: the best of ROWS 16/32/64 x
+# warps 2/4/8 on an H100 (0.557 ms for 2M keys, 96% of copy; 32 x 4 took 1.044 ms)
+ROWS = 32
+NUM_WARPS = 8
 
 
 def ref_quantize_mxfp4(x):
@@ -87,7 +90,7 @@ def quantize_mxfp4(x, *, interpret: bool = False):
         functools.partial(_kernel, n=n),
         out_shape=(jax.ShapeDtypeStruct((n, g, 16), jnp.uint8), jax.ShapeDtypeStruct((n, g), jnp.uint8)),
         grid=(pl.cdiv(n, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="jaxkv_mxfp4_pack",
     )(x.reshape(n, g, 16, 2))
