@@ -207,8 +207,6 @@ def main():
     rows.append(("jaxkv step, XLA (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
     gpu_impls = (("cuda", "cuda/ flush-write kernels"), ("pallas", "fused Pallas decode kernels"))
     for impl, what in gpu_impls if jax.default_backend() == "gpu" else ():
-        if impl == "pallas" and args.storage != "official":
-            continue
         fn = jax.jit(functools.partial(bookkeeping, impl=impl), donate_argnums=0)
 
         def run_impl(i, fn=fn):
@@ -220,7 +218,7 @@ def main():
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run_impl, args.iters, warmup=5))
         rows.append((f"jaxkv step, {what}", ms, kernel_ms_per_step(run_impl, 10, top=args.top)))
-    if jax.default_backend() == "gpu" and args.storage == "official":
+    if jax.default_backend() == "gpu":
         stacked = stack_layers(cfg, inputs, params)
         st_fn = jax.jit(bookkeeping_stacked, donate_argnums=0)
 
@@ -236,7 +234,7 @@ def main():
                      kernel_ms_per_step(run_stacked, 10, top=args.top)))
     floor_fn = jax.jit(dispatch_floor, donate_argnums=0, keep_unused=True)
     floors = [("", (inputs, params))]
-    if jax.default_backend() == "gpu" and args.storage == "official":
+    if jax.default_backend() == "gpu":
         floors.append((", stacked", (stacked,)))
     for what, floor_args in floors:
         def run_floor(i, floor_args=floor_args):

@@ -10,10 +10,10 @@ Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x2
 518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
 packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
 indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
-requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and, for the
-official family, the Pallas kernel (pallas); one decode step's CSA / HCA append + flush
-of 4,096 and 16,384 requests that all complete a window: the XLA path, the XLA pooling with
-the cuda/ write, and the fused Pallas kernel.
+requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and the Pallas
+kernel (pallas); one decode step's CSA / HCA append + flush of 4,096 and 16,384 requests
+that all complete a window, both storage families: the XLA path, the XLA pooling with the
+cuda/ write, and the fused Pallas kernel.
 """
 
 from __future__ import annotations
@@ -106,9 +106,7 @@ def bench_flush_write(n, storage, iters):
     block, slot = cells // bs, cells % bs
     moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
     rows = []
-    impls = [("xla", F.ref_flush_write), ("cuda", F.flush_write)]
-    if storage == "official":
-        impls.append(("pallas", F.pallas_flush_write))
+    impls = [("xla", F.ref_flush_write), ("cuda", F.flush_write), ("pallas", F.pallas_flush_write)]
     for name, fn in impls:
         f = jax.jit(functools.partial(fn, layer=0, storage=storage), donate_argnames=("pool", "index_pool"))
         box = {"p": (jnp.zeros((1, nb, bs * fmt.entry_bytes), jnp.uint8), jnp.zeros((1, nb, bs * kb), jnp.uint8))}
@@ -126,7 +124,7 @@ def bench_flush_write(n, storage, iters):
     return rows
 
 
-def bench_fused_flush(n, ratio, iters):
+def bench_fused_flush(n, ratio, iters, storage="official"):
     """One decode step's compressor update of one CSA (ratio 4) or HCA (128) layer for ``n``
     requests that all complete a window: ``hybrid.compress`` with the XLA path (jnp
     pooling + jnp write), the XLA pooling + the ``cuda/`` write, and the fused Pallas kernel
@@ -134,7 +132,9 @@ def bench_fused_flush(n, ratio, iters):
     from jaxkv import hybrid as H
 
     csa = ratio == 4
-    cfg = H.HybridConfig(compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64)
+    cfg = H.HybridConfig(compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64,
+                         storage=storage)
+    fmt = STORAGES[storage]
     key = jax.random.key(5)
     ks = jax.random.split(key, 8)
     coff = 2 if csa else 1
@@ -150,9 +150,9 @@ def bench_fused_flush(n, ratio, iters):
     streams, width = (3, 640) if csa else (1, 512)
     # f32 inputs; tails read and written (CSA: 3 streams); entry (+ key) written
     moved = n * (4 * (kv.shape[-1] + score.shape[-1]) + (2 * 256 * 4 if csa else 0) + 2 * streams * 3 * width * 4
-                 + 584 + (68 if csa else 0))
+                 + fmt.entry_bytes + (fmt.index_key_bytes(128) if csa else 0))
     rows = []
-    op = f"{'CSA' if csa else 'HCA'} decode append+flush {n}"
+    op = f"{'CSA' if csa else 'HCA'} decode append+flush {n} {storage}"
     for name in ("xla", "cuda", "pallas"):
         state = H.init(cfg)
         state, step = H.prepare_forward(state.replace(position=pos + 0), slots, pos, chunk=1)
@@ -213,9 +213,10 @@ def main(argv=None):
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)
     if not interpret and want("fused"):
-        for n in (4096, 16384):
-            for ratio in (4, 128):
-                rows += bench_fused_flush(n, ratio, args.iters)
+        for storage in ("official", "seed"):
+            for n in (4096, 16384):
+                for ratio in (4, 128):
+                    rows += bench_fused_flush(n, ratio, args.iters, storage)
     if not interpret and want("flush"):  # the CUDA kernel needs a GPU
         for n in (4096, 65536):
             for storage in ("official", "seed"):

@@ -134,19 +134,21 @@ def test_mxfp4_pack_extreme_magnitudes(rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# --- flush-write (official storage family) ------------------------------------------------------
+# --- flush-write (both storage families) ---------------------------------------------------------
+@pytest.mark.parametrize("storage", ["official", "seed"])
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
-def test_flush_write_matches_reference(rng, csa):
+def test_flush_write_matches_reference(rng, csa, storage):
+    """Every byte, on entries with zero / tiny / saturating tiles, inf and NaN, and keys
+    with a zero group and a NaN."""
     from test_cuda import _flush_case
 
     from jaxkv.hybrid import flush as F
-    from jaxkv.kernels import flush_write as FW
+    from jaxkv.kernels import flush_write
 
-    pool, args = _flush_case(rng, "official", csa, N=70)
-    want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage="official"))(pool, **args)
-    got = FW.flush_write_official(jnp.array(pool), 1, **{k: (jnp.array(v) if k == "index_pool" else v)
-                                                          for k, v in args.items()},
-                                  interpret=jax.default_backend() != "gpu")
+    pool, args = _flush_case(rng, storage, csa, N=70)
+    want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
+    got = flush_write(jnp.array(pool), 1, **{k: (jnp.array(v) if k == "index_pool" else v) for k, v in args.items()},
+                      storage=storage, interpret=jax.default_backend() != "gpu")
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
@@ -187,10 +189,10 @@ def test_compress_pallas_equals_xla(rng):
     (want, cnt), (got, _) = H.all_entries(st, step, 1, impl="xla"), H.all_entries(st, step, 1, impl="pallas")
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert int(cnt[0]) == 1 and np.asarray(want[0, 0], np.float32).any()
-    with pytest.raises(ValueError, match="storage"):
+    with pytest.raises(ValueError, match="storage: expected one of"):
         from jaxkv.hybrid import flush as F
         F.pallas_flush_write(jnp.zeros((1, 2, 16 * 580), jnp.uint8), 0, jnp.ones((1, 512), jnp.bfloat16),
-                             jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), storage="seed")
+                             jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), storage="fp8")
 
 
 # --- dequant-gather (official storage family) ---------------------------------------------------
@@ -238,7 +240,8 @@ def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
     return before, st
 
 
-def test_compress_decode_fused_matches_xla(rng):
+@pytest.mark.parametrize("storage", ["official", "seed"])
+def test_compress_decode_fused_matches_xla(rng, storage):
     """Decode steps through the fused kernel (and the Pallas SWA write) give the XLA path's
     cache: CSA and HCA flushes on different steps, and a request whose flush finds no block
     (POOL_EXHAUSTED recorded, nothing written for it)."""
@@ -247,7 +250,7 @@ def test_compress_decode_fused_matches_xla(rng):
     import hybrid_driver as D
 
     c = H.HybridConfig(compress_ratios=(4, 128, 0), window=32, index_heads=4, top_k=16, block_size=16,
-                       max_requests=5, max_context=512)
+                       max_requests=5, max_context=512, storage=storage)
     params = D.make_params(c, rng)
     pos0 = [130, 61, 127, 3, 20]
     x = D.make_inputs(c, rng, len(pos0), max(pos0) + 9)
@@ -283,17 +286,24 @@ def test_compress_decode_fused_matches_xla(rng):
 
 
 def test_compress_decode_bad_inputs(rng):
+    """The kernel's validator names the argument, what it expected and what came."""
     from jaxkv import hybrid as H
+    from jaxkv.kernels.compress_decode import compress_decode
 
-    c = H.HybridConfig(compress_ratios=(4,), max_requests=2, max_context=64, block_size=16, storage="seed")
+    c = H.HybridConfig(compress_ratios=(128,), max_requests=2, max_context=256, block_size=16, storage="seed")
     st, step = H.prepare_forward(H.init(c), jnp.arange(2), jnp.zeros(2, jnp.int32), chunk=1)
-    p = H.CompressorParams(jnp.ones((4, 1024)), jnp.ones(512))
-    ip = H.CompressorParams(jnp.ones((4, 256)), jnp.ones(128))
-    with pytest.raises(ValueError, match="impl: the Pallas flush writes the official storage"):
-        H.compress(st, step, 0, jnp.ones((2, 1, 1024)), jnp.ones((2, 1, 1024)), p,
-                   (jnp.ones((2, 1, 256)), jnp.ones((2, 1, 256)), ip), impl="pallas")
-    with pytest.raises(ValueError, match="storage: the Pallas flush-write supports 'official'"):
-        H.write_window(st, step, 0, jnp.ones((2, 1, 512), jnp.bfloat16), impl="pallas")
+    kv = jnp.asarray(rng.normal(size=(2, 512)), jnp.float32)
+    args = (st.tails[0], kv, kv, jnp.ones((128, 512)), jnp.ones(512), step.slot, step.write_slot, step.start,
+            step.num_tokens, st.alloc[0].table, st.entries[0], st.error, jnp.ones(32))
+    kw = dict(layer=0, ratio=128, eps=1e-6, interpret=True)
+    with pytest.raises(ValueError, match=r"pool: expected u8\[1, NB, bs \* 584\] \(official storage\), got uint8"):
+        compress_decode(*args, storage="official", **kw)
+    with pytest.raises(ValueError, match="storage: expected one of"):
+        compress_decode(*args, storage="fp8", **kw)
+    with pytest.raises(ValueError, match=r"kv: expected float32 or bfloat16\[2, 512\], got float32\[2, 256\]"):
+        compress_decode(args[0], kv[:, :256], *args[2:], storage="seed", **kw)
+    with pytest.raises(ValueError, match="layer: expected a static int in"):
+        compress_decode(*args, storage="seed", **{**kw, "layer": 1})
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])

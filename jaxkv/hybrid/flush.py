@@ -6,8 +6,8 @@ paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state``
 request's tail on after its flush. Each has a jnp reference (``ref_…``; what
 ``hybrid.compress`` runs with ``impl="xla"``), a CUDA kernel from
 ``cuda/flush_write.cu`` reached through ``jax.ffi`` (``impl="cuda"``), and for the
-flush-write of the official storage family a Pallas kernel (``impl="pallas"``,
-``jaxkv.kernels.flush_write``); buffers aliased in place; all give the same bytes.
+flush-write a Pallas kernel (``impl="pallas"``, ``jaxkv.kernels.flush_write``); buffers
+aliased in place; all give the same bytes.
 
 Shapes (``L`` layers of the pool, ``NB`` blocks, ``bs`` entries per block, ``E`` / ``K``
 entry / key bytes of the storage family):
@@ -23,8 +23,6 @@ entry / key bytes of the storage family):
 
 from __future__ import annotations
 
-import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -45,24 +43,12 @@ def check_impl(impl: str, storage: str = "official") -> str:
     return default_impl(storage) if impl == "auto" else impl
 
 
-@functools.lru_cache(maxsize=None)
 def default_impl(storage: str = "official") -> str:
-    """Off a GPU "xla". On a GPU, for the official storage "pallas" (a decode step's
-    append + flush is one fused kernel per layer: 4.0 -> 1.6 ms for a 256-request
-    V4-Flash step on an H100, ``benchmarks/RESULTS.md``); for the seed storage "cuda"
-    where the ``cuda/`` kernels build (nvcc on first use), else "xla" with a warning."""
-    if jax.default_backend() != "gpu":
-        return "xla"
-    if storage == "official":
-        return "pallas"
-    from jaxkv.cuda import BuildError, register_ffi_targets
-
-    try:
-        register_ffi_targets()
-        return "cuda"
-    except (BuildError, OSError) as exc:
-        warnings.warn(f"jaxkv: the cuda/ flush kernel is unavailable, using the XLA flush: {exc}", stacklevel=2)
-        return "xla"
+    """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer:
+    4.0 -> 1.0-1.6 ms for a 256-request V4-Flash step on an H100, ``benchmarks/RESULTS.md``),
+    "xla" elsewhere; the same for both storage families."""
+    del storage
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
@@ -135,16 +121,13 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
 
 
 def pallas_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
-    """The Pallas kernel (official storage family only; interpret mode off a GPU); same
+    """The Pallas kernel (``jaxkv.kernels.flush_write``; interpret mode off a GPU); same
     arguments and result as ``ref_flush_write``."""
-    from jaxkv.kernels.flush_write import flush_write_official
+    from jaxkv.kernels.flush_write import flush_write as kernel
 
     _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
-    if storage != "official":
-        raise ValueError(f"storage: the Pallas flush-write supports 'official', got {storage!r} (use impl='cuda' "
-                         "or 'xla')")
-    return flush_write_official(pool, layer, x, block, slot, index_pool=index_pool, xi=xi,
-                                interpret=jax.default_backend() != "gpu")
+    return kernel(pool, layer, x, block, slot, storage=storage, index_pool=index_pool, xi=xi,
+                  interpret=jax.default_backend() != "gpu")
 
 
 WRITERS = {"xla": ref_flush_write, "cuda": flush_write, "pallas": pallas_flush_write}

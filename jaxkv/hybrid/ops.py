@@ -71,7 +71,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
       (or a ``Stacked`` row of ``bf16[n, B, T, head_dim]``). Only each row's last ``window`` real tokens are written (earlier ones would be
     overwritten within the same step). A ring is one block of ``window`` entries in the
     storage's entry format, so the flush-writers quantize and scatter it: impl as in
-    ``compress`` ("xla", "cuda", "pallas" for the official storage, "auto"); same bytes.
+    ``compress`` ("xla", "cuda", "pallas", "auto"); same bytes.
     """
     c = state.config
     impl = check_impl(impl, c.storage)
@@ -130,12 +130,11 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     ``entry * ratio``, quantizes and writes the entry at its block through the
     request's block table (allocated by ``prepare_forward``).
     impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
-      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi), "pallas" (official storage
-      only; a decode step, T = 1, runs the whole append + flush as one fused kernel,
-      ``jaxkv.kernels.compress_decode``), "auto" (``hybrid.flush.default_impl``: on a GPU
-      pallas for the official storage, cuda for the seed's; xla elsewhere). xla and cuda
-      give the same bytes, and pallas too except in decode, where an entry can differ in
-      its last bit (see the kernel).
+      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi), "pallas" (the Pallas
+      flush-write; a decode step, T = 1, runs the whole append + flush as one fused
+      kernel, ``jaxkv.kernels.compress_decode``), "auto" (``hybrid.flush.default_impl``:
+      pallas on a GPU, xla elsewhere). xla, cuda and pallas give the same bytes, except in
+      decode, where a fused entry can differ in its last bit (see the kernel).
     """
     c = state.config
     impl = check_impl(impl, c.storage)
@@ -152,9 +151,6 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
-    if impl == "pallas" and c.storage != "official":
-        raise ValueError(f"impl: the Pallas flush writes the official storage family, this cache is {c.storage!r} "
-                         "(use impl='cuda' or 'xla')")
     if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
         return _compress_decode(state, step, layer, kv, score, params, index)
     kv, score, params = row(kv), row(score), _row_params(params)
@@ -215,7 +211,7 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     out = compress_decode(state.tails[g], token(kv), token(score), params.bias, params.norm, step.slot,
                           step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
                           state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
-                          eps=c.norm_eps, interpret=jax.default_backend() != "gpu", **extra)
+                          eps=c.norm_eps, storage=c.storage, interpret=jax.default_backend() != "gpu", **extra)
     new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]),
                error=out[-1])
     if csa:

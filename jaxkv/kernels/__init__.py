@@ -4,8 +4,9 @@
   (Triton lowering).
 * ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
   (``hybrid.gather_entries(impl="pallas")``).
-* ``flush_write``: a CSA / HCA flush's quantize-and-scatter in the official storage
-  family (``ds_mla`` entries + MXFP4 keys; ``hybrid.compress(impl="pallas")``).
+* ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
+  (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
+  ``hybrid.compress(impl="pallas")``).
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
   (``hybrid.compress(impl="pallas")`` with one token per request).
@@ -14,8 +15,8 @@
 """
 
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
-from jaxkv.kernels.flush_write import flush_write_official
+from jaxkv.kernels.flush_write import flush_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, ref_quantize_mxfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 
-__all__ = ["dequant_gather", "flush_write_official", "ref_dequant_gather", "quantize_mxfp4", "ref_quantize_mxfp4", "ref_write_frame", "write_frame"]
+__all__ = ["dequant_gather", "flush_write", "ref_dequant_gather", "quantize_mxfp4", "ref_quantize_mxfp4", "ref_write_frame", "write_frame"]

@@ -3,11 +3,12 @@
 For each request of a decode step (one token each) the kernel folds the token's
 compressor inputs into the request's running-softmax tail and, where that token completes
 a window, does the whole flush: pool (a + previous-b streams for CSA), RMSNorm, RoPE on
-the last 64 dims at ``entry * ratio``, FP8 with UE8M0 tiles (``ds_mla`` bytes), the
-indexer key (RMSNorm, RoPE, Hadamard, MXFP4), the scatter through the block table, and
+the last 64 dims at ``entry * ratio``, FP8 (UE8M0 tiles, ``ds_mla`` bytes, in the
+official storage family; one float32 scale per entry in the seed's), the indexer key
+(RMSNorm, RoPE, Hadamard, MXFP4 / NVFP4), the scatter through the block table, and
 the tail's move on (CSA a -> b rotation, HCA reset). Tails, pools and the error field are
 updated in place (``input_output_aliases``); a request whose flush finds no block gets
-``Fault.POOL_EXHAUSTED`` in its error word. Official storage family only.
+``Fault.POOL_EXHAUSTED`` in its error word. The byte encoders are ``kernels.flush_write``'s.
 
 The math is ``hybrid.compressor`` + ``hybrid.storage``; the reference is
 ``hybrid.compress(..., impl="xla")`` on the same step. Two things are computed in a different order, so a BF16 entry can differ from the
@@ -19,8 +20,8 @@ instead of by butterflies. ``exp``, ``rsqrt``, ``sin``, ``cos`` are the backend'
 Layout inside the kernel: a 512-wide vector is held as its even and odd channels,
 ``[ROWS, 8, 32]`` each (channel ``64 t + 2 k + parity``: tile ``t`` is one UE8M0 tile, tile 7
 the RoPE dims whose pairs are exactly (even, odd)); the 128-wide indexer part as
-``[ROWS, 4, 16]`` (channel ``32 g + 2 k + parity``: ``g`` one MXFP4 group). Everything
-is loaded and stored with integer-array indexers, so no in-register reshapes are needed.
+``[ROWS, 4, 16]`` (channel ``32 g + 2 k + parity``: ``g`` one MXFP4 group; reshaped to
+``[ROWS, 8, 8]`` for the NVFP4 groups of 16). Loads and stores use integer-array indexers.
 Lowering: Triton (``pltriton.CompilerParams``).
 
     tails:      f32[L, R, streams, 3, width]  CSA: 3 streams, width 640; HCA: 1, width 512
@@ -28,7 +29,7 @@ Lowering: Triton (``pltriton.CompilerParams``).
     ikv, iscore: float[B, 256]              CSA only: the indexer's compressor inputs
     bias: f32[ratio, coff * 512]   norm: f32[512]   (ibias f32[ratio, 256], inorm f32[128])
     slot, write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
-    table: i32[R, max_blocks]   pool: u8[L, NB, bs * 584]   index_pool: u8[L, NB, bs * 68]
+    table: i32[R, max_blocks]   pool: u8[L, NB, bs * E]   index_pool: u8[L, NB, bs * K]   (E, K: 584, 68 / 580, 76)
     error: u32[R + 1]
 
 Each of kv, score, bias, norm (and the indexer's) may instead be a ``hybrid.Stacked`` row
@@ -46,16 +47,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.errors import Fault
-from jaxkv.formats._common import round_bf16
+from jaxkv.formats._common import div_rn, round_bf16
 from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
 from jaxkv.hybrid.stacked import as_stack, check_stacked
-from jaxkv.kernels.flush_write import ue8m0_tile_codes
-from jaxkv.kernels.fp4_pack import mxfp4_pairs
+from jaxkv.kernels.flush_write import ENTRY, KEY, f32_bytes, per_entry_codes, ue8m0_tile_codes
+from jaxkv.kernels.fp4_pack import mxfp4_pairs, nvfp4_pairs, ptx_div_rn
 
 ROWS = 1  # requests per program
 NUM_WARPS = 4  # per program (one request: 512 + 128 channels, 3 streams)
-ENTRY, DATA, NOPE_TILES = 584, 576, 7
-KEY, CODES = 68, 64
+NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # as in ``kernels.flush_write``
 HEAD, INDEX = 512, 128
 
 
@@ -69,7 +69,7 @@ def _sylvester(n: int) -> np.ndarray:
 _bf16 = round_bf16  # f32 -> f32 rounded to bf16, as ``hybrid.compressor.finalize`` rounds
 
 
-def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets):
+def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div):
     from jax.experimental.pallas import triton as pltriton
 
     if csa:
@@ -79,6 +79,7 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets):
         (slot_ref, wslot_ref, start_ref, n_ref, kv_ref, z_ref, bias_ref, norm_ref, freqs_ref, table_ref, _t, _p, _e,
          tails_ref, pool_ref, err_ref) = refs
     streams = 3 if csa else 1
+    official = storage == "official"
     c = HEAD
     load, store = pltriton.load, pltriton.store
     # first row of this layer's kv, score, bias, norm (and the indexer's) in their stacks
@@ -169,20 +170,26 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets):
     xe, xo = rope(xe, xo, t == NOPE_TILES, jnp.broadcast_to(k, shp))
 
     w3 = b3(write)
-    byte, codes = ue8m0_tile_codes(xe, xo)  # [ROWS, 8], 2 x [ROWS, 8, 32]
     prow3 = jnp.broadcast_to(b3(prow), shp)
-    base = b3(sl) * DATA
-    nope = w3 & (t < NOPE_TILES)
+    t2 = jnp.arange(8)[None, :]
+    prow2 = jnp.broadcast_to(prow[:, None], (ROWS, 8))
+    if official:  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 UE8M0 + pad)]
+        byte, codes = ue8m0_tile_codes(xe, xo)  # [ROWS, 8], 2 x [ROWS, 8, 32]
+        code_col, rope_col = b3(sl) * DATA, b3(sl) * DATA + NOPE_TILES * 64
+        store(pool_ref.at[prow2, bs * DATA + sl[:, None] * 8 + t2], jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)),
+              mask=write[:, None])
+    else:  # seed: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
+        scale, codes = per_entry_codes(xe, xo, div=div)
+        code_col, rope_col = b3(sl) * NOPE, bs * NOPE + b3(sl) * 128
+        c4 = jnp.arange(4)[None, :]
+        store(pool_ref.at[jnp.broadcast_to(prow[:, None], (ROWS, 4)), bs * DATA + sl[:, None] * 4 + c4],
+              f32_bytes(scale), mask=write[:, None])
     for par, x, q in ((0, xe, codes[0]), (1, xo, codes[1])):
-        store(pool_ref.at[prow3, base + ch + par], q, mask=nope)
+        store(pool_ref.at[prow3, code_col + ch + par], q, mask=w3 & (t < NOPE_TILES))
         raw = lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)  # the rope dims as stored
-        col = base + NOPE_TILES * 64 + 4 * k + 2 * par
+        col = rope_col + 4 * k + 2 * par
         store(pool_ref.at[prow3, col], (raw & 0xFF).astype(jnp.uint8), mask=w3 & (t == NOPE_TILES))
         store(pool_ref.at[prow3, col + 1], (raw >> 8).astype(jnp.uint8), mask=w3 & (t == NOPE_TILES))
-    t2 = jnp.arange(8)[None, :]
-    scol = bs * DATA + sl[:, None] * 8 + t2
-    store(pool_ref.at[jnp.broadcast_to(prow[:, None], scol.shape), scol],
-          jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)), mask=write[:, None])
 
     if not csa:
         return
@@ -205,14 +212,22 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets):
         return jnp.sum(jnp.sum(prod, axis=1), axis=1) * scale
 
     ye, yo = _bf16(rotate(ie + io)), _bf16(rotate(ie - io))
-    packed, kbyte = mxfp4_pairs(ye, yo)  # [ROWS, 4, 16], [ROWS, 4]
     kcol = b3(sl) * CODES + g * 16 + kk
+    if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
+        packed, kbyte = mxfp4_pairs(ye, yo)  # [ROWS, 4, 16], [ROWS, 4]
+        kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
+    else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, then the f32 global scale
+        packed, kbyte, gscale = nvfp4_pairs(ye.reshape(ROWS, 8, 8), yo.reshape(ROWS, 8, 8), div=div)
+        packed = packed.reshape(ishp)
+        kscol = bs * CODES + sl[:, None] * 8 + jnp.arange(8)[None, :]
+        gcol = bs * (CODES + 8) + sl[:, None] * 4 + jnp.arange(4)[None, :]
+        store(index_ref.at[jnp.broadcast_to(prow[:, None], gcol.shape), gcol], f32_bytes(gscale), mask=write[:, None])
     store(index_ref.at[jnp.broadcast_to(b3(prow), ishp), kcol], packed, mask=b3(write))
-    kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
     store(index_ref.at[jnp.broadcast_to(prow[:, None], kscol.shape), kscol], kbyte, mask=write[:, None])
 
 
-def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, *, layer, ratio, index, index_pool):
+def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, *, layer, ratio, index, index_pool,
+                          storage):
     """Shapes and dtypes of ``compress_decode``'s arguments: ValueError naming the argument."""
     csa = index is not None
     streams, width, coff = (3, HEAD + INDEX, 2) if csa else (1, HEAD, 1)
@@ -234,8 +249,11 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
     if not 0 <= layer < L or pool.ndim != 3 or pool.shape[0] != L:
         raise ValueError(f"layer: expected a static int in [0, {L}) indexing tails and pool alike, got {layer} with "
                          f"pool {list(pool.shape)}")
-    if pool.dtype != jnp.uint8 or pool.shape[2] % ENTRY:
-        raise ValueError(f"pool: expected u8[{L}, NB, bs * {ENTRY}] (official storage), got {pool.dtype}{list(pool.shape)}")
+    if storage not in ENTRY:
+        raise ValueError(f"storage: expected one of {sorted(ENTRY)}, got {storage!r}")
+    E = ENTRY[storage]
+    if pool.dtype != jnp.uint8 or pool.shape[2] % E:
+        raise ValueError(f"pool: expected u8[{L}, NB, bs * {E}] ({storage} storage), got {pool.dtype}{list(pool.shape)}")
     want("kv", kv, (B, coff * HEAD), floats)
     want("score", score, (B, coff * HEAD), floats)
     want("bias", bias, (ratio, coff * HEAD), (jnp.float32,))
@@ -253,7 +271,7 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
         want("index norm", inorm, (INDEX,), (jnp.float32,))
         if index_pool is None:
             raise ValueError("index_pool: expected the CSA layer's indexer-key pool with index, got None")
-        want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // ENTRY * KEY), (jnp.uint8,))
+        want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // E * KEY[storage]), (jnp.uint8,))
 
 
 def _flat(x, dtype=None):
@@ -265,10 +283,11 @@ def _flat(x, dtype=None):
     return flat, index * per
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "interpret"),
+@functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "storage", "interpret"),
                    donate_argnames=("tails", "pool", "index_pool", "error"))
 def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
-                    layer: int, ratio: int, eps: float, index=None, index_pool=None, interpret: bool = False):
+                    layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None,
+                    interpret: bool = False):
     """The kernel. ``index = (ikv, iscore, ibias, inorm)`` for a CSA layer (with
     ``index_pool``), None for HCA. Each of kv, score, bias, norm and the index tuple may
     be a ``hybrid.Stacked`` row, read in place. Returns ``(tails, pool, error)`` or, for
@@ -276,11 +295,11 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
     from jax.experimental.pallas import triton as pltriton
 
     check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, layer=layer, ratio=ratio,
-                          index=index, index_pool=index_pool)
+                          index=index, index_pool=index_pool, storage=storage)
     csa = index is not None
     R = tails.shape[1]
     L, nb, w = pool.shape
-    bs = w // ENTRY
+    bs = w // ENTRY[storage]
     B = slot.shape[0]
     flat_tails = tails.reshape(-1, tails.shape[-1])
     operands = [_flat(kv), _flat(score), _flat(bias, jnp.float32), _flat(norm, jnp.float32)]
@@ -301,7 +320,7 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
     first = len(args)
     res = pl.pallas_call(
         functools.partial(_kernel, ratio=ratio, csa=csa, nb=nb, bs=bs, layer=layer, R=R, mb=table.shape[1], eps=eps,
-                          offsets=offsets),
+                          offsets=offsets, storage=storage, div=div_rn if interpret else ptx_div_rn),
         out_shape=tuple(outs),
         grid=(pl.cdiv(B, ROWS),),
         input_output_aliases={first + n: n for n in range(len(aliased))},

@@ -1,15 +1,18 @@
-"""CSA / HCA flush-write as a Pallas kernel: finished entries -> ``ds_mla`` bytes (and
-MXFP4 indexer keys) scattered into one layer of a paged pool, in place.
+"""CSA / HCA flush-write as a Pallas kernel: finished entries -> FP8 entry bytes (and FP4
+indexer keys) scattered into one layer of a paged pool, in place, in either storage family.
 
-The official storage family (``hybrid.storage``): per entry 448 FP8 dims with one UE8M0
-scale per 64-element tile and 64 BF16 RoPE dims, 584 B in a segment-major block; per key
-64 B of E2M1 nibbles and 4 UE8M0 bytes. The math is the formats' (same helpers, same
-bytes as ``hybrid.flush.ref_flush_write``); dividing by a power-of-two scale is a
-multiply by its exact inverse and the keys use ``fp4_pack.mxfp4_pairs``. Each program handles ``ROWS`` entries
+``hybrid.storage``: the official family stores per entry 448 FP8 dims with one UE8M0
+scale per 64-element tile and 64 BF16 RoPE dims, 584 B in a segment-major ``ds_mla``
+block, and per key 64 B of E2M1 nibbles and 4 UE8M0 bytes (MXFP4); the seed family one
+float32 scale per entry (580 B) and NVFP4 keys (8 E4M3 group scales and a float32 global
+scale, 76 B). The math is the formats' (same helpers, same bytes as
+``hybrid.flush.ref_flush_write``): dividing by a power-of-two scale is a multiply by its
+exact inverse, by a float32 scale a correctly rounded ``div_rn``; the keys use
+``fp4_pack.mxfp4_pairs`` / ``nvfp4_pairs``. Each program handles ``ROWS`` entries
 and writes them with scatter stores (integer-array indexers of the pool viewed as
 ``[layers * blocks, block bytes]``). Lowering: Triton (``pltriton.CompilerParams``).
 
-    pool: u8[L, NB, bs * 584]      index_pool: u8[L, NB, bs * 68] (CSA) or None
+    pool: u8[L, NB, bs * E]        index_pool: u8[L, NB, bs * K] (CSA) or None   (E, K: ENTRY, KEY)
     x: bf16[N, 512] (or a ``hybrid.Stacked`` row of bf16[n, N, 512])   xi: bf16[N, 128] (CSA) or None
     block, slot: i32[N]            rows outside [0, NB) are not written
 """
@@ -23,17 +26,19 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.formats._common import E8M0_NAN, FP8_MAX, exact_div, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, FP8_MAX, div_rn, exact_div, ue8m0_scale
 from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
 from jaxkv.hybrid.stacked import as_stack
-from jaxkv.kernels.fp4_pack import is_nan_bits, mxfp4_pairs, pow2_inverse
+from jaxkv.kernels.fp4_pack import (e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs, pow2_inverse,
+                                    ptx_div_rn)
 
 # entries per program (a power of two: Triton blocks) and warps: ROWS 4-32 x warps 1-8 on
 # an H100 gave 7.65-8.1 us at 4,096 entries at best (4 x 2, 8 x 4, 16 x 4, 16 x 8); kept 16 x 4
 ROWS = 16
 NUM_WARPS = 4
-ENTRY, DATA, NOPE_TILES = 584, 576, 7
-KEY, CODES = 68, 64
+NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # FP8 dims; bytes of codes + rope; FP8 tiles; FP4 code bytes
+ENTRY = {"official": 584, "seed": 580}  # bytes per entry
+KEY = {"official": 68, "seed": 76}  # bytes per 128-dim indexer key
 
 
 def ue8m0_tile_codes(*parts):
@@ -50,14 +55,36 @@ def ue8m0_tile_codes(*parts):
                             lax.bitcast_convert_type((x * inv).astype(jnp.float8_e4m3fn), jnp.uint8)) for x in parts]
 
 
+def per_entry_codes(*parts, div=div_rn):
+    """FP8 E4M3 codes with one float32 scale per entry (the seed storage family,
+    ``formats.quantize_fp8_per_entry``), an entry's 448 FP8 dims given as ``parts``
+    f32[R, 8, n] whose tile 7 (the RoPE dims) is left out -> (scale f32[R], codes
+    u8[R, 8, n] per part). A non-finite entry gets a NaN scale and zero codes. ``div``:
+    ``div_rn`` or, on a GPU, ``fp4_pack.ptx_div_rn`` (the same quotients, far faster)."""
+    nope = jnp.arange(8)[None, :, None] < NOPE_TILES
+    tiles = nan_amax(*[jnp.where(nope, x, 0.0) for x in parts])  # [R, 8]
+    amax = nan_amax(tiles)  # [R]
+    scale = jnp.where(amax < jnp.inf, exact_div(amax, FP8_MAX), jnp.nan)
+    ok = (scale > 0)[:, None, None]
+    safe = jnp.where(ok, scale[:, None, None], 1.0)
+    return scale, [jnp.where(ok, e4m3_bytes(div(x, safe)), jnp.uint8(0)) for x in parts]
+
+
+def f32_bytes(x):
+    """f32[...] -> its 4 little-endian bytes, u8[..., 4]."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)[..., None]
+    return ((bits >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF).astype(jnp.uint8)
+
+
 def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
-            with_index, x_off):
-    # x_ref: bf16[n * N, 8, 64] (tiles; tile 7 = the rope dims; entry e at row x_off + e); xi_e/o_ref: bf16[N, 4, 16] even / odd
-    # elements of each 32-group; blk_ref, slot_ref: i32[N]; pool_ref: u8[L * NB, bs * 584];
-    # index_ref: u8[L * NB, bs * 68]
+            with_index, x_off, storage, div):
+    # x_ref: bf16[n * N, 8, 64] (tiles; tile 7 = the rope dims; entry e at row x_off + e); xi_e/o_ref: bf16[N, 4, 16]
+    # even / odd elements of each 32-group; blk_ref, slot_ref: i32[N]; pool_ref: u8[L * NB, bs * E];
+    # index_ref: u8[L * NB, bs * K]
     from jax.experimental.pallas import triton as pltriton
 
     del pool_in, index_in  # aliased to pool_ref / index_ref
+    official = storage == "official"
     i = pl.program_id(0)
     rows = pl.ds(i * ROWS, ROWS)
     live = i * ROWS + jnp.arange(ROWS) < n
@@ -66,55 +93,66 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
     ok = live & (blk >= 0) & (blk < nb) & (sl >= 0) & (sl < bs)
     prow = jnp.where(ok, layer * nb + blk, 0)  # i32[ROWS] pool row (block of the layer)
 
-    # entry: FP8 tiles with UE8M0 scales, then the rope dims' raw bytes
+    def put(ref, col, val, mask):  # col: [ROWS, ...] byte columns of each row's pool row
+        pltriton.store(ref.at[jnp.broadcast_to(prow.reshape((ROWS,) + (1,) * (col.ndim - 1)), col.shape), col], val,
+                       mask=mask)
+
+    # entry: FP8 codes (UE8M0 tiles or one f32 scale), the rope dims' raw bytes, the scales
     xrows = pl.ds(x_off + i * ROWS, ROWS)
     x = pltriton.load(x_ref.at[xrows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
-    byte, (q,) = ue8m0_tile_codes(x)  # [R, 8], [R, 8, 64]
     tile = jnp.arange(8)[None, :, None]
-    col = sl[:, None, None] * DATA + tile * 64 + jnp.arange(64)[None, None, :]  # [R, 8, 64]
-    row3 = jnp.broadcast_to(prow[:, None, None], col.shape)
-    pltriton.store(pool_ref.at[row3, col], q, mask=ok[:, None, None] & (tile < NOPE_TILES))
-    raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=ok[:, None], other=0),
+    lane = jnp.arange(64)[None, None, :]
+    ok2, ok3 = ok[:, None], ok[:, None, None]
+    if official:  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 scales + pad)]
+        byte, (q,) = ue8m0_tile_codes(x)  # [R, 8], [R, 8, 64]
+        code_col, rope_col = sl[:, None, None] * DATA, sl[:, None] * DATA + NOPE_TILES * 64
+        t2 = jnp.arange(8)[None, :]
+        put(pool_ref, bs * DATA + sl[:, None] * 8 + t2, jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)), ok2)
+    else:  # seed: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
+        scale, (q,) = per_entry_codes(x, div=div)
+        code_col, rope_col = sl[:, None, None] * NOPE, bs * NOPE + sl[:, None] * 128
+        put(pool_ref, bs * DATA + sl[:, None] * 4 + jnp.arange(4)[None, :], f32_bytes(scale), ok2)
+    put(pool_ref, code_col + tile * 64 + lane, q, ok3 & (tile < NOPE_TILES))
+    raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=ok2, other=0),
                                    jnp.uint16)  # [R, 64] rope dims
-    rcol = sl[:, None] * DATA + NOPE_TILES * 64 + 2 * jnp.arange(64)[None, :]
-    prow2 = jnp.broadcast_to(prow[:, None], rcol.shape)
-    pltriton.store(pool_ref.at[prow2, rcol], (raw & 0xFF).astype(jnp.uint8), mask=ok[:, None])
-    pltriton.store(pool_ref.at[prow2, rcol + 1], (raw >> 8).astype(jnp.uint8), mask=ok[:, None])
-    scol = bs * DATA + sl[:, None] * 8 + jnp.arange(8)[None, :]  # 7 scale bytes + a zero pad
-    tile2 = jnp.arange(8)[None, :]
-    pltriton.store(pool_ref.at[jnp.broadcast_to(prow[:, None], scol.shape), scol],
-                   jnp.where(tile2 < NOPE_TILES, byte, jnp.uint8(0)), mask=ok[:, None])
+    rcol = rope_col + 2 * jnp.arange(64)[None, :]
+    put(pool_ref, rcol, (raw & 0xFF).astype(jnp.uint8), ok2)
+    put(pool_ref, rcol + 1, (raw >> 8).astype(jnp.uint8), ok2)
 
-    if with_index:  # MXFP4 key: 4 groups of 32 = 16 even/odd pairs
-        ev = pltriton.load(xi_e_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 4, 16]
-        od = pltriton.load(xi_o_ref.at[rows], mask=ok[:, None, None], other=0).astype(jnp.float32)
-        packed, kbyte = mxfp4_pairs(ev, od)  # [R, 4, 16], [R, 4]
-        g = jnp.arange(4)[None, :, None]
-        kcol = sl[:, None, None] * CODES + g * 16 + jnp.arange(16)[None, None, :]  # [R, 4, 16]
-        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None, None], kcol.shape), kcol], packed,
-                       mask=ok[:, None, None])
-        kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
-        pltriton.store(index_ref.at[jnp.broadcast_to(prow[:, None], kscol.shape), kscol], kbyte, mask=ok[:, None])
+    if with_index:  # FP4 key: 64 B of nibbles (element pair 16 g + k), then the scales
+        ev = pltriton.load(xi_e_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)  # [R, 4, 16]
+        od = pltriton.load(xi_o_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)
+        kcol = sl[:, None, None] * CODES + jnp.arange(4)[None, :, None] * 16 + jnp.arange(16)[None, None, :]
+        if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
+            packed, kbyte = mxfp4_pairs(ev, od)  # [R, 4, 16], [R, 4]
+            put(index_ref, bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :], kbyte, ok2)
+        else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, the f32 global scale
+            packed, kbyte, g = nvfp4_pairs(ev.reshape(ROWS, 8, 8), od.reshape(ROWS, 8, 8), div=div)
+            packed = packed.reshape(ROWS, 4, 16)
+            put(index_ref, bs * CODES + sl[:, None] * 8 + jnp.arange(8)[None, :], kbyte, ok2)
+            put(index_ref, bs * (CODES + 8) + sl[:, None] * 4 + jnp.arange(4)[None, :], f32_bytes(g), ok2)
+        put(index_ref, kcol, packed, ok3)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret"), donate_argnames=("pool", "index_pool"))
-def flush_write_official(pool, layer: int, x, block, slot, *, index_pool=None, xi=None, interpret: bool = False):
-    """The kernel; same contract and bytes as ``hybrid.flush.ref_flush_write(storage="official")``.
-    Returns the new pool, or ``(pool, index_pool)`` for CSA."""
+@functools.partial(jax.jit, static_argnames=("layer", "storage", "interpret"), donate_argnames=("pool", "index_pool"))
+def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None, interpret: bool = False):
+    """The kernel; same contract and bytes as ``hybrid.flush.ref_flush_write`` for either
+    storage family. Returns the new pool, or ``(pool, index_pool)`` for CSA."""
     from jax.experimental.pallas import triton as pltriton
 
     L, nb, w = pool.shape
-    bs = w // ENTRY
+    bs = w // ENTRY[storage]
     n = x.shape[0]
     x, x_row = as_stack(x)  # x: a hybrid.Stacked row, read in place
     with_index = index_pool is not None
     if not with_index:  # a 1-row stand-in keeps one kernel signature
-        index_pool = jnp.zeros((1, 1, bs * KEY), jnp.uint8)
+        index_pool = jnp.zeros((1, 1, bs * KEY[storage]), jnp.uint8)
         xi = jnp.zeros((1, 128), jnp.bfloat16)
     ni = xi.shape[0]
     xi4 = xi.reshape(ni, 4, 16, 2)
     outs = pl.pallas_call(
-        functools.partial(_kernel, n=n, nb=nb, bs=bs, layer=layer, with_index=with_index, x_off=x_row * n),
+        functools.partial(_kernel, n=n, nb=nb, bs=bs, layer=layer, with_index=with_index, x_off=x_row * n,
+                          storage=storage, div=div_rn if interpret else ptx_div_rn),
         out_shape=(jax.ShapeDtypeStruct((L * nb, w), jnp.uint8),
                    jax.ShapeDtypeStruct((index_pool.shape[0] * index_pool.shape[1], index_pool.shape[2]), jnp.uint8)),
         grid=(pl.cdiv(n, ROWS),),

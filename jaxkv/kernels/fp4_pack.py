@@ -20,7 +20,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.formats import fp4 as _fp4
-from jaxkv.formats._common import E8M0_NAN, FP4_MAX, check_float, check_groups, e8m0_to_float, exact_div, ue8m0_scale
+from jaxkv.formats._common import (E8M0_NAN, FP4_MAX, FP8_MAX, check_float, check_groups, div_rn, e8m0_to_float,
+                                   exact_div, ue8m0_scale)
 
 # keys per program (a power of two: Triton blocks) and warps: the best of ROWS 16/32/64 x
 # warps 2/4/8 on an H100 (0.557 ms for 2M keys, 96% of copy; 32 x 4 took 1.044 ms)
@@ -59,6 +60,54 @@ def mxfp4_pairs(even, odd):
     lo = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(even * inv))
     hi = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(odd * inv))
     return lo | (hi << 4), byte
+
+
+def nan_amax(*parts, axis=-1):
+    """``max(|x|)`` over ``axis`` of all ``parts`` together, NaN if any element is NaN (as
+    ``formats._common.amax_abs``; NaN found from the bits)."""
+    nan = functools.reduce(jnp.maximum, [jnp.max(is_nan_bits(x), axis=axis) for x in parts]) > 0
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=axis) for x in parts])
+    return jnp.where(nan, jnp.nan, amax)
+
+
+def e4m3_bytes(x):
+    """f32 -> float8_e4m3fn bytes (round to nearest even, saturating, NaN 0x7F), u8."""
+    return lax.bitcast_convert_type(x.astype(jnp.float8_e4m3fn), jnp.uint8)
+
+
+def ptx_div_rn(x, y):
+    """Correctly rounded float32 ``x / y`` by the GPU's ``div.rn.f32`` (what CUDA's ``/``
+    and ``formats._common.div_rn`` compute; the Triton lowering's own ``/`` is not
+    correctly rounded). GPU only: kernels take ``div=div_rn`` in interpret mode."""
+    from jax.experimental.pallas import triton as pltriton
+
+    x, y = jnp.broadcast_arrays(x.astype(jnp.float32), jnp.asarray(y, jnp.float32))
+    (q,) = pltriton.elementwise_inline_asm("div.rn.f32 $0, $1, $2;", args=[x, y], constraints="=f,f,f", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+    return q
+
+
+def nvfp4_pairs(even, odd, div=div_rn):
+    """NVFP4 of one key given as its even and odd elements, f32[..., 8, 8] each (8 groups
+    of 16 elements as 8 pairs) -> (packed bytes u8[..., 8, 8], E4M3 group scales
+    u8[..., 8], global scale f32[...]): ``formats.quantize_nvfp4`` with the key's own
+    ``nvfp4_global_scale``, the storage's seed family. ``div``: ``div_rn`` or ``ptx_div_rn``."""
+    amax = nan_amax(even, odd)  # [..., 8]
+    key_amax = jnp.max(amax, axis=-1)  # NaN groups are dropped by max; the reference then also gives 1.0
+    key_amax = jnp.where(jnp.max(is_nan_bits(amax), axis=-1) > 0, jnp.nan, key_amax)
+    g = jnp.where(key_amax > 0, exact_div(key_amax, FP8_MAX * FP4_MAX), 1.0)
+    gs = g[..., None]
+    bs = jnp.where(amax < jnp.inf, div(exact_div(amax, FP4_MAX), gs), jnp.nan)
+    byte = e4m3_bytes(bs)
+    denom = (lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float32) * gs)[..., None]
+    ok = denom > 0
+    safe = jnp.where(ok, denom, 1.0)
+
+    def codes(x):
+        y = jnp.where(ok, div(x, safe), 0.0)
+        return jnp.where(is_nan_bits(y) > 0, jnp.uint8(7), _fp4.e2m1_encode(y))
+
+    return codes(even) | (codes(odd) << 4), byte, g
 
 
 def _kernel(x_ref, packed_ref, scales_ref, *, n):
