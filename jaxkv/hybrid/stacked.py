@@ -60,8 +60,8 @@ def as_stack(x, dtype=None):
 
 
 def map_stack(fn, x):
-    """``fn`` applied to each row: ``Stacked(vmap-free fn over the stack)``; ``fn`` must map
-    ``[n, ...]`` to ``[n, ...]`` row by row (a reshape of the trailing axes, a cast)."""
+    """Apply ``fn`` to the whole stack, keeping the row: ``fn`` maps ``[n, ...]`` to
+    ``[n, ...]`` row by row (a reshape of the trailing axes, a cast)."""
     if isinstance(x, Stacked):
         return Stacked(fn(x.array), x.index)
     return fn(x[None])[0]
