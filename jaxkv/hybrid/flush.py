@@ -36,18 +36,17 @@ IMPLS = ("auto", "xla", "cuda", "pallas")
 
 
 # --- validators -----------------------------------------------------------------------------
-def check_impl(impl: str, storage: str = "official") -> str:
-    """Resolve ``impl``; "auto" is ``default_impl(storage)``."""
+def check_impl(impl: str) -> str:
+    """Resolve ``impl``; "auto" is ``default_impl()``."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    return default_impl(storage) if impl == "auto" else impl
+    return default_impl() if impl == "auto" else impl
 
 
-def default_impl(storage: str = "official") -> str:
+def default_impl() -> str:
     """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer:
     4.0 -> 1.0-1.6 ms for a 256-request V4-Flash step on an H100, ``benchmarks/RESULTS.md``),
     "xla" elsewhere; the same for both storage families."""
-    del storage
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 

@@ -74,7 +74,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     ``compress`` ("xla", "cuda", "pallas", "auto"); same bytes.
     """
     c = state.config
-    impl = check_impl(impl, c.storage)
+    impl = check_impl(impl)
     check_layer(state, layer)
     check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
     B, T, _ = kv.shape
@@ -137,7 +137,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
       decode, where a fused entry can differ in its last bit (see the kernel).
     """
     c = state.config
-    impl = check_impl(impl, c.storage)
+    impl = check_impl(impl)
     kind = check_layer(state, layer, (CSA, HCA))
     csa = kind == CSA
     if (index is None) == csa:
