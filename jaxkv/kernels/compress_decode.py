@@ -52,9 +52,9 @@ from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples,
 from jaxkv.hybrid.stacked import as_stack, check_stacked
 from jaxkv.kernels.flush_write import ENTRY, KEY, f32_bytes, per_entry_codes, ue8m0_tile_codes
 from jaxkv.kernels.fp4_pack import mxfp4_pairs, nvfp4_pairs, ptx_div_rn
+from jaxkv.kernels.tuning import COMPRESS_DECODE_WARPS as NUM_WARPS  # by storage family
 
 ROWS = 1  # requests per program
-NUM_WARPS = 4  # per program (one request: 512 + 128 channels, 3 streams)
 NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # as in ``kernels.flush_write``
 HEAD, INDEX = 512, 128
 
@@ -324,7 +324,7 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
         out_shape=tuple(outs),
         grid=(pl.cdiv(B, ROWS),),
         input_output_aliases={first + n: n for n in range(len(aliased))},
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS[storage], num_stages=1),
         interpret=interpret,
         name="jaxkv_compress_decode",
     )(*args, *aliased)

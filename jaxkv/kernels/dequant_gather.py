@@ -23,8 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.formats._common import e8m0_to_float
+from jaxkv.kernels.tuning import DEQUANT_GATHER_ROWS as ROWS, DEQUANT_GATHER_WARPS as NUM_WARPS
 
-ROWS = 16  # items per program (a power of two: Triton blocks)
 ENTRY, DATA, NOPE_TILES = 584, 576, 7
 
 
@@ -81,7 +81,7 @@ def dequant_gather(pool, layer: int, block, slot, *, interpret: bool = False):
         functools.partial(_kernel, m=m, nb=nb, bs=w // ENTRY, layer=layer),
         out_shape=jax.ShapeDtypeStruct((m, 8, 64), jnp.bfloat16),
         grid=(pl.cdiv(m, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="jaxkv_dequant_gather",
     )(block.astype(jnp.int32), slot.astype(jnp.int32), pool.reshape(L * nb, w))

@@ -31,11 +31,8 @@ from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
 from jaxkv.hybrid.stacked import as_stack
 from jaxkv.kernels.fp4_pack import (e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs, pow2_inverse,
                                     ptx_div_rn)
+from jaxkv.kernels.tuning import FLUSH_WRITE_ROWS as ROWS, FLUSH_WRITE_WARPS as NUM_WARPS
 
-# entries per program (a power of two: Triton blocks) and warps: ROWS 4-32 x warps 1-8 on
-# an H100 gave 7.65-8.1 us at 4,096 entries at best (4 x 2, 8 x 4, 16 x 4, 16 x 8); kept 16 x 4
-ROWS = 16
-NUM_WARPS = 4
 NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # FP8 dims; bytes of codes + rope; FP8 tiles; FP4 code bytes
 ENTRY = {"official": 584, "seed": 580}  # bytes per entry
 KEY = {"official": 68, "seed": 76}  # bytes per 128-dim indexer key
@@ -115,9 +112,8 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
     put(pool_ref, code_col + tile * 64 + lane, q, ok3 & (tile < NOPE_TILES))
     raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=ok2, other=0),
                                    jnp.uint16)  # [R, 64] rope dims
-    rcol = rope_col + 2 * jnp.arange(64)[None, :]
-    put(pool_ref, rcol, (raw & 0xFF).astype(jnp.uint8), ok2)
-    put(pool_ref, rcol + 1, (raw >> 8).astype(jnp.uint8), ok2)
+    rope = jnp.stack([(raw & 0xFF).astype(jnp.uint8), (raw >> 8).astype(jnp.uint8)], axis=-1)  # [R, 64, 2]
+    put(pool_ref, rope_col + jnp.arange(128)[None, :], rope.reshape(ROWS, 128), ok2)  # one contiguous run
 
     if with_index:  # FP4 key: 64 B of nibbles (element pair 16 g + k), then the scales
         ev = pltriton.load(xi_e_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)  # [R, 4, 16]

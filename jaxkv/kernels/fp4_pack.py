@@ -22,11 +22,8 @@ from jax.experimental import pallas as pl
 from jaxkv.formats import fp4 as _fp4
 from jaxkv.formats._common import (E8M0_NAN, FP4_MAX, FP8_MAX, check_float, check_groups, div_rn, e8m0_to_float,
                                    exact_div, ue8m0_scale)
+from jaxkv.kernels.tuning import MXFP4_ROWS as ROWS, MXFP4_WARPS as NUM_WARPS
 
-# keys per program (a power of two: Triton blocks) and warps: the best of ROWS 16/32/64 x
-# warps 2/4/8 on an H100 (0.557 ms for 2M keys, 96% of copy; 32 x 4 took 1.044 ms)
-ROWS = 32
-NUM_WARPS = 8
 
 
 def ref_quantize_mxfp4(x):

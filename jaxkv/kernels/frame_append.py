@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-ROWS = 16  # rows per program (a power of two: Triton blocks)
+from jaxkv.kernels.tuning import FRAME_APPEND_ROWS as ROWS, FRAME_APPEND_WARPS as NUM_WARPS
 
 
 def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size):
@@ -118,7 +118,7 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
         out_shape=tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
         grid=(2 * L * B, blocks),
         input_output_aliases={3 + n: n for n in range(2 * L)},
-        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret,
         name="jaxkv_frame_append",
     )(rows, k, v, *bufs)

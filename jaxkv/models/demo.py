@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxkv
 
 
 def run(args) -> dict:

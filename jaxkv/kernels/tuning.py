@@ -1,0 +1,28 @@
+"""Launch parameters of the Pallas kernels (Triton lowering), in one place.
+
+``*_ROWS``: items per program (a power of two: Triton blocks); ``*_WARPS``: warps per
+program. Each figure is GPU kernel time on an NVIDIA H100 80GB HBM3 from a sweep of the
+alternatives named (``benchmarks/RESULTS.md``); re-sweep on another GPU.
+"""
+
+# a frame's rows into every layer (24 layers x 1005 tokens): 16 x 4 / 16 x 8 at copy
+# bandwidth (0.073 ms); 32 x 4 0.103 ms, 64 x 4 0.25 ms
+FRAME_APPEND_ROWS = 16
+FRAME_APPEND_WARPS = 4
+
+# MXFP4 packing, 2M keys: 32 x 8 (or 16 x 4) 0.557 ms, 99% of copy; 32 x 4 1.044 ms, 64 x 2 1.24 ms
+MXFP4_ROWS = 32
+MXFP4_WARPS = 8
+
+# flush-write at 4,096 entries: 4-32 rows x 1-8 warps all 7.65-8.1 us at best (16 x 4
+# among them); 32 x 1 71 us
+FLUSH_WRITE_ROWS = 16
+FLUSH_WRITE_WARPS = 4
+
+# dequant-gather: not swept
+DEQUANT_GATHER_ROWS = 16
+DEQUANT_GATHER_WARPS = 4
+
+# fused decode compressor, one request per program, by storage family: CSA at 4,096 requests
+# official 2 / 4 / 8 warps 0.158 / 0.120 / 0.728 ms; seed 0.157 / 0.245 / 0.302 ms
+COMPRESS_DECODE_WARPS = {"official": 4, "seed": 2}
