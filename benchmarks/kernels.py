@@ -8,7 +8,7 @@ fraction of the device-to-device copy bandwidth measured in the same run (a 1 Gi
 
 Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x224 and
 518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
-packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
+and NVFP4 (one global scale per key) packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
 indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
 requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and the Pallas
 kernel (pallas); one decode step's CSA / HCA append + flush of 4,096 and 16,384 requests
@@ -89,6 +89,26 @@ def bench_mxfp4(n, iters, interpret=False):
         fn(x)[0].block_until_ready()
         one = lambda i: jax.block_until_ready(fn(x))  # noqa: E731
         op = f"mxfp4 pack {n} keys x 128"
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        if not interpret:
+            KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+    return rows
+
+
+def bench_nvfp4(n, iters, interpret=False):
+    """NVFP4 with one global scale per key (the seed storage's indexer keys)."""
+    from jaxkv.formats import nvfp4_global_scale
+
+    x = jax.random.normal(jax.random.key(2), (n, 128), jnp.float32)
+    g = jax.vmap(nvfp4_global_scale)(x)
+    moved = x.nbytes + g.nbytes + n * (64 + 8)
+    ref = jax.jit(jax.vmap(fp4_pack.ref_quantize_nvfp4))
+    pallas = functools.partial(fp4_pack.quantize_nvfp4, interpret=interpret)
+    rows = []
+    for name, fn in (("xla", ref), ("pallas", pallas)):
+        fn(x, g)[0].block_until_ready()
+        one = lambda i: jax.block_until_ready(fn(x, g))  # noqa: E731
+        op = f"nvfp4 pack {n} keys x 128"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         if not interpret:
             KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
@@ -196,7 +216,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--json", default=None)
-    p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, "
+    p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, nvfp4, "
                    "dequant, flush, fused)")
     args = p.parse_args(argv)
     dev = jax.devices()[0]
@@ -209,6 +229,8 @@ def main(argv=None):
         rows += bench_frame_append(P, args.layers, args.iters, interpret)
     for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("mxfp4") else ():
         rows += bench_mxfp4(n, args.iters, interpret)
+    for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("nvfp4") else ():
+        rows += bench_nvfp4(n, args.iters, interpret)
     if not interpret and want("dequant"):  # the Pallas gather has no cheap interpret size here
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)

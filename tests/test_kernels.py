@@ -121,6 +121,47 @@ def test_mxfp4_pack_native_large(rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor-scale", "row-scales"])
+@pytest.mark.parametrize("n,d,dtype", [(77, 128, jnp.float32), (40, 64, jnp.bfloat16)])
+def test_nvfp4_pack_matches_reference(rng, n, d, dtype, per_row):
+    """Every byte and scale, with a tensor-wide global scale (the format's default) or one
+    per row (the seed storage's keys); zero, tiny, saturating and non-finite groups."""
+    from jaxkv.formats import nvfp4_global_scale
+    from jaxkv.kernels import quantize_nvfp4, ref_quantize_nvfp4
+
+    x = _keys(rng, n, d, dtype)
+    x = x.at[1, 3].set(jnp.nan)
+    if per_row:
+        g = jax.vmap(nvfp4_global_scale)(x)
+        got = quantize_nvfp4(x, g, interpret=not HAS_GPU)
+        want = jax.vmap(ref_quantize_nvfp4)(x, g)
+    else:
+        got = quantize_nvfp4(x[2:-1], interpret=not HAS_GPU)  # finite rows: a finite tensor-wide scale
+        want = ref_quantize_nvfp4(x[2:-1])
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype != np.float32 else np.asarray(a),
+                                      np.asarray(b).view(np.uint8) if b.dtype != np.float32 else np.asarray(b))
+    assert np.asarray(got[0]).any()
+    with pytest.raises(ValueError, match=r"global_scale: expected f32\[\] or f32\["):
+        quantize_nvfp4(x, jnp.ones(3), interpret=True)
+
+
+@pytest.mark.parametrize("storage", ["official", "seed"])
+def test_index_query_pallas_equals_xla(rng, storage):
+    """``hybrid.index_query`` through the FP4 packing kernels: the codec's values exactly."""
+    from jaxkv import hybrid as H
+
+    c = H.HybridConfig(compress_ratios=(4,), max_requests=2, max_context=64, block_size=16, storage=storage)
+    st = H.init(c)
+    q = jnp.asarray(rng.normal(size=(2, 3, 5, 128)) * rng.choice([1e-3, 1.0, 50.0], size=(2, 3, 5, 1)), jnp.bfloat16)
+    want = H.index_query(st, q, impl="xla")
+    got = H.index_query(st, q, impl="pallas")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert got.shape == q.shape and np.asarray(got, np.float32).any()
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        H.index_query(st, q, impl="cuda")
+
+
 def test_mxfp4_pack_extreme_magnitudes(rng):
     """Scales from 2^-127 to 2^127, subnormal quotients, NaN/inf anywhere: still the reference's bytes."""
     from jaxkv.kernels import quantize_mxfp4, ref_quantize_mxfp4

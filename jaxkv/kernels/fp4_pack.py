@@ -1,13 +1,18 @@
-"""MXFP4 packing: float keys -> E2M1 nibbles + UE8M0 group scales, as a Pallas kernel.
+"""FP4 packing: float keys -> E2M1 nibbles + group scales (MXFP4: UE8M0 per 32; NVFP4:
+E4M3 per 16 and a float32 global scale), as Pallas kernels.
 
-The math is ``jaxkv.formats.quantize_mxfp4``'s (same helpers, same bytes), except that
-dividing by the power-of-two group scale is a multiply by its exact inverse instead of the
-reference's integer long division; each program quantizes ``ROWS`` keys. The input is
-viewed as ``[N, G, 16, 2]`` (G = d/32 groups of 16 element pairs) so the even and odd
-elements of every group load as two ``[ROWS, G, 16]`` blocks and pack into one byte
-each, with no reshape inside the kernel. Lowering: Triton (``pltriton.CompilerParams``).
+The math is ``jaxkv.formats.quantize_mxfp4`` / ``quantize_nvfp4``'s (same helpers, same
+bytes), except for the division: by MXFP4's power-of-two group scale it is a multiply by
+the exact inverse, by NVFP4's float32 scales the GPU's correctly rounded ``div.rn.f32``
+(the reference's integer long division ``div_rn`` computes the same quotients, and is what
+interpret mode runs). Each program quantizes ``ROWS`` keys. The input is viewed as
+``[N, G, P, 2]`` (G groups of P element pairs) so the even and odd elements of every
+group load as two ``[ROWS, G, P]`` blocks and pack into one byte each, with no reshape
+inside the kernel. Lowering: Triton (``pltriton.CompilerParams``).
 
-    x: float[N, d] (d a multiple of 32)  ->  packed u8[N, d/2], scales u8[N, d/32]
+    MXFP4: x float[N, d] (d % 32 == 0) -> packed u8[N, d/2], scales u8[N, d/32]
+    NVFP4: x float[N, d] (d % 16 == 0), global_scale f32[] or f32[N]
+           -> packed u8[N, d/2], scales float8_e4m3fn[N, d/16], global_scale
 """
 
 from __future__ import annotations
@@ -84,15 +89,17 @@ def ptx_div_rn(x, y):
     return q
 
 
-def nvfp4_pairs(even, odd, div=div_rn):
-    """NVFP4 of one key given as its even and odd elements, f32[..., 8, 8] each (8 groups
-    of 16 elements as 8 pairs) -> (packed bytes u8[..., 8, 8], E4M3 group scales
-    u8[..., 8], global scale f32[...]): ``formats.quantize_nvfp4`` with the key's own
-    ``nvfp4_global_scale``, the storage's seed family. ``div``: ``div_rn`` or ``ptx_div_rn``."""
-    amax = nan_amax(even, odd)  # [..., 8]
-    key_amax = jnp.max(amax, axis=-1)  # NaN groups are dropped by max; the reference then also gives 1.0
-    key_amax = jnp.where(jnp.max(is_nan_bits(amax), axis=-1) > 0, jnp.nan, key_amax)
-    g = jnp.where(key_amax > 0, exact_div(key_amax, FP8_MAX * FP4_MAX), 1.0)
+def nvfp4_pairs(even, odd, g=None, div=div_rn):
+    """NVFP4 of rows given as their even and odd elements, f32[..., G, 8] each (G groups of
+    16 elements as 8 pairs) -> (packed bytes u8[..., G, 8], E4M3 group scales u8[..., G],
+    global scale f32[...]): ``formats.quantize_nvfp4`` with the global scale ``g``
+    (f32[...], one per row), or with each row's own ``nvfp4_global_scale`` where ``g`` is
+    None (the storage's seed family). ``div``: ``div_rn`` or ``ptx_div_rn``."""
+    amax = nan_amax(even, odd)  # [..., G]
+    if g is None:
+        key_amax = jnp.max(amax, axis=-1)  # NaN groups are dropped by max; the reference then also gives 1.0
+        key_amax = jnp.where(jnp.max(is_nan_bits(amax), axis=-1) > 0, jnp.nan, key_amax)
+        g = jnp.where(key_amax > 0, exact_div(key_amax, FP8_MAX * FP4_MAX), 1.0)
     gs = g[..., None]
     bs = jnp.where(amax < jnp.inf, div(exact_div(amax, FP4_MAX), gs), jnp.nan)
     byte = e4m3_bytes(bs)
@@ -107,7 +114,7 @@ def nvfp4_pairs(even, odd, div=div_rn):
     return codes(even) | (codes(odd) << 4), byte, g
 
 
-def _kernel(x_ref, packed_ref, scales_ref, *, n):
+def _mxfp4_kernel(x_ref, packed_ref, scales_ref, *, n):
     # x_ref: f[N, G, 16, 2]; packed_ref: u8[N, G, 16]; scales_ref: u8[N, G]
     from jax.experimental.pallas import triton as pltriton
 
@@ -133,7 +140,7 @@ def quantize_mxfp4(x, *, interpret: bool = False):
     n, d = x.shape
     g = d // _fp4.MXFP4_GROUP
     packed, scales = pl.pallas_call(
-        functools.partial(_kernel, n=n),
+        functools.partial(_mxfp4_kernel, n=n),
         out_shape=(jax.ShapeDtypeStruct((n, g, 16), jnp.uint8), jax.ShapeDtypeStruct((n, g), jnp.uint8)),
         grid=(pl.cdiv(n, ROWS),),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
@@ -141,3 +148,50 @@ def quantize_mxfp4(x, *, interpret: bool = False):
         name="jaxkv_mxfp4_pack",
     )(x.reshape(n, g, 16, 2))
     return packed.reshape(n, d // 2), scales
+
+
+def _nvfp4_kernel(x_ref, g_ref, packed_ref, scales_ref, *, n, div):
+    # x_ref: f[N, G, 8, 2]; g_ref: f32[N]; packed_ref: u8[N, G, 8]; scales_ref: u8[N, G]
+    from jax.experimental.pallas import triton as pltriton
+
+    i = pl.program_id(0)
+    rows = pl.ds(i * ROWS, ROWS)
+    ok = i * ROWS + jnp.arange(ROWS) < n
+    even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
+    g = pltriton.load(g_ref.at[rows], mask=ok, other=1.0)
+    packed, byte, _ = nvfp4_pairs(even, odd, g, div)
+    pltriton.store(packed_ref.at[rows], packed, mask=ok[:, None, None])
+    pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
+
+
+def ref_quantize_nvfp4(x, global_scale=None):
+    """The jnp reference (``jaxkv.formats.quantize_nvfp4``)."""
+    return _fp4.quantize_nvfp4(x, global_scale)
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def quantize_nvfp4(x, global_scale=None, *, interpret: bool = False):
+    """Pallas NVFP4: x float[N, d] -> (packed u8[N, d/2], scales float8_e4m3fn[N, d/16],
+    global_scale); bytes == the reference's. ``global_scale``: f32[] for the whole of x (as
+    the format; None: ``nvfp4_global_scale(x)``) or f32[N], one per row."""
+    check_float(x)
+    check_groups(x, _fp4.NVFP4_GROUP)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    g = _fp4.nvfp4_global_scale(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
+    if g.shape not in ((), (n,)):
+        raise ValueError(f"global_scale: expected f32[] or f32[{n}], got shape {tuple(g.shape)}")
+    from jax.experimental.pallas import triton as pltriton
+
+    groups = d // _fp4.NVFP4_GROUP
+    packed, scales = pl.pallas_call(
+        functools.partial(_nvfp4_kernel, n=n, div=div_rn if interpret else ptx_div_rn),
+        out_shape=(jax.ShapeDtypeStruct((n, groups, 8), jnp.uint8), jax.ShapeDtypeStruct((n, groups), jnp.uint8)),
+        grid=(pl.cdiv(n, ROWS),),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name="jaxkv_nvfp4_pack",
+    )(x.reshape(n, groups, 8, 2), jnp.broadcast_to(g, (n,)))
+    return packed.reshape(n, d // 2), lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), g
