@@ -191,21 +191,23 @@ def bench_fused_flush(n, ratio, iters, storage="official"):
     return rows
 
 
-def bench_dequant_gather(tokens, top_k, iters):
+def bench_dequant_gather(tokens, top_k, iters, storage="official"):
     """``tokens`` query tokens selecting ``top_k`` entries each, all distinct, at random
-    from a 612 MB pool (12x the H100's L2)."""
+    from a ~610 MB pool (12x the H100's L2)."""
     nb, bs = 16384, 64
+    E = STORAGES[storage].entry_bytes
     key = jax.random.key(4)
-    pool = jax.random.randint(key, (1, nb, bs * 584), 0, 256, jnp.int32).astype(jnp.uint8)
+    pool = jax.random.randint(key, (1, nb, bs * E), 0, 256, jnp.int32).astype(jnp.uint8)
     m = tokens * top_k
     cells = jax.random.permutation(jax.random.fold_in(key, 1), nb * bs)[:m]  # distinct entries
     block, slot = (cells // bs).astype(jnp.int32), (cells % bs).astype(jnp.int32)
-    moved = m * (584 + 8 + 1024)
+    moved = m * (E + 8 + 1024)
     rows = []
-    for name, fn in (("xla", jax.jit(ref_dequant_gather, static_argnums=1)), ("pallas", _dg)):
+    ref = jax.jit(functools.partial(ref_dequant_gather, storage=storage), static_argnums=1)
+    for name, fn in (("xla", ref), ("pallas", functools.partial(_dg, storage=storage))):
         fn(pool, 0, block, slot).block_until_ready()
         one = lambda i: fn(pool, 0, block, slot).block_until_ready()  # noqa: E731
-        op = f"dequant-gather {tokens} tok x top-{top_k}"
+        op = f"dequant-gather {tokens} tok x top-{top_k} {storage}"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
     return rows
@@ -234,6 +236,7 @@ def main(argv=None):
     if not interpret and want("dequant"):  # the Pallas gather has no cheap interpret size here
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)
+        rows += bench_dequant_gather(256, 512, args.iters, "seed")
     if not interpret and want("fused"):
         for storage in ("official", "seed"):
             for n in (4096, 16384):

@@ -228,14 +228,15 @@ def _put(tup, i, x):
 
 
 # --- reads ------------------------------------------------------------------------------------------
-def window_keys(state: HybridCacheState, step: Step, layer: int, kv):
+def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: str = "auto"):
     """The raw keys the step's queries may see in layer ``layer``: the ring as it was
     before this step, then the step's own tokens, both as stored (quantized, dequantized).
 
     kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store)
     Returns keys bf16[B, window + T, head_dim] and their positions i32[B, window + T]
     (-1: empty). Query at position p sees the keys with ``p - window < pos <= p``.
-    Call before ``write_window`` of the same step.
+    Call before ``write_window`` of the same step. impl: how the ring is read, as in
+    ``gather_entries``.
     """
     c = state.config
     check_layer(state, layer)
@@ -246,8 +247,9 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv):
     p = step.start[:, None]
     ring_pos = p - 1 - jnp.mod(p - 1 - j, c.window)  # latest position < start stored at item j
     ring_pos = jnp.where(ring_pos >= 0, ring_pos, -1)
-    rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))
-    ring = fmt.entry.decode(read_items(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry.segments))
+    rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
+    ring = _read(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage,
+                 _gather_impl(impl))
     own = fmt.entry.decode(fmt.entry.encode(kv))
     t = jnp.arange(T)[None, :]
     own_pos = jnp.where(t < step.num_tokens[:, None], p + t, -1)
@@ -262,29 +264,31 @@ def entry_count(step: Step, ratio: int):
 GATHER_IMPLS = ("auto", "xla", "pallas")
 
 
-def _gather(pool, j, table, slot, idx, codec, bs, impl="xla"):
-    valid = idx >= 0
+def _read(pool, j, blk, item, codec, storage, impl):
+    """Items ``(blk, item)`` of layer ``j`` of a pool, dequantized: bf16[..., 512]; zeros
+    where ``blk < 0``. impl "pallas": one gather-dequantize kernel (entry codecs only)."""
+    if impl == "pallas":
+        from jaxkv.kernels.dequant_gather import dequant_gather
+
+        flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage,
+                              interpret=jax.default_backend() != "gpu")
+        return flat.reshape(*blk.shape, flat.shape[-1])
+    items = codec.decode(read_items(pool, j, blk, item, codec.segments))
+    return jnp.where((blk >= 0)[..., None], items, 0).astype(jnp.bfloat16)
+
+
+def _gather(pool, j, table, slot, idx, codec, bs, storage, impl="xla"):
     e = jnp.maximum(idx, 0)
     sl = slot.reshape(slot.shape + (1,) * (idx.ndim - 1))
     blk = table[sl, jnp.clip(e // bs, 0, table.shape[1] - 1)]
-    if impl == "pallas":  # one gather-dequantize kernel; invalid items come back as zeros
-        from jaxkv.kernels.dequant_gather import dequant_gather
-
-        flat = dequant_gather(pool, j, jnp.where(valid, blk, -1).reshape(-1), (e % bs).reshape(-1),
-                              interpret=jax.default_backend() != "gpu")
-        return flat.reshape(*idx.shape, flat.shape[-1])
-    items = codec.decode(read_items(pool, j, blk, e % bs, codec.segments))
-    return jnp.where((valid & (blk >= 0))[..., None], items, 0).astype(jnp.bfloat16)
+    return _read(pool, j, jnp.where(idx >= 0, blk, -1), e % bs, codec, storage, impl)
 
 
-def _gather_impl(config, impl: str) -> str:
+def _gather_impl(impl: str) -> str:
     if impl not in GATHER_IMPLS:
         raise ValueError(f"impl: expected one of {GATHER_IMPLS}, got {impl!r}")
-    if impl == "pallas" and config.storage != "official":
-        raise ValueError(f"impl: the Pallas dequant-gather reads the official storage family, this cache is "
-                         f"{config.storage!r} (use impl='xla')")
     if impl == "auto":  # the kernel: 1.6x XLA's gather by kernel time on an H100 (benchmarks/RESULTS.md)
-        return "pallas" if jax.default_backend() == "gpu" and config.storage == "official" else "xla"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     return impl
 
 
@@ -292,13 +296,13 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     """Compressed entries of layer ``layer`` by logical index, each request through its
     own block table, dequantized: idx i32[B, ...] (-1: none) -> bf16[B, ..., head_dim]
     (zeros where idx is -1). K = V: the one entry serves as key and value.
-    impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``, official storage; same
-    values), "auto" (pallas on a GPU for the official storage, else xla)."""
+    impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``; same values), "auto"
+    (pallas on a GPU, else xla)."""
     check_layer(state, layer, (CSA, HCA))
     c = state.config
     g, j = state.group(layer)
     return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
-                   _gather_impl(c, impl))
+                   c.storage, _gather_impl(impl))
 
 
 def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = "auto"):
@@ -321,7 +325,7 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
     idx = jnp.where(e < cnt[:, None], e, -1)
     g, j = state.group(layer)
     keys = _gather(state.index_keys, j, state.alloc[g].table, step.slot, idx, c.storage_format.index_key(c.index_dim),
-                   c.block_size)
+                   c.block_size, c.storage)
     return keys, cnt
 
 

@@ -1,14 +1,15 @@
-"""Dequant-gather: compressed entries picked by (block, slot) from a ``ds_mla`` paged pool,
-dequantized to BF16, as a Pallas kernel.
+"""Dequant-gather: compressed entries picked by (block, slot) from a paged pool,
+dequantized to BF16, as a Pallas kernel, in either storage family.
 
-Serves CSA's top-k entries and HCA's all-entries reads (``hybrid.gather_entries(...,
-impl="pallas")``): each item's 448 FP8 dims times its UE8M0 tile scale, and its 64 BF16
-RoPE dims as stored; K = V, so one gather serves both. Official storage family only.
-Each program reads ``ROWS`` items with gather loads (integer-array indexers of the pool
-viewed as ``[layers * blocks, block bytes]``) and writes their rows contiguously.
-Lowering: Triton (``pltriton.CompilerParams``).
+Serves CSA's top-k entries, HCA's all-entries reads and the SWA window
+(``hybrid.gather_entries`` / ``all_entries`` / ``window_keys``, ``impl="pallas"``): each
+item's 448 FP8 dims times its scale (UE8M0 per 64-dim tile in the official ``ds_mla``
+block, one float32 per entry in the seed's), and its 64 BF16 RoPE dims as stored;
+K = V, so one gather serves both. Each program reads ``ROWS`` items with gather loads
+(integer-array indexers of the pool viewed as ``[layers * blocks, block bytes]``) and
+writes their rows contiguously. Lowering: Triton (``pltriton.CompilerParams``).
 
-    pool: u8[L, NB, bs * 584]
+    pool: u8[L, NB, bs * E]   (E = 584 official, 580 seed)
     block, slot: i32[M]   item m's block and entry slot; block outside [0, NB) -> zeros
     -> bf16[M, 512]
 """
@@ -25,22 +26,22 @@ from jax.experimental import pallas as pl
 from jaxkv.formats._common import e8m0_to_float
 from jaxkv.kernels.tuning import DEQUANT_GATHER_ROWS as ROWS, DEQUANT_GATHER_WARPS as NUM_WARPS
 
-ENTRY, DATA, NOPE_TILES = 584, 576, 7
+from jaxkv.kernels.flush_write import DATA, ENTRY, NOPE, NOPE_TILES
 
 
-def ref_dequant_gather(pool, layer: int, block, slot):
-    """The jnp reference (``hybrid.storage.read_items`` + the official entry decoder)."""
+def ref_dequant_gather(pool, layer: int, block, slot, storage: str = "official"):
+    """The jnp reference (``hybrid.storage.read_items`` + the storage's entry decoder)."""
     from jaxkv.hybrid.storage import STORAGES, read_items
 
-    codec = STORAGES["official"].entry
+    codec = STORAGES[storage].entry
     nb = pool.shape[1]
     ok = (block >= 0) & (block < nb)
     items = codec.decode(read_items(pool, layer, block, slot, codec.segments))
     return jnp.where(ok[:, None], items, 0).astype(jnp.bfloat16)
 
 
-def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer):
-    # blk_ref, slot_ref: i32[M]; pool_ref: u8[L * NB, bs * 584]; out_ref: bf16[M, 8, 64]
+def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer, storage):
+    # blk_ref, slot_ref: i32[M]; pool_ref: u8[L * NB, bs * E]; out_ref: bf16[M, 8, 64]
     from jax.experimental.pallas import triton as pltriton
 
     i = pl.program_id(0)
@@ -51,34 +52,50 @@ def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer):
     ok = live & (blk >= 0) & (blk < nb)
     prow = jnp.where(ok, layer * nb + blk, 0)
 
+    def load(col, other):  # u8 bytes at ``col`` of each item's pool row
+        row = jnp.broadcast_to(prow.reshape((ROWS,) + (1,) * (col.ndim - 1)), col.shape)
+        return pltriton.load(pool_ref.at[row, col], mask=ok.reshape(row.shape[:1] + (1,) * (col.ndim - 1)),
+                             other=other)
+
     tile = jnp.arange(8)[None, :, None]
-    col = sl[:, None, None] * DATA + jnp.minimum(tile, NOPE_TILES - 1) * 64 + jnp.arange(64)[None, None, :]
-    row3 = jnp.broadcast_to(prow[:, None, None], col.shape)
-    q = pltriton.load(pool_ref.at[row3, col], mask=ok[:, None, None], other=0)  # u8[R, 8, 64]
-    scol = bs * DATA + sl[:, None] * 8 + jnp.minimum(jnp.arange(8)[None, :], NOPE_TILES - 1)
-    byte = pltriton.load(pool_ref.at[jnp.broadcast_to(prow[:, None], scol.shape), scol], mask=ok[:, None], other=127)
-    deq = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32) * e8m0_to_float(byte)[..., None]
-    rcol = sl[:, None] * DATA + NOPE_TILES * 64 + 2 * jnp.arange(64)[None, :]
-    prow2 = jnp.broadcast_to(prow[:, None], rcol.shape)
-    lo = pltriton.load(pool_ref.at[prow2, rcol], mask=ok[:, None], other=0).astype(jnp.uint16)
-    hi = pltriton.load(pool_ref.at[prow2, rcol + 1], mask=ok[:, None], other=0).astype(jnp.uint16)
+    lane = jnp.arange(64)[None, None, :]
+    nope = jnp.minimum(tile, NOPE_TILES - 1) * 64 + lane
+    if storage == "official":  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 UE8M0 + pad)]
+        q = load(sl[:, None, None] * DATA + nope, 0)  # u8[R, 8, 64]
+        byte = load(bs * DATA + sl[:, None] * 8 + jnp.minimum(jnp.arange(8)[None, :], NOPE_TILES - 1), 127)
+        scale = e8m0_to_float(byte)[..., None]  # [R, 8, 1]
+        rope_col = sl[:, None] * DATA + NOPE_TILES * 64
+    else:  # seed: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
+        q = load(sl[:, None, None] * NOPE + nope, 0)
+        b4 = load(bs * DATA + sl[:, None] * 4 + jnp.arange(4)[None, :], 0).astype(jnp.uint32)  # [R, 4]
+        bits = jnp.sum(b4 << (8 * jnp.arange(4, dtype=jnp.uint32))[None, :], axis=1)
+        scale = lax.bitcast_convert_type(bits, jnp.float32)[:, None, None]
+        rope_col = bs * NOPE + sl[:, None] * 128
+    deq = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32) * scale
+    rcol = rope_col + 2 * jnp.arange(64)[None, :]
+    lo = load(rcol, 0).astype(jnp.uint16)
+    hi = load(rcol + 1, 0).astype(jnp.uint16)
     rope = lax.bitcast_convert_type(lo | (hi << 8), jnp.bfloat16)  # [R, 64]
     out = jnp.where(tile < NOPE_TILES, deq.astype(jnp.bfloat16), rope[:, None, :])
     out = jnp.where(ok[:, None, None], out, jnp.zeros_like(out))
     pltriton.store(out_ref.at[rows], out, mask=live[:, None, None])
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "interpret"))
-def dequant_gather(pool, layer: int, block, slot, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("layer", "storage", "interpret"))
+def dequant_gather(pool, layer: int, block, slot, *, storage: str = "official", interpret: bool = False):
     """The kernel: bf16[M, 512], bytes-exact with ``ref_dequant_gather``."""
     from jax.experimental.pallas import triton as pltriton
 
+    if storage not in ENTRY:
+        raise ValueError(f"storage: expected one of {sorted(ENTRY)}, got {storage!r}")
     L, nb, w = pool.shape
-    if w % ENTRY:
-        raise ValueError(f"pool: expected u8[layers, blocks, block_size * {ENTRY}], got {pool.dtype}{list(pool.shape)}")
+    E = ENTRY[storage]
+    if w % E:
+        raise ValueError(f"pool: expected u8[layers, blocks, block_size * {E}] ({storage} storage), got "
+                         f"{pool.dtype}{list(pool.shape)}")
     m = block.shape[0]
     out = pl.pallas_call(
-        functools.partial(_kernel, m=m, nb=nb, bs=w // ENTRY, layer=layer),
+        functools.partial(_kernel, m=m, nb=nb, bs=w // E, layer=layer, storage=storage),
         out_shape=jax.ShapeDtypeStruct((m, 8, 64), jnp.bfloat16),
         grid=(pl.cdiv(m, ROWS),),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
