@@ -174,7 +174,7 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div)
     t2 = jnp.arange(8)[None, :]
     prow2 = jnp.broadcast_to(prow[:, None], (ROWS, 8))
     if official:  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 UE8M0 + pad)]
-        byte, codes = ue8m0_tile_codes(xe, xo)  # [ROWS, 8], 2 x [ROWS, 8, 32]
+        byte, codes = ue8m0_tile_codes(xe, xo, div=div)  # [ROWS, 8], 2 x [ROWS, 8, 32]
         code_col, rope_col = b3(sl) * DATA, b3(sl) * DATA + NOPE_TILES * 64
         store(pool_ref.at[prow2, bs * DATA + sl[:, None] * 8 + t2], jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)),
               mask=write[:, None])
@@ -214,7 +214,7 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div)
     ye, yo = _bf16(rotate(ie + io)), _bf16(rotate(ie - io))
     kcol = b3(sl) * CODES + g * 16 + kk
     if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
-        packed, kbyte = mxfp4_pairs(ye, yo)  # [ROWS, 4, 16], [ROWS, 4]
+        packed, kbyte = mxfp4_pairs(ye, yo, div=div)  # [ROWS, 4, 16], [ROWS, 4]
         kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
     else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, then the f32 global scale
         packed, kbyte, gscale = nvfp4_pairs(ye.reshape(ROWS, 8, 8), yo.reshape(ROWS, 8, 8), div=div)

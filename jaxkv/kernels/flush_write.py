@@ -38,13 +38,15 @@ ENTRY = {"official": 584, "seed": 580}  # bytes per entry
 KEY = {"official": 68, "seed": 76}  # bytes per 128-dim indexer key
 
 
-def ue8m0_tile_codes(*parts):
+def ue8m0_tile_codes(*parts, div=div_rn):
     """FP8 E4M3 codes with one UE8M0 scale per tile, a tile given as ``parts`` f32[..., n]
     (its elements are all the parts' last axes together) -> (scale bytes u8[...], codes
-    u8[..., n] per part). A tile holding a NaN gets the NaN scale byte and all NaN codes."""
+    u8[..., n] per part). A tile holding a NaN gets the NaN scale byte and all NaN codes.
+    ``div``: ``div_rn`` or ``fp4_pack.ptx_div_rn`` (amax / 448 is clamped to >= 1e-4, so
+    never subnormal: both give the same quotient)."""
     nan = functools.reduce(jnp.maximum, [jnp.max(is_nan_bits(x), axis=-1) for x in parts]) > 0
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in parts])
-    _, byte = ue8m0_scale(jnp.maximum(exact_div(amax, FP8_MAX), UE8M0_MIN_SCALE))
+    _, byte = ue8m0_scale(jnp.maximum(div(amax, FP8_MAX), UE8M0_MIN_SCALE))
     byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
     inv = pow2_inverse(byte)[..., None]
     nan_tile = (byte == E8M0_NAN)[..., None]
@@ -101,7 +103,7 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
     lane = jnp.arange(64)[None, None, :]
     ok2, ok3 = ok[:, None], ok[:, None, None]
     if official:  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 scales + pad)]
-        byte, (q,) = ue8m0_tile_codes(x)  # [R, 8], [R, 8, 64]
+        byte, (q,) = ue8m0_tile_codes(x, div=div)  # [R, 8], [R, 8, 64]
         code_col, rope_col = sl[:, None, None] * DATA, sl[:, None] * DATA + NOPE_TILES * 64
         t2 = jnp.arange(8)[None, :]
         put(pool_ref, bs * DATA + sl[:, None] * 8 + t2, jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)), ok2)
@@ -120,7 +122,7 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
         od = pltriton.load(xi_o_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)
         kcol = sl[:, None, None] * CODES + jnp.arange(4)[None, :, None] * 16 + jnp.arange(16)[None, None, :]
         if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
-            packed, kbyte = mxfp4_pairs(ev, od)  # [R, 4, 16], [R, 4]
+            packed, kbyte = mxfp4_pairs(ev, od, div=div)  # [R, 4, 16], [R, 4]
             put(index_ref, bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :], kbyte, ok2)
         else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, the f32 global scale
             packed, kbyte, g = nvfp4_pairs(ev.reshape(ROWS, 8, 8), od.reshape(ROWS, 8, 8), div=div)

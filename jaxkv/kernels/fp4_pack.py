@@ -51,12 +51,14 @@ def pow2_inverse(byte):
     return jnp.where(b == E8M0_NAN, jnp.nan, e8m0_to_float((254 - b).astype(jnp.uint8)))
 
 
-def mxfp4_pairs(even, odd):
+def mxfp4_pairs(even, odd, div=div_rn):
     """MXFP4 of groups given as their even and odd elements, f32[..., G, 16] each ->
-    (packed bytes u8[..., G, 16], UE8M0 scales u8[..., G]); a group with a NaN is all 7s."""
+    (packed bytes u8[..., G, 16], UE8M0 scales u8[..., G]); a group with a NaN is all 7s.
+    ``div``: ``div_rn`` or ``ptx_div_rn`` (max(amax, 1e-4) / 6 is never subnormal: the
+    same quotient)."""
     nan = jnp.maximum(jnp.max(is_nan_bits(even), axis=-1), jnp.max(is_nan_bits(odd), axis=-1)) > 0
     amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
-    _, byte = ue8m0_scale(exact_div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
+    _, byte = ue8m0_scale(div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
     byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
     inv = pow2_inverse(byte)[..., None]
     lo = jnp.where(nan[..., None], jnp.uint8(7), _fp4.e2m1_encode(even * inv))
@@ -114,7 +116,7 @@ def nvfp4_pairs(even, odd, g=None, div=div_rn):
     return codes(even) | (codes(odd) << 4), byte, g
 
 
-def _mxfp4_kernel(x_ref, packed_ref, scales_ref, *, n):
+def _mxfp4_kernel(x_ref, packed_ref, scales_ref, *, n, div):
     # x_ref: f[N, G, 16, 2]; packed_ref: u8[N, G, 16]; scales_ref: u8[N, G]
     from jax.experimental.pallas import triton as pltriton
 
@@ -123,7 +125,7 @@ def _mxfp4_kernel(x_ref, packed_ref, scales_ref, *, n):
     ok = i * ROWS + jnp.arange(ROWS) < n
     even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
     odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    packed, byte = mxfp4_pairs(even, odd)
+    packed, byte = mxfp4_pairs(even, odd, div)
     pltriton.store(packed_ref.at[rows], packed, mask=ok[:, None, None])
     pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
 
@@ -140,7 +142,7 @@ def quantize_mxfp4(x, *, interpret: bool = False):
     n, d = x.shape
     g = d // _fp4.MXFP4_GROUP
     packed, scales = pl.pallas_call(
-        functools.partial(_mxfp4_kernel, n=n),
+        functools.partial(_mxfp4_kernel, n=n, div=div_rn if interpret else ptx_div_rn),
         out_shape=(jax.ShapeDtypeStruct((n, g, 16), jnp.uint8), jax.ShapeDtypeStruct((n, g), jnp.uint8)),
         grid=(pl.cdiv(n, ROWS),),
         compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
