@@ -409,6 +409,9 @@ def test_stacked_rows_equal_slices(rng, impl):
             for layer in range(c.num_layers):
                 xl, p = D.slice_tokens(x, t, t + 1)[layer], params[layer]
                 kv = H.Stacked(kv_all[:, :, t:t + 1], layer) if stacked else xl["kv"]
+                keys, _ = H.window_keys(st, step, layer, kv, impl=impl)
+                np.testing.assert_array_equal(np.asarray(keys[:, -1], np.float32), np.asarray(
+                    H.window_keys(st, step, layer, xl["kv"], impl="xla")[0][:, -1], np.float32))
                 st = H.write_window(st, step, layer, kv, impl=impl)
                 if not c.compress_ratios[layer]:
                     continue

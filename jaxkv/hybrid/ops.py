@@ -232,7 +232,7 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     """The raw keys the step's queries may see in layer ``layer``: the ring as it was
     before this step, then the step's own tokens, both as stored (quantized, dequantized).
 
-    kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store)
+    kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store; or a ``Stacked`` row)
     Returns keys bf16[B, window + T, head_dim] and their positions i32[B, window + T]
     (-1: empty). Query at position p sees the keys with ``p - window < pos <= p``.
     Call before ``write_window`` of the same step. impl: how the ring is read, as in
@@ -250,7 +250,7 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
     ring = _read(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage,
                  _gather_impl(impl))
-    own = fmt.entry.decode(fmt.entry.encode(kv))
+    own = fmt.entry.decode(fmt.entry.encode(row(kv)))
     t = jnp.arange(T)[None, :]
     own_pos = jnp.where(t < step.num_tokens[:, None], p + t, -1)
     return jnp.concatenate([ring, own], axis=1), jnp.concatenate([ring_pos, own_pos], axis=1)
