@@ -116,55 +116,53 @@ def nvfp4_pairs(even, odd, g=None, div=div_rn):
     return codes(even) | (codes(odd) << 4), byte, g
 
 
-def _mxfp4_kernel(x_ref, packed_ref, scales_ref, *, n, div):
-    # x_ref: f[N, G, 16, 2]; packed_ref: u8[N, G, 16]; scales_ref: u8[N, G]
+def _check_rows(x, group):
+    check_float(x)
+    check_groups(x, group)
+    if x.ndim != 2:
+        raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
+
+
+def _pack_kernel(x_ref, *refs, n, pairs):
+    # x_ref: f[N, G, P, 2]; refs: the per-row operands ``pairs`` takes after (even, odd)
+    # (f32[N] each), then packed_ref: u8[N, G, P], scales_ref: u8[N, G]
     from jax.experimental.pallas import triton as pltriton
 
+    *row_refs, packed_ref, scales_ref = refs
     i = pl.program_id(0)
     rows = pl.ds(i * ROWS, ROWS)
     ok = i * ROWS + jnp.arange(ROWS) < n
     even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
     odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    packed, byte = mxfp4_pairs(even, odd, div)
+    per_row = [pltriton.load(r.at[rows], mask=ok, other=1.0) for r in row_refs]
+    packed, byte = pairs(even, odd, *per_row)[:2]
     pltriton.store(packed_ref.at[rows], packed, mask=ok[:, None, None])
     pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
+
+
+def _pack(x, group: int, pairs, name: str, interpret: bool, *per_row):
+    """x float[N, d] (checked) -> (packed u8[N, d/2], scale bytes u8[N, d/group]) by
+    ``pairs(even, odd, *per_row_values, div=)`` over groups of ``group`` elements."""
+    from jax.experimental.pallas import triton as pltriton
+
+    n, d = x.shape
+    groups, p = d // group, group // 2
+    packed, scales = pl.pallas_call(
+        functools.partial(_pack_kernel, n=n, pairs=functools.partial(pairs, div=div_rn if interpret else ptx_div_rn)),
+        out_shape=(jax.ShapeDtypeStruct((n, groups, p), jnp.uint8), jax.ShapeDtypeStruct((n, groups), jnp.uint8)),
+        grid=(pl.cdiv(n, ROWS),),
+        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        interpret=interpret,
+        name=name,
+    )(x.reshape(n, groups, p, 2), *per_row)
+    return packed.reshape(n, d // 2), scales
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
 def quantize_mxfp4(x, *, interpret: bool = False):
     """Pallas MXFP4: x float[N, d] -> (packed u8[N, d/2], scales u8[N, d/32]); bytes == the reference's."""
-    check_float(x)
-    check_groups(x, _fp4.MXFP4_GROUP)
-    if x.ndim != 2:
-        raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
-    from jax.experimental.pallas import triton as pltriton
-
-    n, d = x.shape
-    g = d // _fp4.MXFP4_GROUP
-    packed, scales = pl.pallas_call(
-        functools.partial(_mxfp4_kernel, n=n, div=div_rn if interpret else ptx_div_rn),
-        out_shape=(jax.ShapeDtypeStruct((n, g, 16), jnp.uint8), jax.ShapeDtypeStruct((n, g), jnp.uint8)),
-        grid=(pl.cdiv(n, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="jaxkv_mxfp4_pack",
-    )(x.reshape(n, g, 16, 2))
-    return packed.reshape(n, d // 2), scales
-
-
-def _nvfp4_kernel(x_ref, g_ref, packed_ref, scales_ref, *, n, div):
-    # x_ref: f[N, G, 8, 2]; g_ref: f32[N]; packed_ref: u8[N, G, 8]; scales_ref: u8[N, G]
-    from jax.experimental.pallas import triton as pltriton
-
-    i = pl.program_id(0)
-    rows = pl.ds(i * ROWS, ROWS)
-    ok = i * ROWS + jnp.arange(ROWS) < n
-    even = pltriton.load(x_ref.at[rows, :, :, jnp.int32(0)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    odd = pltriton.load(x_ref.at[rows, :, :, jnp.int32(1)], mask=ok[:, None, None], other=0).astype(jnp.float32)
-    g = pltriton.load(g_ref.at[rows], mask=ok, other=1.0)
-    packed, byte, _ = nvfp4_pairs(even, odd, g, div)
-    pltriton.store(packed_ref.at[rows], packed, mask=ok[:, None, None])
-    pltriton.store(scales_ref.at[rows], byte, mask=ok[:, None])
+    _check_rows(x, _fp4.MXFP4_GROUP)
+    return _pack(x, _fp4.MXFP4_GROUP, mxfp4_pairs, "jaxkv_mxfp4_pack", interpret)
 
 
 def ref_quantize_nvfp4(x, global_scale=None):
@@ -177,23 +175,10 @@ def quantize_nvfp4(x, global_scale=None, *, interpret: bool = False):
     """Pallas NVFP4: x float[N, d] -> (packed u8[N, d/2], scales float8_e4m3fn[N, d/16],
     global_scale); bytes == the reference's. ``global_scale``: f32[] for the whole of x (as
     the format; None: ``nvfp4_global_scale(x)``) or f32[N], one per row."""
-    check_float(x)
-    check_groups(x, _fp4.NVFP4_GROUP)
-    if x.ndim != 2:
-        raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
-    n, d = x.shape
+    _check_rows(x, _fp4.NVFP4_GROUP)
+    n = x.shape[0]
     g = _fp4.nvfp4_global_scale(x) if global_scale is None else jnp.asarray(global_scale, jnp.float32)
     if g.shape not in ((), (n,)):
         raise ValueError(f"global_scale: expected f32[] or f32[{n}], got shape {tuple(g.shape)}")
-    from jax.experimental.pallas import triton as pltriton
-
-    groups = d // _fp4.NVFP4_GROUP
-    packed, scales = pl.pallas_call(
-        functools.partial(_nvfp4_kernel, n=n, div=div_rn if interpret else ptx_div_rn),
-        out_shape=(jax.ShapeDtypeStruct((n, groups, 8), jnp.uint8), jax.ShapeDtypeStruct((n, groups), jnp.uint8)),
-        grid=(pl.cdiv(n, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
-        interpret=interpret,
-        name="jaxkv_nvfp4_pack",
-    )(x.reshape(n, groups, 8, 2), jnp.broadcast_to(g, (n,)))
-    return packed.reshape(n, d // 2), lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), g
+    packed, scales = _pack(x, _fp4.NVFP4_GROUP, nvfp4_pairs, "jaxkv_nvfp4_pack", interpret, jnp.broadcast_to(g, (n,)))
+    return packed, lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), g
