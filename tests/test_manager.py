@@ -141,6 +141,55 @@ def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
     mgr.check()
 
 
+@pytest.mark.parametrize("S, W, pow2", [(2, 3, False), (1, 0, False), (0, 2, True), (2, 3, True)])
+def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
+    """The manager takes rows, moves and page ids from its host mirror (``_Pages``), never
+    from the device: over random appends, deferred commits and rollbacks they must equal
+    what ``jaxkv.frame`` computes on the device."""
+    import jax.numpy as jnp
+
+    from jaxkv import frame
+    from jaxkv.frame import ops
+
+    spec = frame.FrameSpec(num_layers=1, num_heads=1, head_dim=8, patches_per_frame=5, num_special=3,
+                           scale_frames=S, sliding_window=W, max_frames=64, pow2_pages=pow2)
+    meta = frame.init(spec).replace(k=(), v=())
+    start, calls = meta, []
+    pages = M._Pages(spec)
+    rs = np.random.default_rng(S * 10 + W + pow2)
+
+    def device_moves(m):  # i32[M, 3] (stream, src, dst); dst = trash where no move is made
+        return [(int(src), int(dst)) for _, src, dst in np.asarray(m) if dst != spec.trash_row]
+
+    for _ in range(40):
+        if pages.pending != M.NONE:
+            keep = bool(rs.random() < 0.5)
+            calls.append((M.RESOLVE, keep))
+            meta, m = ops._resolve(meta, keep)
+            assert pages.resolve(keep) == device_moves(m)
+        else:
+            defer = bool(rs.random() < 0.4)
+            calls.append((M.BEGIN, defer))
+            meta, m = ops._begin_frame(meta, defer)
+            moves, special_row, patch_row = pages.begin(defer)
+            assert moves == device_moves(m)
+            assert (special_row, patch_row) == (int(meta.write_special_row[0]), int(meta.write_patch_row[0]))
+        table = frame.page_table(meta)
+        assert pages.num_pages() == int(table.num_pages[0])
+        assert pages.page_ids() == np.asarray(table.indices[0, : pages.num_pages()]).tolist()
+        assert pages.last_page_len() == int(table.last_page_len[0])
+        assert (pages.num_scale, pages.num_window, pages.window_head, pages.num_special) == tuple(
+            int(x[0]) for x in (meta.num_scale, meta.num_window, meta.window_head, meta.num_special))
+    assert int(jnp.max(meta.error)) == 0
+    # The manager replays its queued bookkeeping in one batched call: the same state.
+    padded = np.zeros((M.REPLAY, 2), np.int32)
+    padded[: len(calls)] = calls
+    replayed = M._replay(start, padded)
+    for name in ("token_id", "num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
+                 "write_patch_row", "write_special_row", "error"):
+        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)), err_msg=name)
+
+
 def test_errors():
     mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=8,
                                    dtype=torch.bfloat16, device=DEVICE, num_special_tokens=2, scale_frames=1,

@@ -5,20 +5,22 @@ aggregator switches by changing an import. Underneath:
 
 * The K/V buffers are a ``jaxkv.frame.FrameCacheState``'s (one page structure for every
   block). jaxkv keeps the page structure on the device: when the first block appends a
-  frame, one jitted ``begin_frame`` over the state's small arrays picks the frame's rows,
-  evicts and counts, once for all blocks.
+  frame, one jitted ``begin_frame`` over the state's small arrays evicts and counts, once
+  for all blocks.
 * torch writes the K/V: the manager holds zero-copy torch views of every buffer for the
-  buffers' lifetime and each ``append_frame`` is one ``index_copy_`` per K and V into
-  the rows jaxkv chose (a device index tensor; no host sync), row moves of the layout
-  (specials relocated while slots fill, a staged frame committed, a rollback) likewise.
-  JAX never writes the K/V buffers, so no donation ever meets a live view, and the
-  per-block step crosses DLPack not at all (a few small arrays once per frame).
+  buffers' lifetime and each ``append_frame`` is one ``index_copy_`` per K and V; row
+  moves of the layout (specials relocated while slots fill, a staged frame committed, a
+  rollback) are slice copies. The rows come from a host mirror of the page structure
+  (``_Pages``: the same rules as jaxkv's device bookkeeping, which follow from the calls
+  alone; a test holds the two equal), so torch never waits for JAX and nothing is read
+  from the device. JAX never writes the K/V buffers, so no donation ever meets a live
+  view, and the per-block step crosses DLPack not at all.
 * Attention is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over views of those
   buffers (``[max_pages, page_size, H, D]`` each for K and V), planned once per frame
   step and run per block. Without FlashInfer (or on CPU) it is jaxkv's own attention;
   ``force_fp32`` uses jaxkv's float32 reference, as the seed's fp32 path does.
-* The manager mirrors the page structure's counts on the host (they follow from the
-  calls alone), so planning needs no device->host copy: the page ids stay on the device.
+* ``plan()`` gets the visible page ids and ``last_page_len`` from the same mirror (the
+  ids cross to the device by an asynchronous pinned copy: no sync).
 
 Differences from the seed, all deliberate:
 * Blocks share one page structure. A block that falls behind (the seed's
@@ -34,7 +36,7 @@ Differences from the seed, all deliberate:
   padding rows of each patch page are part of the keys FlashInfer attends to (jaxkv's
   own attention masks them).
 
-Ownership: jaxkv allocates every buffer and decides every row; torch writes K/V through
+Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes K/V through
 views (work on torch's current stream; jaxkv reads them only after importing a torch
 tensor made after those writes, e.g. the query, which orders the streams).
 """
@@ -66,66 +68,94 @@ except ImportError:  # jaxkv's own attention is used instead
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="defer")
-def _begin(meta, defer: bool):
-    """Bookkeeping of a new frame on a state without K/V (``k = v = ()``) -> (meta,
-    i32[M, 3] row moves, i32[NS + ps] the rows the frame's tokens go to, i32[max_pages]
-    the visible page ids): one dispatch per frame."""
-    meta, moves = frame_ops._begin_frame(meta, defer)
-    s = meta.spec
-    rows = jnp.concatenate([meta.write_special_row[0] + jnp.arange(s.num_special, dtype=jnp.int32),
-                            meta.write_patch_row[0] + jnp.arange(s.page_size, dtype=jnp.int32)])
-    return meta, moves, rows, frame.page_table(meta).indices[0]
+REPLAY = 64  # bookkeeping calls queued before one batched replay on the device
+BEGIN, RESOLVE = 1, 2  # kinds of a queued call (0: none, padding)
 
 
-@functools.partial(jax.jit, donate_argnums=0, static_argnames="keep")
-def _resolve(meta, keep: bool):
-    meta, moves = frame_ops._resolve(meta, keep)
-    return meta, moves, frame.page_table(meta).indices[0]
+@functools.partial(jax.jit, donate_argnums=0)
+def _replay(meta, calls):
+    """Apply queued bookkeeping to a state without K/V (``k = v = ()``) in one dispatch.
+
+    calls: i32[REPLAY, 2]  (kind, flag) rows in order: ``BEGIN`` with flag = defer,
+      ``RESOLVE`` with flag = keep, 0 = nothing (padding)
+    """
+
+    def one(meta, call):
+        kind, flag = call[0], call[1].astype(bool)
+        begun, resolved = frame_ops._begin_frame(meta, flag)[0], frame_ops._resolve(meta, flag)[0]
+        pick = lambda old, b, r: jnp.where(kind == BEGIN, b, jnp.where(kind == RESOLVE, r, old))  # noqa: E731
+        return jax.tree_util.tree_map(pick, meta, begun, resolved), None
+
+    return jax.lax.scan(one, meta, calls)[0]
 
 
 class _Pages:
-    """Host mirror of the shared page structure's counts (as ``jaxkv.frame`` keeps them on
-    the device), so the page count and ``last_page_len`` are known without a sync."""
+    """Host mirror of the shared page structure that ``jaxkv.frame`` keeps on the device.
+
+    It follows from the calls alone, so a frame's rows, the row moves and the visible page
+    ids are known on the host without reading the device or waiting for JAX: the same
+    rules as ``jaxkv.frame.ops._begin_frame`` / ``_resolve`` and ``frame.page_table`` for
+    one stream (tests hold them equal). Rows and moves are token rows of a layer buffer;
+    a move is ``(src, dst)``, ``page_size`` rows, never overlapping.
+    """
 
     def __init__(self, spec):
         self.spec = spec
         self.reset()
 
     def reset(self):
-        self.frames = self.num_scale = self.num_window = self.num_special = 0
+        self.frames = self.num_scale = self.num_window = self.num_special = self.window_head = 0
         self.pending = NONE
         self.version = 0  # bumps on every change: a new plan is needed
 
-    def begin(self, defer: bool) -> bool:
-        """Count a new frame; True if jaxkv moves rows for it (a slot claimed over specials)."""
+    @property
+    def slots(self) -> int:
+        return self.num_scale + self.num_window
+
+    def begin(self, defer: bool):
+        """Count a new frame -> (moves, special_row, patch_row): where its tokens go."""
         s = self.spec
-        room = self.num_scale + self.num_window < s.scale_frames + s.sliding_window
-        moves = room and self.num_special > 0
+        ps, NS, S, W = s.page_size, s.num_special, s.scale_frames, s.sliding_window
+        f, ns = self.slots, self.num_special
+        room = f < S + W
+        staged = not room and defer
+        patch_row = f * ps if room else (f * ps + ns + NS if staged else (S + self.window_head) * ps)
+        if W == 0 and not (room or staged):  # a committed frame's patches are never visible
+            patch_row = s.trash_row
+        special_row = (f + 1) * ps + ns if room else f * ps + ns
+        moves = [(f * ps, max((f + 1) * ps, f * ps + ns))] if room and ns > 0 else []
         if room:
-            if self.num_scale < s.scale_frames:
+            if self.num_scale < S:
                 self.num_scale += 1
             else:
                 self.num_window += 1
-        self.num_special += s.num_special
+        elif not defer and W > 0:
+            self.window_head = (self.window_head + 1) % W
+        self.num_special += NS
         self.frames += 1
         self.pending = (IN_SLOT if room else STAGED) if defer else NONE
         self.version += 1
-        return moves
+        return moves, special_row, patch_row
 
-    def resolve(self, keep: bool) -> bool:
-        """Commit or roll back the pending frame; True if jaxkv moves rows for it."""
+    def resolve(self, keep: bool):
+        """Commit or roll back the pending frame -> the row moves it makes."""
         s = self.spec
-        moves = (keep and self.pending == STAGED and s.sliding_window > 0) or (
-            not keep and self.pending == IN_SLOT and self.num_special - s.num_special > 0)
+        ps, NS, S, W = s.page_size, s.num_special, s.scale_frames, s.sliding_window
+        f, ns = self.slots, self.num_special
+        moves = []
+        if keep and self.pending == STAGED and W > 0:  # the staged patches replace the oldest window frame
+            moves.append((f * ps + ns, (S + self.window_head) * ps))
+            self.window_head = (self.window_head + 1) % W
         if not keep:
-            self.frames -= 1
-            self.num_special -= self.spec.num_special
             if self.pending == IN_SLOT:
+                if ns - NS > 0:  # the specials it displaced move back into its slot
+                    moves.append((max(f * ps, (f - 1) * ps + ns - NS), (f - 1) * ps))
                 if self.num_window:
                     self.num_window -= 1
                 else:
                     self.num_scale -= 1
+            self.frames -= 1
+            self.num_special -= NS
         self.pending = NONE
         self.version += 1
         return moves
@@ -135,11 +165,18 @@ class _Pages:
         return self.num_special + staged
 
     def num_pages(self) -> int:
-        return self.num_scale + self.num_window + -(-self.tail_rows() // self.spec.page_size)
+        return self.slots + -(-self.tail_rows() // self.spec.page_size)
 
     def last_page_len(self) -> int:
         t = self.tail_rows()
         return self.spec.patches_per_frame if t == 0 else (t - 1) % self.spec.page_size + 1
+
+    def page_ids(self) -> List[int]:
+        """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""
+        S, W = self.spec.scale_frames, self.spec.sliding_window
+        window = [S + (self.window_head + j) % max(W, 1) for j in range(self.num_window)]
+        tail = range(self.slots, self.num_pages())
+        return [*range(self.num_scale), *window, *tail]
 
 
 class FlashInferKVCacheManager:
@@ -189,10 +226,13 @@ class FlashInferKVCacheManager:
         self.page_size = spec.page_size
         self.max_patch_pages = spec.num_slots
         self._jax_device = self._jax_device_for(self.device)
+        self._queued = []  # bookkeeping calls not yet replayed on the device (``_bookkeep``)
         with jax.default_device(self._jax_device):
             self.state = frame.init(spec)
         self._take_views()
         self._pages = _Pages(spec)
+        self._arange_ns = torch.arange(num_special_tokens, device=self.device)
+        self._arange_ps = torch.arange(spec.page_size, device=self.device)
         self.frame_count: List[int] = [0] * num_blocks
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
@@ -216,8 +256,18 @@ class FlashInferKVCacheManager:
         return jax.devices("cpu")[0]
 
     @property
+    def state(self) -> frame.FrameCacheState:
+        """The jaxkv frame cache (its bookkeeping brought up to date: one dispatch at most)."""
+        self._flush()
+        return self._state
+
+    @state.setter
+    def state(self, value: frame.FrameCacheState):
+        self._state = value
+
+    @property
     def spec(self) -> frame.FrameSpec:
-        return self.state.spec
+        return self._state.spec
 
     # ---------------------------------------------------------------- checks
     def _block(self, block_idx) -> int:
@@ -244,30 +294,40 @@ class FlashInferKVCacheManager:
         """torch views of every K/V buffer ([T, H, D]) and their paged form, for the
         buffers' lifetime (JAX never writes them, so never donates them)."""
         s = self.spec
-        self._k = [to_torch(x)[0] for x in self.state.k]
-        self._v = [to_torch(x)[0] for x in self.state.v]
+        self._k = [to_torch(x)[0] for x in self._state.k]
+        self._v = [to_torch(x)[0] for x in self._state.v]
         rows = s.max_pages * s.page_size
         shape = (s.max_pages, s.page_size, self.num_heads, self.head_dim)
         self._paged = [(k[:rows].view(shape), v[:rows].view(shape)) for k, v in zip(self._k, self._v)]
 
-    def _bookkeep(self, fn, **static):
-        """Run jaxkv bookkeeping on the state without its K/V buffers; keep the buffers.
-        The visible page ids it returns stay on the device for the next plan."""
-        st = self.state
-        out = fn(st.replace(k=(), v=()), **static)
-        self.state = out[0].replace(k=st.k, v=st.v)
-        self._indices = out[-1]
-        return out[1:-1]
+    def _bookkeep(self, kind: int, flag: bool):
+        """Queue jaxkv's bookkeeping of a frame (``BEGIN``) or a decision (``RESOLVE``).
+
+        Nothing in the step waits for it (torch's rows come from the host mirror), so it
+        is replayed in batches of ``REPLAY`` calls, or when someone reads ``state``: one
+        dispatch per 64 frames instead of one per frame (~0.2 ms of host time each).
+        """
+        self._queued.append((kind, int(flag)))
+        if len(self._queued) == REPLAY:
+            self._flush()
+
+    def _flush(self):
+        if not self._queued:
+            return
+        calls = np.zeros((REPLAY, 2), np.int32)
+        calls[: len(self._queued)] = self._queued
+        self._queued = []
+        st = self._state
+        with jax.default_device(self._jax_device):
+            meta = _replay(st.replace(k=(), v=()), calls)
+        self._state = meta.replace(k=st.k, v=st.v)
 
     def _apply_moves(self, moves):
-        """Replay jaxkv's row moves (i32[M, 3] stream, src, dst) on every K/V buffer."""
+        """Make the layout's row moves (``(src, dst)``, ``page_size`` rows) in every K/V buffer."""
         ps = self.page_size
-        ar = torch.arange(ps, device=self.device)
-        moves = to_torch(moves).to(torch.int64)
-        for m in range(moves.shape[0]):
-            src, dst = moves[m, 1] + ar, moves[m, 2] + ar
+        for src, dst in moves:
             for buf in (*self._k, *self._v):
-                buf.index_copy_(0, dst, buf.index_select(0, src))
+                buf[dst : dst + ps].copy_(buf[src : src + ps])
 
     # ---------------------------------------------------------------- public API
     def append_frame(self, block_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -281,11 +341,11 @@ class FlashInferKVCacheManager:
                                    "(execute_deferred_eviction) nor rolled back (rollback_last_frame)")
             self._make_room()
             defer = bool(self._defer_eviction)
-            moves, rows = self._bookkeep(_begin, defer=defer)
-            if p.begin(defer):
-                self._apply_moves(moves)
-            self._rows = to_torch(rows).to(torch.int64)
+            moves, special_row, patch_row = p.begin(defer)
+            self._apply_moves(moves)
+            self._rows = torch.cat((self._arange_ns + special_row, self._arange_ps + patch_row))
             self._frame_open = True
+            self._bookkeep(BEGIN, defer)
         if n == p.frames - 1 and self._frame_open:
             self._k[b].index_copy_(0, self._rows, k)
             self._v[b].index_copy_(0, self._rows, v)
@@ -342,9 +402,8 @@ class FlashInferKVCacheManager:
         self.frame_count[b] -= 1
 
     def _resolve_frame(self, keep: bool):
-        (moves,) = self._bookkeep(_resolve, keep=keep)
-        if self._pages.resolve(keep):
-            self._apply_moves(moves)
+        self._apply_moves(self._pages.resolve(keep))
+        self._bookkeep(RESOLVE, keep)
         self._frame_open = False
 
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
@@ -365,7 +424,10 @@ class FlashInferKVCacheManager:
 
     def _plan(self):
         p = self._pages
-        indices = to_torch(self._indices)  # stays on the device
+        # Pinned host -> device without a stream sync (plan() would copy pageable host ids
+        # synchronously); torch's host allocator keeps the pinned block until the copy ran.
+        indices = torch.tensor(p.page_ids(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        indices = indices.to(self.device, non_blocking=True)
         self.prefill_wrapper.plan(
             self._qo_indptr, torch.tensor([0, p.num_pages()], dtype=torch.int32), indices,
             torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
@@ -375,7 +437,8 @@ class FlashInferKVCacheManager:
 
     def reset(self) -> None:
         """Empty the cache for a new sequence."""
-        self.state = frame.reset(self.state)
+        self._queued = []  # a reset supersedes them
+        self.state = frame.reset(self._state)
         self._pages.reset()
         self.frame_count = [0] * self.num_blocks
         self._frame_open = False
