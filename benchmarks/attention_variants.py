@@ -1,7 +1,10 @@
 """Which cuDNN call shape is fastest for one frame's queries over a long key prefix?
 
-One layer, timed alone (keys far exceed L2), median of many calls, reported x layers:
-dense exact-length keys with no mask vs a padded capacity with a key length vs split-KV.
+One layer, timed alone (keys far exceed L2), median of many calls, reported x layers,
+and the GPU kernel time of one call (profiler; the wall time includes a dispatch):
+dense exact-length keys with no mask vs a padded capacity with a key length vs split-KV
+(jaxkv's ``cudnn_attention``, which masks every chunk by its length) vs split-KV over a
+128-row-multiple buffer with no mask (what a layout whose keys are all valid would get).
 
     python benchmarks/attention_variants.py --patches 999
 """
@@ -14,14 +17,31 @@ import statistics
 import jax
 import jax.numpy as jnp
 
-from _timing import times_ms
+from _timing import kernel_ms_per_step, times_ms
 from jaxkv.frame.attention import cudnn_attention
 
 H, D, NS = 16, 64, 6
 
 
 def bench(fn, *args, iters=50):
-    return statistics.median(times_ms(lambda i: fn(*args).block_until_ready(), iters, warmup=1))
+    call = lambda i: jax.block_until_ready(fn(*args))  # noqa: E731
+    wall = statistics.median(times_ms(call, iters, warmup=1))
+    return wall, kernel_ms_per_step(call, 10)
+
+
+def split_nomask(q, k, v, splits):
+    """``splits`` equal key chunks, no mask, merged by log-sum-exp (all keys valid)."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    B, Tq, Hq, D = q.shape
+    n, C = splits, k.shape[1] // splits
+    qc = jnp.broadcast_to(q[:, None], (B, n, Tq, Hq, D)).reshape(B * n, Tq, Hq, D)
+    out, lse = fa.dot_product_attention(qc, k.reshape(B * n, C, *k.shape[2:]), v.reshape(B * n, C, *v.shape[2:]),
+                                        scale=D**-0.5, mask_type=fa.MaskType.NO_MASK, return_residual=True)
+    out = out.reshape(B, n, Tq, Hq, D).astype(jnp.float32)
+    lse = jnp.transpose(lse.reshape(B, n, Hq, Tq), (0, 1, 3, 2))
+    w = jnp.exp(lse - jnp.max(lse, axis=1, keepdims=True))
+    return (jnp.sum(out * w[..., None], axis=1) / jnp.sum(w, axis=1)[..., None]).astype(q.dtype)
 
 
 def main():
@@ -53,11 +73,21 @@ def main():
     for s in (1, 2, 4, 8, 16):
         f = jax.jit(lambda q, k, v, l, s=s: cudnn_attention(q, k, v, l, splits=s))
         rows.append((f"split-KV x{s}", bench(f, q, k, v, lens)))
+    for s in (2, 4, 8):
+        if n128 % (s * 128) == 0:
+            f = jax.jit(lambda q, k, v, s=s: split_nomask(q, k, v, s))
+            rows.append((f"split-KV x{s}, 128-multiple, no mask", bench(f, q, ke128, ve128)))
+    ref = dense(q, ke128, ve128).astype(jnp.float32)
+    for s in (2, 8):
+        if n128 % (s * 128) == 0:  # the unmasked split computes what one dense call does
+            err = float(jnp.max(jnp.abs(split_nomask(q, ke128, ve128, s).astype(jnp.float32) - ref)))
+            print(f"split-KV x{s} no mask vs dense over the same keys: max |diff| {err:.1e}")
     flops = 4 * Tq * n * H * D
     print(f"\none layer: {Tq} queries x {n} keys, H={H}, D={D}, bf16 — {jax.devices()[0].device_kind}")
-    print(f"{'variant':<32} {'ms/layer':>9} {'ms x' + str(a.layers):>9} {'TFLOP/s':>8}")
-    for name, ms in rows:
-        print(f"{name:<32} {ms:9.3f} {ms * a.layers:9.2f} {flops / ms / 1e9:8.0f}")
+    print(f"{'variant':<36} {'ms/layer':>9} {'ms x' + str(a.layers):>9} {'kernel ms':>10} {'TFLOP/s':>8}")
+    for name, (ms, kms) in rows:
+        kt = f"{kms:10.3f}" if kms else "         -"
+        print(f"{name:<36} {ms:9.3f} {ms * a.layers:9.2f} {kt} {flops / (kms or ms) / 1e9:8.0f}")
 
 
 if __name__ == "__main__":
