@@ -111,12 +111,11 @@ struct FlushArgs {
   int32_t storage;
 };
 
-__device__ void write_entry(const FlushArgs& a, int64_t row, int blk, int sl, int lane) {
+// raw: this lane's elements [16 lane, 16 lane + 16) of the entry, loaded by the caller:
+// lanes 0..27 the FP8 part, 28..31 the rope dims.
+__device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, int sl, int lane) {
   const int bs = a.block_size;
   uint8_t* base = a.pool + static_cast<int64_t>(blk) * bs * entry_bytes(a.storage);
-  // lane l holds elements [16l, 16l + 16): lanes 0..27 the FP8 part, 28..31 the rope dims.
-  const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
-  uint4 raw[2] = {src[0], src[1]};
   const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
   const bool nope = lane < kNope / 16;
   float v[16];
@@ -173,11 +172,10 @@ __device__ void write_entry(const FlushArgs& a, int64_t row, int blk, int sl, in
   }
 }
 
-__device__ void write_index_key(const FlushArgs& a, int64_t row, int blk, int sl, int lane) {
+// raw: this lane's elements [4 lane, 4 lane + 4) of the key, loaded by the caller.
+__device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, int sl, int lane) {
   const int bs = a.block_size;
   uint8_t* base = a.index_pool + static_cast<int64_t>(blk) * bs * key_bytes(a.storage);
-  // lane l holds elements [4l, 4l + 4)
-  const uint2 raw = reinterpret_cast<const uint2*>(a.xi + row * kIndexDim)[lane];
   const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
   float v[4];
   float amax = 0.f;
@@ -218,11 +216,17 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushAr
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= a.n) return;
+  // Load the entry and its key before the block table: every load is in flight at once,
+  // so the warp waits for DRAM once, not twice (block/slot, then the data).
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
+  const uint4 raw[2] = {src[0], src[1]};
+  const uint2 raw_key = a.index_pool != nullptr ? reinterpret_cast<const uint2*>(a.xi + row * kIndexDim)[lane]
+                                                : make_uint2(0, 0);
   const int32_t blk = a.block[row];
   const int32_t sl = a.slot[row];
   if (blk < 0 || blk >= a.num_blocks || sl < 0 || sl >= a.block_size) return;  // warp-uniform
-  write_entry(a, row, blk, sl, lane);
-  if (a.index_pool != nullptr) write_index_key(a, row, blk, sl, lane);
+  write_entry(a, raw, blk, sl, lane);
+  if (a.index_pool != nullptr) write_index_key(a, raw_key, blk, sl, lane);
 }
 
 // ---- tail state: CSA rotation, HCA reset ----------------------------------------------------

@@ -46,8 +46,9 @@ def div_rn(x, y):
     correctly, and a quantizer must give the same bytes as theirs, so scales and
     quantized values use this: the quotient of the two 24-bit significands by integer
     long division (4 x 7 bits), a sticky bit for the remainder, and one correctly rounded
-    int -> float conversion. Zeros, infinities, NaN and a zero divisor follow IEEE;
-    results in the subnormal range may be off by one ulp.
+    rounding in integers at the result's last bit (subnormal results included). Zeros,
+    infinities, NaN and a zero divisor follow IEEE. (XLA's CPU backend reads subnormal
+    operands as zero, before this code sees them.)
     """
     x = jnp.asarray(x, jnp.float32)
     y = jnp.asarray(y, jnp.float32)
@@ -63,9 +64,25 @@ def div_rn(x, y):
         d = lax.div(r, My)
         q = (q << 7) | d
         r = r - d * My
-    qs = (q << 1) | (r != 0).astype(jnp.int32)  # guard/sticky: rounds like the exact quotient
-    mag = ldexp(qs.astype(jnp.float32), ex - ey - 29)
-    res = jnp.where(jnp.signbit(x) ^ jnp.signbit(y), -mag, mag)
+    qs = (q << 1) | (r != 0).astype(jnp.int32)  # |x / y| = (qs + a sticky fraction) * 2**(ex - ey - 29)
+    # Round once, in integers, at the result's last bit: 24 significant bits of qs (a 29- or
+    # 30-bit number), or the subnormal grid 2**-149 where that is coarser.
+    E = ex - ey - 29
+    top = jnp.where(qs >= 1 << 29, 29, 28)  # qs in [2**28, 2**30)
+    grid = jnp.maximum(E + top - 23, -149)
+    d = jnp.minimum(grid - E, 31).astype(jnp.uint32)  # bits of qs to drop, >= 5
+    u = qs.astype(jnp.uint32)
+    m = u >> d
+    rem = u - (m << d)
+    half = jnp.uint32(1) << (d - 1)
+    m = m + ((rem > half) | ((rem == half) & ((m & 1) == 1))).astype(jnp.uint32)
+    # m * 2**grid as float32 bits (no multiply: XLA's CPU flushes subnormal products to
+    # zero). m in [2**23, 2**24] (or < 2**23 on the subnormal grid, where this is m itself);
+    # a carry into the exponent is right, past the largest exponent it is inf.
+    expo = (jnp.minimum(grid, 105) + 150).astype(jnp.uint32) << 23
+    bits = jnp.minimum(expo + m - jnp.uint32(1 << 23), jnp.uint32(0x7F800000))
+    bits = bits | jnp.where(jnp.signbit(x) ^ jnp.signbit(y), jnp.uint32(0x80000000), jnp.uint32(0))
+    res = lax.bitcast_convert_type(bits, jnp.float32)
     special = (x == 0) | (y == 0) | ~jnp.isfinite(x) | ~jnp.isfinite(y)
     return jnp.where(special, x / y, res)
 

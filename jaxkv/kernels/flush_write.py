@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.formats._common import E8M0_NAN, FP8_MAX, div_rn, exact_div, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, FP8_MAX, div_rn, ue8m0_scale
 from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
 from jaxkv.hybrid.stacked import as_stack
 from jaxkv.kernels.fp4_pack import (e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs, pow2_inverse,
@@ -63,7 +63,7 @@ def per_entry_codes(*parts, div=div_rn):
     nope = jnp.arange(8)[None, :, None] < NOPE_TILES
     tiles = nan_amax(*[jnp.where(nope, x, 0.0) for x in parts])  # [R, 8]
     amax = nan_amax(tiles)  # [R]
-    scale = jnp.where(amax < jnp.inf, exact_div(amax, FP8_MAX), jnp.nan)
+    scale = jnp.where(amax < jnp.inf, div(amax, jnp.float32(FP8_MAX)), jnp.nan)
     ok = (scale > 0)[:, None, None]
     safe = jnp.where(ok, scale[:, None, None], 1.0)
     return scale, [jnp.where(ok, e4m3_bytes(div(x, safe)), jnp.uint8(0)) for x in parts]
@@ -87,6 +87,15 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
     i = pl.program_id(0)
     rows = pl.ds(i * ROWS, ROWS)
     live = i * ROWS + jnp.arange(ROWS) < n
+    # Every load is masked by ``live`` alone (not by the block table): all are in flight at
+    # once, and the kernel waits for DRAM once, not twice.
+    xrows = pl.ds(x_off + i * ROWS, ROWS)
+    x = pltriton.load(x_ref.at[xrows], mask=live[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
+    raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=live[:, None], other=0),
+                                   jnp.uint16)  # [R, 64] rope dims
+    if with_index:
+        ev = pltriton.load(xi_e_ref.at[rows], mask=live[:, None, None], other=0)  # [R, 4, 16]
+        od = pltriton.load(xi_o_ref.at[rows], mask=live[:, None, None], other=0)
     blk = pltriton.load(blk_ref.at[rows], mask=live, other=-1)
     sl = pltriton.load(slot_ref.at[rows], mask=live, other=0)
     ok = live & (blk >= 0) & (blk < nb) & (sl >= 0) & (sl < bs)
@@ -97,8 +106,6 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
                        mask=mask)
 
     # entry: FP8 codes (UE8M0 tiles or one f32 scale), the rope dims' raw bytes, the scales
-    xrows = pl.ds(x_off + i * ROWS, ROWS)
-    x = pltriton.load(x_ref.at[xrows], mask=ok[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
     tile = jnp.arange(8)[None, :, None]
     lane = jnp.arange(64)[None, None, :]
     ok2, ok3 = ok[:, None], ok[:, None, None]
@@ -112,14 +119,11 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
         code_col, rope_col = sl[:, None, None] * NOPE, bs * NOPE + sl[:, None] * 128
         put(pool_ref, bs * DATA + sl[:, None] * 4 + jnp.arange(4)[None, :], f32_bytes(scale), ok2)
     put(pool_ref, code_col + tile * 64 + lane, q, ok3 & (tile < NOPE_TILES))
-    raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=ok2, other=0),
-                                   jnp.uint16)  # [R, 64] rope dims
     rope = jnp.stack([(raw & 0xFF).astype(jnp.uint8), (raw >> 8).astype(jnp.uint8)], axis=-1)  # [R, 64, 2]
     put(pool_ref, rope_col + jnp.arange(128)[None, :], rope.reshape(ROWS, 128), ok2)  # one contiguous run
 
     if with_index:  # FP4 key: 64 B of nibbles (element pair 16 g + k), then the scales
-        ev = pltriton.load(xi_e_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)  # [R, 4, 16]
-        od = pltriton.load(xi_o_ref.at[rows], mask=ok3, other=0).astype(jnp.float32)
+        ev, od = ev.astype(jnp.float32), od.astype(jnp.float32)
         kcol = sl[:, None, None] * CODES + jnp.arange(4)[None, :, None] * 16 + jnp.arange(16)[None, None, :]
         if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
             packed, kbyte = mxfp4_pairs(ev, od, div=div)  # [R, 4, 16], [R, 4]

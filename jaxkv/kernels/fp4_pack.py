@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 
 from jaxkv.formats import fp4 as _fp4
 from jaxkv.formats._common import (E8M0_NAN, FP4_MAX, FP8_MAX, check_float, check_groups, div_rn, e8m0_to_float,
-                                   exact_div, ue8m0_scale)
+                                   ue8m0_scale)
 from jaxkv.kernels.tuning import MXFP4_ROWS as ROWS, MXFP4_WARPS as NUM_WARPS
 
 
@@ -101,9 +101,9 @@ def nvfp4_pairs(even, odd, g=None, div=div_rn):
     if g is None:
         key_amax = jnp.max(amax, axis=-1)  # NaN groups are dropped by max; the reference then also gives 1.0
         key_amax = jnp.where(jnp.max(is_nan_bits(amax), axis=-1) > 0, jnp.nan, key_amax)
-        g = jnp.where(key_amax > 0, exact_div(key_amax, FP8_MAX * FP4_MAX), 1.0)
+        g = jnp.where(key_amax > 0, div(key_amax, jnp.float32(FP8_MAX * FP4_MAX)), 1.0)
     gs = g[..., None]
-    bs = jnp.where(amax < jnp.inf, div(exact_div(amax, FP4_MAX), gs), jnp.nan)
+    bs = jnp.where(amax < jnp.inf, div(div(amax, jnp.float32(FP4_MAX)), gs), jnp.nan)
     byte = e4m3_bytes(bs)
     denom = (lax.bitcast_convert_type(byte, jnp.float8_e4m3fn).astype(jnp.float32) * gs)[..., None]
     ok = denom > 0
