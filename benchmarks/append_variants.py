@@ -54,7 +54,7 @@ def main():
         box["s"].num_frames.block_until_ready()
 
     rows.append(("frame.append, warm-up (+1 host read)", med(warm, 50)))
-    del box
+    box.clear()
 
     bufs = [jnp.zeros((1, T, H, D), jnp.bfloat16) for _ in range(2 * L)]
 

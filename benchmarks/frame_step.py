@@ -73,7 +73,7 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto")
     if top:
         kernel_ms_per_step(one, 5, top)
     visible = int(np.asarray(box["state"].num_valid)[0])
-    del box
+    box.clear()
     return ms, visible
 
 
