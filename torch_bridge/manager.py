@@ -4,9 +4,9 @@ Same constructor arguments, methods and attributes as the seed's manager, so an
 aggregator switches by changing an import. Underneath:
 
 * The K/V buffers are a ``jaxkv.frame.FrameCacheState``'s (one page structure for every
-  block). jaxkv keeps the page structure on the device: when the first block appends a
-  frame, one jitted ``begin_frame`` over the state's small arrays evicts and counts, once
-  for all blocks.
+  block). jaxkv's bookkeeping of the page structure (``begin_frame`` / ``resolve`` over the
+  state's small arrays, once per frame for all blocks) is queued and replayed on the
+  device 64 frames per dispatch (``_replay``), or when ``state`` is read.
 * torch writes the K/V: the manager holds zero-copy torch views of every buffer for the
   buffers' lifetime and each ``append_frame`` is one ``index_copy_`` per K and V; row
   moves of the layout (specials relocated while slots fill, a staged frame committed, a
