@@ -42,8 +42,7 @@ def ue8m0_tile_codes(*parts, div=div_rn):
     """FP8 E4M3 codes with one UE8M0 scale per tile, a tile given as ``parts`` f32[..., n]
     (its elements are all the parts' last axes together) -> (scale bytes u8[...], codes
     u8[..., n] per part). A tile holding a NaN gets the NaN scale byte and all NaN codes.
-    ``div``: ``div_rn`` or ``fp4_pack.ptx_div_rn`` (amax / 448 is clamped to >= 1e-4, so
-    never subnormal: both give the same quotient)."""
+    ``div``: ``div_rn`` or, on a GPU, ``fp4_pack.ptx_div_rn`` (the same quotients)."""
     nan = functools.reduce(jnp.maximum, [jnp.max(is_nan_bits(x), axis=-1) for x in parts]) > 0
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in parts])
     _, byte = ue8m0_scale(jnp.maximum(div(amax, FP8_MAX), UE8M0_MIN_SCALE))

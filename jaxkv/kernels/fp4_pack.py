@@ -54,8 +54,7 @@ def pow2_inverse(byte):
 def mxfp4_pairs(even, odd, div=div_rn):
     """MXFP4 of groups given as their even and odd elements, f32[..., G, 16] each ->
     (packed bytes u8[..., G, 16], UE8M0 scales u8[..., G]); a group with a NaN is all 7s.
-    ``div``: ``div_rn`` or ``ptx_div_rn`` (max(amax, 1e-4) / 6 is never subnormal: the
-    same quotient)."""
+    ``div``: ``div_rn`` or, on a GPU, ``ptx_div_rn`` (the same quotients)."""
     nan = jnp.maximum(jnp.max(is_nan_bits(even), axis=-1), jnp.max(is_nan_bits(odd), axis=-1)) > 0
     amax = jnp.maximum(jnp.max(jnp.abs(even), axis=-1), jnp.max(jnp.abs(odd), axis=-1))
     _, byte = ue8m0_scale(div(jnp.maximum(amax, _fp4.MXFP4_MIN_AMAX), FP4_MAX))
