@@ -3,8 +3,9 @@
 One layer, timed alone (keys far exceed L2), median of many calls, reported x layers,
 and the GPU kernel time of one call (profiler; the wall time includes a dispatch):
 dense exact-length keys with no mask vs a padded capacity with a key length vs split-KV
-(jaxkv's ``cudnn_attention``, which masks every chunk by its length) vs split-KV over a
-128-row-multiple buffer with no mask (what a layout whose keys are all valid would get).
+(jaxkv's ``cudnn_attention``, which masks every chunk by its length) vs jaxkv's Pallas
+prefix kernel (``kernels.prefix_attention``: a length that costs nothing) vs split-KV over
+a 128-row-multiple buffer with no mask (what a layout whose keys are all valid would get).
 
     python benchmarks/attention_variants.py --patches 999
 """
@@ -18,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from _timing import kernel_ms_per_step, times_ms
-from jaxkv.frame.attention import cudnn_attention
+from jaxkv.frame.attention import cudnn_attention, prefix_splits
+from jaxkv.kernels import prefix_attention
 
 H, D, NS = 16, 64, 6
 
@@ -73,6 +75,10 @@ def main():
     for s in (1, 2, 4, 8, 16):
         f = jax.jit(lambda q, k, v, l, s=s: cudnn_attention(q, k, v, l, splits=s))
         rows.append((f"split-KV x{s}", bench(f, q, k, v, lens)))
+    auto = prefix_splits(Tq, H, T, getattr(jax.devices()[0], "core_count", 132) or 132)
+    for s in sorted({1, 8, auto}):
+        f = jax.jit(lambda q, k, v, l, s=s: prefix_attention(q, k, v, l, splits=s))
+        rows.append((f"pallas prefix kernel x{s}" + (" (auto)" if s == auto else ""), bench(f, q, k, v, lens)))
     for s in (2, 4, 8):
         if n128 % (s * 128) == 0:
             f = jax.jit(lambda q, k, v, s=s: split_nomask(q, k, v, s))
@@ -82,6 +88,10 @@ def main():
         if n128 % (s * 128) == 0:  # the unmasked split computes what one dense call does
             err = float(jnp.max(jnp.abs(split_nomask(q, ke128, ve128, s).astype(jnp.float32) - ref)))
             print(f"split-KV x{s} no mask vs dense over the same keys: max |diff| {err:.1e}")
+    exact = dense(q, ke, ve).astype(jnp.float32)
+    got = prefix_attention(q, k, v, lens, splits=auto).astype(jnp.float32)
+    print(f"pallas prefix kernel x{auto} vs dense over the {n} visible keys: max |diff| "
+          f"{float(jnp.max(jnp.abs(got - exact))):.1e}")
     flops = 4 * Tq * n * H * D
     print(f"\none layer: {Tq} queries x {n} keys, H={H}, D={D}, bf16 — {jax.devices()[0].device_kind}")
     print(f"{'variant':<36} {'ms/layer':>9} {'ms x' + str(a.layers):>9} {'kernel ms':>10} {'TFLOP/s':>8}")

@@ -4,7 +4,8 @@ Contenders, side by side in one process on the same GPU, steady state (scale fra
 window full), random bf16 data, warm, median of many frames:
 
 * jaxkv/<impl>: ``frame.append`` (all layers) + ``frame.attention`` per layer, one jitted
-  step with the state donated.
+  step with the state donated; ``pallas`` (the prefix kernel, ``auto`` on Hopper),
+  ``cudnn`` (split-KV with key lengths) and ``xla``.
   ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
 * jaxkv/append-only(/xla): the same step without attention (what the cache update costs).
@@ -204,7 +205,7 @@ def main(argv=None):
     for res in args.resolutions.split(","):
         P = RES[res]
         visible = None
-        for impl in ("cudnn", "xla"):
+        for impl in ("pallas", "cudnn", "xla"):
             if f"jaxkv/{impl}" in skip:
                 continue
             ms, visible = bench_jaxkv(P, args.layers, impl, args.warm, args.iters)

@@ -151,6 +151,8 @@ def test_bad_inputs_raise_clearly(rng):
         frame.attention(state, k[0, :, :, :, :4], 0)
     with pytest.raises(ValueError, match="impl"):
         frame.attention(state, k[0], 0, impl="flash")
+    with pytest.raises(ValueError, match=r"impl='pallas': expected an NVIDIA Hopper GPU.*head_dim 8"):
+        frame.attention(state, k[0], 0, impl="pallas")  # head_dim 8 (and here no Hopper either)
     with pytest.raises(ValueError, match="FrameSpec.patches_per_frame"):
         frame.FrameSpec(num_layers=1, num_heads=1, head_dim=8, patches_per_frame=0)
     with pytest.raises(ValueError, match="defer"):
@@ -259,3 +261,24 @@ def test_memory_target_after_1000_frames():
     small = spec.with_max_frames(100)
     extra = spec.kv_bytes - small.kv_bytes - 900 * 6 * per_token
     assert abs(extra) < spec.page_size * per_token
+
+
+def test_prefix_kernel_split_rule_and_input_checks():
+    """The split rule and the kernel's argument checks run on any machine (trace time)."""
+    from jaxkv.frame.attention import prefix_splits
+    from jaxkv.kernels import prefix_attention
+
+    assert prefix_splits(1005, 16, 81920) == 1  # 128 programs already fill one wave of 132 SMs
+    assert prefix_splits(262, 16, 26624) == 8  # 48 programs: 8 chunks fill 2.9 waves
+    assert prefix_splits(262, 16, 26624 + 256) == 1  # no equal split into 256-row blocks
+    q = jnp.ones((1, 10, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((1, 512, 2, 64), jnp.bfloat16)
+    n = jnp.array([5], jnp.int32)
+    with pytest.raises(ValueError, match=r"kv_len: expected int32\[1\], got int32\[2\]"):
+        prefix_attention(q, kv, kv, jnp.array([5, 6], jnp.int32))
+    with pytest.raises(ValueError, match="expected one dtype, bfloat16 or float16"):
+        prefix_attention(q.astype(jnp.float32), kv.astype(jnp.float32), kv.astype(jnp.float32), n)
+    with pytest.raises(ValueError, match="splits: 512 key rows do not split into 3 chunks"):
+        prefix_attention(q, kv, kv, n, splits=3)
+    with pytest.raises(ValueError, match="head_dim a multiple of 64"):
+        prefix_attention(q[..., :32], kv[..., :32], kv[..., :32], n)

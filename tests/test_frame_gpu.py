@@ -17,7 +17,7 @@ def rel_err(a, b):
 
 
 @pytest.mark.parametrize("patches,frames,defer_last", [(256, 90, False), (999, 12, True), (37, 20, True)])
-def test_cudnn_and_xla_match_reference(rng, patches, frames, defer_last):
+def test_fused_backends_match_reference(rng, patches, frames, defer_last):
     spec = frame.FrameSpec(num_layers=2, num_heads=16, head_dim=64, patches_per_frame=patches,
                            scale_frames=8, sliding_window=6, max_frames=128, num_streams=2)
     state = frame.init(spec)
@@ -30,15 +30,17 @@ def test_cudnn_and_xla_match_reference(rng, patches, frames, defer_last):
     q = jnp.asarray(rng.standard_normal((2, spec.tokens_per_frame, 16, 64)), jnp.bfloat16)
     for layer in range(2):
         ref = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
-        for impl in ("cudnn", "xla"):
+        for impl in ("cudnn", "xla", "pallas"):
             out = frame.attention(state, q, layer, impl=impl)
             assert out.dtype == jnp.bfloat16
             assert rel_err(out, ref) < 1e-2, impl  # bf16 operands
 
 
-def test_auto_is_cudnn_on_gpu():
+def test_auto_on_gpu():
+    """The machines this runs on are Hopper (H100 / H200): the Pallas prefix kernel."""
     spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=64, patches_per_frame=8)
-    assert frame.default_impl(spec) == "cudnn"
+    assert frame.default_impl(spec) == "pallas"
+    assert frame.default_impl(spec.__class__(**{**spec.__dict__, "pow2_pages": True})) == "xla"
 
 
 def test_gqa_queries(rng):
@@ -49,7 +51,8 @@ def test_gqa_queries(rng):
         state = frame.append(state, kv, -kv)
     q = jnp.asarray(rng.standard_normal((1, 70, 8, 64)), jnp.bfloat16)
     ref = frame.attention(state, q, 0, impl="reference").astype(jnp.float32)
-    assert rel_err(frame.attention(state, q, 0, impl="cudnn"), ref) < 1e-2
+    for impl in ("cudnn", "pallas"):
+        assert rel_err(frame.attention(state, q, 0, impl=impl), ref) < 1e-2, impl
 
 
 def test_frame_state_lives_on_gpu():
@@ -86,3 +89,26 @@ def test_traced_layer_attention(rng):
         a = frame.attention(state, q, jnp.int32(layer))
         b = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
         assert rel_err(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [1, 2, 8])
+@pytest.mark.parametrize("lengths", [(3001, 700), (4096, 0), (1, 2049), (256, 257)])
+@pytest.mark.parametrize("dtype,heads", [(jnp.bfloat16, (4, 4)), (jnp.float16, (8, 2))])
+def test_prefix_kernel_matches_reference(rng, splits, lengths, dtype, heads):
+    """Lengths on and off block and chunk edges, an empty stream (zeros), GQA, a query
+    count that is not a multiple of the kernel's 128-query tile."""
+    from jaxkv.kernels import prefix_attention, ref_prefix_attention
+
+    (Hq, H), B, T, D, Tq = heads, 2, 4096, 64, 262
+    k = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    v = jnp.asarray(rng.standard_normal((B, T, H, D)), dtype)
+    q = jnp.asarray(rng.standard_normal((B, Tq, Hq, D)), dtype)
+    n = jnp.asarray(lengths, jnp.int32)
+    ref = ref_prefix_attention(q, k, v, n)
+    out = prefix_attention(q, k, v, n, splits=splits)
+    assert out.dtype == dtype and out.shape == q.shape
+    for b in range(B):
+        if lengths[b] == 0:
+            assert not np.any(np.asarray(out[b], np.float32)), "an empty prefix attends to nothing: zeros"
+        else:
+            assert rel_err(out[b], ref[b]) < 1e-2, b

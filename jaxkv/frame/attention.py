@@ -1,4 +1,4 @@
-"""Attention of a query frame over a frame cache: ``reference``, ``xla`` and ``cudnn``.
+"""Attention of a query frame over a frame cache: ``reference``, ``xla``, ``cudnn`` and ``pallas``.
 
 Non-causal, no positional encoding (RoPE is applied before append). The visible keys of
 each stream are the prefix ``[0, num_valid)`` of its buffer (see ``FrameSpec``), so no
@@ -11,10 +11,15 @@ backend gathers anything:
   has few queries (262 at 224x224: 3 query tiles x 16 heads, under half an H100's SMs),
   so the keys are split into equal chunks (a free reshape: the capacity is a multiple of
   16 x 128 rows), each chunk attended as its own batch entry, and the chunks merged by
-  their log-sum-exp — FlashInfer's split-KV, on cuDNN.
+  their log-sum-exp — FlashInfer's split-KV, on cuDNN. cuDNN's key-length mask costs
+  ~16% of its kernel time at 518x378.
+* ``pallas``: ``jaxkv.kernels.prefix_attention``, a FlashAttention-3-style Mosaic GPU
+  kernel (Hopper) whose key loop stops at the prefix length and masks only the last
+  block, so the length costs nothing; split-KV as above where the queries are few.
 
-With power-of-two pages the prefix holds padding rows: ``cudnn`` cannot mask them, so
-``auto`` picks ``xla`` there.
+``auto`` is ``pallas`` on a Hopper GPU, ``cudnn`` on other NVIDIA GPUs, ``xla`` elsewhere.
+With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` nor
+``pallas`` masks, so ``auto`` picks ``xla`` there.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
 
-IMPLS = ("auto", "reference", "xla", "cudnn")
+IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
 HIGHEST = lax.Precision.HIGHEST  # float32 math means float32 on GPUs too (not TF32)
 
 
@@ -155,11 +160,31 @@ def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
     return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
 
 
+def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
+    """Key chunks for ``impl="pallas"``: the power of two (<= 16) whose programs
+    (128-query tiles x heads x chunks) fill the SMs' waves best, the smallest on a tie;
+    chunks stay whole 256-row blocks (rule measured in ``jaxkv.frame.tuning``)."""
+    programs = -(-q_len // 128) * q_heads
+    best, best_fill = 1, 0.0
+    for n in (1, 2, 4, 8, 16):
+        if rows % (n * 256):
+            break
+        fill = programs * n / (-(-programs * n // sm_count) * sm_count)
+        if fill > best_fill + 1e-9:
+            best, best_fill = n, fill
+    return best
+
+
+def _is_hopper() -> bool:
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 def default_impl(spec) -> str:
     """The fastest backend available for ``spec`` on the default device."""
     on_gpu = jax.default_backend() == "gpu"
     if on_gpu and not spec.pow2_pages and spec.dtype in ("bfloat16", "float16"):
-        return "cudnn"
+        return "pallas" if _is_hopper() and spec.head_dim % 64 == 0 else "cudnn"
     return "xla"
 
 
@@ -186,6 +211,9 @@ def attention(state: FrameCacheState, q, layer, *, impl: str = "auto", scale=Non
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     if impl == "auto":
         impl = default_impl(state.spec)
+    if impl == "pallas" and not (_is_hopper() and state.spec.head_dim % 64 == 0):
+        raise ValueError(f"impl='pallas': expected an NVIDIA Hopper GPU (sm_90) and head_dim a multiple of 64, "
+                         f"got {jax.devices()[0].device_kind} and head_dim {state.spec.head_dim}")
     if isinstance(layer, int):
         if not 0 <= layer < state.spec.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
@@ -207,7 +235,13 @@ def _attention(state: FrameCacheState, q, layer, impl: str, scale):
     if impl == "xla":
         return xla_attention(q, k, v, n, state.token_id >= 0 if state.spec.pow2_pages else None, scale)
     if state.spec.pow2_pages:
-        raise ValueError("impl='cudnn' needs exact pages (pow2_pages=False): padded rows need a mask")
+        raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
+    if impl == "pallas":
+        from jaxkv.kernels.prefix_attention import prefix_attention
+
+        dev = jax.devices()[0]
+        splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1], getattr(dev, "core_count", 132) or 132)
+        return prefix_attention(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
     out = cudnn_attention(q, k, v, n, scale)
     return jnp.where((n > 0)[:, None, None, None], out, jnp.zeros_like(out))
 

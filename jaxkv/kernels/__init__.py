@@ -10,6 +10,9 @@
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
   (``hybrid.compress(impl="pallas")`` with one token per request).
+* ``prefix_attention``: attention over the key prefix ``[0, kv_len)`` of a buffer, a
+  FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
+  (``frame.attention(impl="pallas")``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' own jnp math tiled into kernels (``hybrid.index_query(impl="pallas")``).
 """
@@ -18,5 +21,6 @@ from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import flush_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
+from jaxkv.kernels.prefix_attention import prefix_attention, ref_prefix_attention
 
-__all__ = ["dequant_gather", "flush_write", "ref_dequant_gather", "quantize_mxfp4", "quantize_nvfp4", "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]
+__all__ = ["dequant_gather", "flush_write", "ref_dequant_gather", "quantize_mxfp4", "quantize_nvfp4", "prefix_attention", "ref_prefix_attention", "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]

@@ -26,3 +26,9 @@ DEQUANT_GATHER_WARPS = 4
 # fused decode compressor, one request per program, by storage family: CSA at 4,096 requests
 # official 2 / 4 / 8 warps 0.158 / 0.120 / 0.728 ms; seed 0.157 / 0.245 / 0.302 ms
 COMPRESS_DECODE_WARPS = {"official": 4, "seed": 2}
+
+# prefix attention (Mosaic GPU, FA3-style), 1024 queries x 71,680 keys, H=16, D=64, f16 on an
+# H100: keys per TMA block x blocks in flight 256 x 2 0.612 ms, 128 x 2/4 0.635 ms, 64 x 2/4
+# 0.784 ms; 256 x 4 exceeds shared memory
+PREFIX_ATTENTION_BLOCK_KV = 256
+PREFIX_ATTENTION_STAGES = 2
