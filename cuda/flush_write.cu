@@ -25,7 +25,10 @@ constexpr int kHeadDim = 512;   // stored entry: 448 FP8 + 64 BF16 rope dims
 constexpr int kNope = 448;
 constexpr int kTile = 64;       // UE8M0 tile
 constexpr int kIndexDim = 128;  // indexer key width
-constexpr int kRowsPerBlock = 4;  // warps per CTA, one entry each
+#ifndef JAXKV_FLUSH_ROWS  // swept with NVCC_APPEND_FLAGS=-DJAXKV_FLUSH_ROWS=n (scratch only)
+#define JAXKV_FLUSH_ROWS 4
+#endif
+constexpr int kRowsPerBlock = JAXKV_FLUSH_ROWS;  // warps per CTA, one entry each
 
 enum Storage : int32_t { kOfficial = 0, kSeed = 1 };
 
@@ -36,8 +39,10 @@ __host__ __device__ constexpr int key_bytes(int32_t s) { return s == kOfficial ?
 // ---- exact scalar helpers (mirror jaxkv/formats/_common.py) ------------------------------
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((e + 127) << 23); }  // e in [-126, 127]
 
-__device__ __forceinline__ float nanmax(float a, float b) {  // max that keeps NaN (amax_abs)
-  return (isnan(a) || isnan(b)) ? __int_as_float(0x7fc00000) : fmaxf(a, b);
+__device__ __forceinline__ float nanmax(float a, float b) {  // max that keeps NaN (amax_abs): one FMNMX.NAN
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
 }
 
 template <int kWidth>  // reduce over aligned groups of kWidth lanes
@@ -52,6 +57,15 @@ __device__ __forceinline__ float group_amax(float v) {
 __device__ __forceinline__ uint8_t fp8_e4m3(float y) {
   if (isnan(y)) return 0x7F | (signbit(y) ? 0x80 : 0);
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four float32 -> E4M3 bytes in one word (element 0 in the low byte) by the hardware's
+// cvt.rn.satfinite: RNE, saturating at 448, NaN -> 0x7F. Callers only meet NaN where the
+// scale is NaN, and then every code of the group is 0x7F (``ue8m0_tile_codes``).
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
 }
 
 // x / s for a power-of-two s: a multiply by the exact inverse. Equal to the correctly
@@ -88,13 +102,24 @@ __device__ __forceinline__ uint8_t e2m1(float y) {
   return c | (signbit(y) ? 8 : 0);
 }
 
-__device__ __forceinline__ void store16(uint8_t* dst, const uint8_t (&src)[16]) {
+__device__ __forceinline__ void store16(uint8_t* dst, const uint4& src) {
   if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
-    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
-  } else {
+    *reinterpret_cast<uint4*>(dst) = src;
+  } else {  // a pool whose blocks are not 16-byte aligned (an odd block size)
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&src);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) dst[i] = src[i];
+    for (int i = 0; i < 16; ++i) dst[i] = b[i];
   }
+}
+
+// Bytes held by lanes first, first + kStride, ... (kCount of them) packed little-endian into
+// one word, so one lane writes them with one store. Every lane of the warp must call it.
+template <int kCount, int kStride>
+__device__ __forceinline__ uint32_t gather_bytes(uint8_t byte, int first = 0) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int i = 0; i < kCount; ++i) word |= (__shfl_sync(0xffffffffu, uint32_t(byte), first + i * kStride) & 0xFF) << (8 * i);
+  return word;
 }
 
 // ---- flush-write ---------------------------------------------------------------------------
@@ -125,49 +150,43 @@ __device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, 
     v[i] = __bfloat162float(h[i]);
     if (nope) amax = nanmax(amax, fabsf(v[i]));
   }
-  uint8_t q[16];
+  uint4 q;  // 16 FP8 codes
+  uint32_t* w = reinterpret_cast<uint32_t*>(&q);
   if (a.storage == kOfficial) {  // ds_mla: [448 fp8 | 64 bf16] x bs, then [7 UE8M0 + pad] x bs
     amax = group_amax<kTile / 16>(amax);
     float t = __fdiv_rn(amax, 448.f);
     if (!isnan(t)) t = fmaxf(t, 1e-4f);
     uint8_t byte;
     const float s = ue8m0_scale(t, &byte);
+    // the 7 tile scales (lanes 0, 4, .., 24 hold them) and a zero pad byte: one 8-byte store
+    const uint32_t lo = gather_bytes<4, 4>(byte), hi = gather_bytes<3, 4>(byte, 16);
+    if (lane == 0) *reinterpret_cast<uint2*>(base + bs * 576 + sl * 8) = make_uint2(lo, hi);
+    const float inv = __frcp_rn(s);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = e4m3x4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
     if (nope) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) q[i] = fp8_e4m3(div_pow2(v[i], s));
       store16(base + sl * 576 + 16 * lane, q);
-      if (lane % 4 == 0) base[bs * 576 + sl * 8 + lane / 4] = byte;
-    } else {
+    } else {  // the rope dims' bytes as they came
       uint8_t* dst = base + sl * 576 + kNope + 32 * (lane - kNope / 16);
-      const uint8_t* r = reinterpret_cast<const uint8_t*>(raw);
-      uint8_t lo[16], hi[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) lo[i] = r[i], hi[i] = r[16 + i];
-      store16(dst, lo);
-      store16(dst + 16, hi);
-      if (lane == kNope / 16) base[bs * 576 + sl * 8 + 7] = 0;
+      store16(dst, raw[0]);
+      store16(dst + 16, raw[1]);
     }
   } else {  // seed: [448 fp8] x bs, [64 bf16] x bs, [f32 scale] x bs
     amax = group_amax<32>(amax);
     const float scale = isfinite(amax) ? __fdiv_rn(amax, 448.f) : __int_as_float(0x7fc00000);
     if (nope) {
+      const bool ok = scale > 0.f;  // else (zero or NaN scale) all codes are 0
 #pragma unroll
-      for (int i = 0; i < 16; ++i) q[i] = scale > 0.f ? fp8_e4m3(__fdiv_rn(v[i], scale)) : 0;
+      for (int i = 0; i < 4; ++i)
+        w[i] = ok ? e4m3x4(__fdiv_rn(v[4 * i], scale), __fdiv_rn(v[4 * i + 1], scale), __fdiv_rn(v[4 * i + 2], scale),
+                           __fdiv_rn(v[4 * i + 3], scale))
+                  : 0u;
       store16(base + sl * kNope + 16 * lane, q);
-      if (lane == 0) {
-        const uint32_t bits = __float_as_uint(scale);
-        uint8_t* d = base + bs * 576 + sl * 4;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) d[i] = (bits >> (8 * i)) & 0xFF;
-      }
+      if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 576 + sl * 4) = __float_as_uint(scale);
     } else {
       uint8_t* dst = base + bs * kNope + sl * 128 + 32 * (lane - kNope / 16);
-      const uint8_t* r = reinterpret_cast<const uint8_t*>(raw);
-      uint8_t lo[16], hi[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) lo[i] = r[i], hi[i] = r[16 + i];
-      store16(dst, lo);
-      store16(dst + 16, hi);
+      store16(dst, raw[0]);
+      store16(dst + 16, raw[1]);
     }
   }
 }
@@ -189,7 +208,8 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
     const float s = ue8m0_scale(t, &byte);
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[i] = e2m1(div_pow2(v[i], s));
-    if (lane % 8 == 0) base[bs * 64 + sl * 4 + lane / 8] = byte;
+    const uint32_t scales = gather_bytes<4, 8>(byte);  // lanes 0, 8, 16, 24
+    if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 4) = scales;
   } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
     const float gmax = group_amax<32>(amax);
     const float g = gmax > 0.f ? __fdiv_rn(gmax, 2688.f) : 1.f;
@@ -199,17 +219,17 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
     const float denom = fp8_e4m3_value(b8) * g;
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? __fdiv_rn(v[i], denom) : 0.f);
-    if (lane % 4 == 0) base[bs * 64 + sl * 8 + lane / 4] = b8;
+    const uint32_t lo = gather_bytes<4, 4>(b8), hi = gather_bytes<4, 4>(b8, 16);  // lanes 0, 4, .., 28
     if (lane == 0) {
-      const uint32_t bits = __float_as_uint(g);
-      uint8_t* d = base + bs * 72 + sl * 4;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) d[i] = (bits >> (8 * i)) & 0xFF;
+      uint32_t* d = reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 8);
+      d[0] = lo, d[1] = hi;
+      *reinterpret_cast<uint32_t*>(base + bs * 72 + sl * 4) = __float_as_uint(g);
     }
   }
-  uint8_t* codes = base + sl * 64 + 2 * lane;
-  codes[0] = c[0] | (c[1] << 4);
-  codes[1] = c[2] | (c[3] << 4);
+  // this lane's 2 code bytes, paired with the next lane's: one 4-byte store per even lane
+  const uint32_t mine = (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8);
+  const uint32_t next = __shfl_down_sync(0xffffffffu, mine, 1);
+  if (lane % 2 == 0) *reinterpret_cast<uint32_t*>(base + sl * 64 + 2 * lane) = mine | (next << 16);
 }
 
 __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {

@@ -8,7 +8,7 @@ float32 scale per entry (580 B) and NVFP4 keys (8 E4M3 group scales and a float3
 scale, 76 B). The math is the formats' (same helpers, same bytes as
 ``hybrid.flush.ref_flush_write``): dividing by a power-of-two scale is a multiply by its
 exact inverse, by a float32 scale a correctly rounded ``div_rn``; the keys use
-``fp4_pack.mxfp4_pairs`` / ``nvfp4_pairs``. Each program handles ``ROWS`` entries
+``fp4_pack.mxfp4_pairs`` / ``nvfp4_pairs``. Each program handles ``tuning.FLUSH_WRITE_ROWS[storage]`` entries
 and writes them with scatter stores (integer-array indexers of the pool viewed as
 ``[layers * blocks, block bytes]``). Lowering: Triton (``pltriton.CompilerParams``).
 
@@ -31,7 +31,7 @@ from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
 from jaxkv.hybrid.stacked import as_stack
 from jaxkv.kernels.fp4_pack import (e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs, pow2_inverse,
                                     ptx_div_rn)
-from jaxkv.kernels.tuning import FLUSH_WRITE_ROWS as ROWS, FLUSH_WRITE_WARPS as NUM_WARPS
+from jaxkv.kernels.tuning import FLUSH_WRITE_ROWS, FLUSH_WRITE_WARPS
 
 NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # FP8 dims; bytes of codes + rope; FP8 tiles; FP4 code bytes
 ENTRY = {"official": 584, "seed": 580}  # bytes per entry
@@ -74,34 +74,35 @@ def f32_bytes(x):
     return ((bits >> (8 * jnp.arange(4, dtype=jnp.uint32))) & 0xFF).astype(jnp.uint8)
 
 
-def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
-            with_index, x_off, storage, div):
-    # x_ref: bf16[n * N, 8, 64] (tiles; tile 7 = the rope dims; entry e at row x_off + e); xi_e/o_ref: bf16[N, 4, 16]
-    # even / odd elements of each 32-group; blk_ref, slot_ref: i32[N]; pool_ref: u8[L * NB, bs * E];
+def _kernel(x_ref, xi_ref, blk_ref, slot_ref, pool_in, index_in, pool_ref, index_ref, *, n, nb, bs, layer,
+            with_index, x_off, storage, div, R):
+    # x_ref: bf16[n * N, 8, 64] (tiles; tile 7 = the rope dims; entry e at row x_off + e); xi_ref: u32[N, 4, 16]
+    # the key as 4 groups of 16 (even, odd) bf16 pairs; blk_ref, slot_ref: i32[N]; pool_ref: u8[L * NB, bs * E];
     # index_ref: u8[L * NB, bs * K]
     from jax.experimental.pallas import triton as pltriton
 
     del pool_in, index_in  # aliased to pool_ref / index_ref
     official = storage == "official"
     i = pl.program_id(0)
-    rows = pl.ds(i * ROWS, ROWS)
-    live = i * ROWS + jnp.arange(ROWS) < n
+    rows = pl.ds(i * R, R)
+    live = i * R + jnp.arange(R) < n
     # Every load is masked by ``live`` alone (not by the block table): all are in flight at
     # once, and the kernel waits for DRAM once, not twice.
-    xrows = pl.ds(x_off + i * ROWS, ROWS)
+    xrows = pl.ds(x_off + i * R, R)
     x = pltriton.load(x_ref.at[xrows], mask=live[:, None, None], other=0).astype(jnp.float32)  # [R, 8, 64]
     raw = lax.bitcast_convert_type(pltriton.load(x_ref.at[xrows, jnp.int32(7)], mask=live[:, None], other=0),
                                    jnp.uint16)  # [R, 64] rope dims
-    if with_index:
-        ev = pltriton.load(xi_e_ref.at[rows], mask=live[:, None, None], other=0)  # [R, 4, 16]
-        od = pltriton.load(xi_o_ref.at[rows], mask=live[:, None, None], other=0)
+    if with_index:  # a 32-bit word holds an (even, odd) pair of bf16: low half even, high half odd
+        pairs = pltriton.load(xi_ref.at[rows], mask=live[:, None, None], other=0)  # u32[R, 4, 16]
+        ev = lax.bitcast_convert_type(pairs << 16, jnp.float32)  # exact: bf16 is f32's high half
+        od = lax.bitcast_convert_type(pairs & jnp.uint32(0xFFFF0000), jnp.float32)
     blk = pltriton.load(blk_ref.at[rows], mask=live, other=-1)
     sl = pltriton.load(slot_ref.at[rows], mask=live, other=0)
     ok = live & (blk >= 0) & (blk < nb) & (sl >= 0) & (sl < bs)
-    prow = jnp.where(ok, layer * nb + blk, 0)  # i32[ROWS] pool row (block of the layer)
+    prow = jnp.where(ok, layer * nb + blk, 0)  # i32[R] pool row (block of the layer)
 
-    def put(ref, col, val, mask):  # col: [ROWS, ...] byte columns of each row's pool row
-        pltriton.store(ref.at[jnp.broadcast_to(prow.reshape((ROWS,) + (1,) * (col.ndim - 1)), col.shape), col], val,
+    def put(ref, col, val, mask):  # col: [R, ...] byte columns of each row's pool row
+        pltriton.store(ref.at[jnp.broadcast_to(prow.reshape((R,) + (1,) * (col.ndim - 1)), col.shape), col], val,
                        mask=mask)
 
     # entry: FP8 codes (UE8M0 tiles or one f32 scale), the rope dims' raw bytes, the scales
@@ -119,17 +120,16 @@ def _kernel(x_ref, xi_e_ref, xi_o_ref, blk_ref, slot_ref, pool_in, index_in, poo
         put(pool_ref, bs * DATA + sl[:, None] * 4 + jnp.arange(4)[None, :], f32_bytes(scale), ok2)
     put(pool_ref, code_col + tile * 64 + lane, q, ok3 & (tile < NOPE_TILES))
     rope = jnp.stack([(raw & 0xFF).astype(jnp.uint8), (raw >> 8).astype(jnp.uint8)], axis=-1)  # [R, 64, 2]
-    put(pool_ref, rope_col + jnp.arange(128)[None, :], rope.reshape(ROWS, 128), ok2)  # one contiguous run
+    put(pool_ref, rope_col + jnp.arange(128)[None, :], rope.reshape(R, 128), ok2)  # one contiguous run
 
     if with_index:  # FP4 key: 64 B of nibbles (element pair 16 g + k), then the scales
-        ev, od = ev.astype(jnp.float32), od.astype(jnp.float32)
         kcol = sl[:, None, None] * CODES + jnp.arange(4)[None, :, None] * 16 + jnp.arange(16)[None, None, :]
         if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
             packed, kbyte = mxfp4_pairs(ev, od, div=div)  # [R, 4, 16], [R, 4]
             put(index_ref, bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :], kbyte, ok2)
         else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, the f32 global scale
-            packed, kbyte, g = nvfp4_pairs(ev.reshape(ROWS, 8, 8), od.reshape(ROWS, 8, 8), div=div)
-            packed = packed.reshape(ROWS, 4, 16)
+            packed, kbyte, g = nvfp4_pairs(ev.reshape(R, 8, 8), od.reshape(R, 8, 8), div=div)
+            packed = packed.reshape(R, 4, 16)
             put(index_ref, bs * CODES + sl[:, None] * 8 + jnp.arange(8)[None, :], kbyte, ok2)
             put(index_ref, bs * (CODES + 8) + sl[:, None] * 4 + jnp.arange(4)[None, :], f32_bytes(g), ok2)
         put(index_ref, kcol, packed, ok3)
@@ -144,24 +144,23 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
     L, nb, w = pool.shape
     bs = w // ENTRY[storage]
     n = x.shape[0]
+    rows = FLUSH_WRITE_ROWS[storage]
     x, x_row = as_stack(x)  # x: a hybrid.Stacked row, read in place
     with_index = index_pool is not None
     if not with_index:  # a 1-row stand-in keeps one kernel signature
         index_pool = jnp.zeros((1, 1, bs * KEY[storage]), jnp.uint8)
         xi = jnp.zeros((1, 128), jnp.bfloat16)
-    ni = xi.shape[0]
-    xi4 = xi.reshape(ni, 4, 16, 2)
     outs = pl.pallas_call(
         functools.partial(_kernel, n=n, nb=nb, bs=bs, layer=layer, with_index=with_index, x_off=x_row * n,
-                          storage=storage, div=div_rn if interpret else ptx_div_rn),
+                          storage=storage, div=div_rn if interpret else ptx_div_rn, R=rows),
         out_shape=(jax.ShapeDtypeStruct((L * nb, w), jnp.uint8),
                    jax.ShapeDtypeStruct((index_pool.shape[0] * index_pool.shape[1], index_pool.shape[2]), jnp.uint8)),
-        grid=(pl.cdiv(n, ROWS),),
-        input_output_aliases={5: 0, 6: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        grid=(pl.cdiv(n, rows),),
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=pltriton.CompilerParams(num_warps=FLUSH_WRITE_WARPS[storage], num_stages=1),
         interpret=interpret,
         name="jaxkv_flush_write",
-    )(x.reshape(-1, 8, 64), xi4[..., 0], xi4[..., 1], block, slot, pool.reshape(L * nb, w),
+    )(x.reshape(-1, 8, 64), lax.bitcast_convert_type(xi.reshape(-1, 64, 2), jnp.uint32).reshape(-1, 4, 16), block, slot, pool.reshape(L * nb, w),
       index_pool.reshape(-1, index_pool.shape[2]))
     pool = outs[0].reshape(L, nb, w)
     if not with_index:
