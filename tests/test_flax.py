@@ -18,6 +18,14 @@ DIM, HEADS, P, NS = 32, 4, 6, 2
 T = P + NS
 
 
+@pytest.fixture(autouse=True)
+def float32_matmuls():
+    """These tests hold float32 paths to 1e-4: GPUs run float32 matmuls in TF32 by default
+    (the rope test's einsum and the layers' projections failed on an H100 without this)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def make_layer(seed=0, **kw):
     kw = dict(patches_per_frame=P, num_special=NS, scale_frames=1, sliding_window=2, max_frames=64,
               cache_dtype="float32", impl="reference") | kw
