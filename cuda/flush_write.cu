@@ -8,7 +8,8 @@
 //   hca_reset_state   after an HCA flush: the one stream emptied.
 //
 // Bytes are identical to jaxkv.hybrid.storage's jnp encoders: every step is exact
-// (IEEE div.rn, power-of-two scales, integer FP8/FP4 encoding), NaN handled as they do.
+// (IEEE div.rn, or div_rn.cuh's SharedDivisor where it is proven equal; power-of-two
+// scales; integer FP8/FP4 encoding), NaN handled as they do.
 // Two ways in: XLA FFI handlers (jax.ffi, buffers aliased in place) and extern "C"
 // launchers (ctypes, for torch_bridge). Built by jaxkv/cuda/build.py for sm_90a / sm_100a.
 
@@ -17,6 +18,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include "div_rn.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -68,10 +70,10 @@ __device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
   return lo | (hi << 16);
 }
 
-// x / s for a power-of-two s: a multiply by the exact inverse. Equal to the correctly
+// 1 / s for a power-of-two s, exact: x / s is then x * inv_pow2(s), equal to the correctly
 // rounded quotient except where that is an f32 subnormal, which FP8 and FP4 both encode
 // as zero anyway. NaN s (a non-finite group) gives NaN like the division.
-__device__ __forceinline__ float div_pow2(float x, float s) { return x * __frcp_rn(s); }
+__device__ __forceinline__ float inv_pow2(float s) { return __frcp_rn(s); }
 
 __device__ __forceinline__ float fp8_e4m3_value(uint8_t b) {
   const int ex = (b >> 3) & 15, m = b & 7;
@@ -161,7 +163,7 @@ __device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, 
     // the 7 tile scales (lanes 0, 4, .., 24 hold them) and a zero pad byte: one 8-byte store
     const uint32_t lo = gather_bytes<4, 4>(byte), hi = gather_bytes<3, 4>(byte, 16);
     if (lane == 0) *reinterpret_cast<uint2*>(base + bs * 576 + sl * 8) = make_uint2(lo, hi);
-    const float inv = __frcp_rn(s);
+    const float inv = inv_pow2(s);
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = e4m3x4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
     if (nope) {
@@ -176,11 +178,10 @@ __device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, 
     const float scale = isfinite(amax) ? __fdiv_rn(amax, 448.f) : __int_as_float(0x7fc00000);
     if (nope) {
       const bool ok = scale > 0.f;  // else (zero or NaN scale) all codes are 0
+      const SharedDivisor div(ok ? scale : 1.f);
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        w[i] = ok ? e4m3x4(__fdiv_rn(v[4 * i], scale), __fdiv_rn(v[4 * i + 1], scale), __fdiv_rn(v[4 * i + 2], scale),
-                           __fdiv_rn(v[4 * i + 3], scale))
-                  : 0u;
+        w[i] = ok ? e4m3x4(div(v[4 * i]), div(v[4 * i + 1]), div(v[4 * i + 2]), div(v[4 * i + 3])) : 0u;
       store16(base + sl * kNope + 16 * lane, q);
       if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 576 + sl * 4) = __float_as_uint(scale);
     } else {
@@ -206,8 +207,9 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
     const float t = isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, 1e-4f), 6.f);
     uint8_t byte;
     const float s = ue8m0_scale(t, &byte);
+    const float inv = inv_pow2(s);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = e2m1(div_pow2(v[i], s));
+    for (int i = 0; i < 4; ++i) c[i] = e2m1(v[i] * inv);
     const uint32_t scales = gather_bytes<4, 8>(byte);  // lanes 0, 8, 16, 24
     if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 4) = scales;
   } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
@@ -217,8 +219,9 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
     const float bsc = isfinite(amax) ? __fdiv_rn(__fdiv_rn(amax, 6.f), g) : __int_as_float(0x7fc00000);
     const uint8_t b8 = fp8_e4m3(bsc);
     const float denom = fp8_e4m3_value(b8) * g;
+    const SharedDivisor div(denom > 0.f ? denom : 1.f);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? __fdiv_rn(v[i], denom) : 0.f);
+    for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? div(v[i]) : 0.f);
     const uint32_t lo = gather_bytes<4, 4>(b8), hi = gather_bytes<4, 4>(b8, 16);  // lanes 0, 4, .., 28
     if (lane == 0) {
       uint32_t* d = reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 8);

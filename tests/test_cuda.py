@@ -29,6 +29,31 @@ def test_kernels_compile_for_sm90a_and_sm100a():
     cuda.check_compile(("90a", "100a"))  # raises BuildError with nvcc's output
 
 
+@pytest.mark.gpu
+def test_shared_divisor_exhaustive(tmp_path):
+    """cuda/div_rn.cuh's SharedDivisor equals div.rn.f32 on every quotient the seed-family
+    flush forms from bf16 inputs (tests/div_rn_check.cu: 1.1e9 entry and 1.3e11 NVFP4
+    quotients, about a second on an H100)."""
+    import subprocess
+
+    from jaxkv.cuda.build import nvcc, source_dir
+
+    try:
+        compiler = nvcc()
+    except cuda.BuildError as e:
+        pytest.skip(str(e))
+    arch = cuda.arch_of(jax.devices()[0].compute_capability)
+    exe = tmp_path / "div_rn_check"
+    here = os.path.dirname(__file__)
+    subprocess.run([compiler, "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-I", str(source_dir()),
+                    "-o", str(exe), os.path.join(here, "div_rn_check.cu")], check=True, capture_output=True)
+    p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
+    lines = p.stdout.splitlines()
+    assert p.returncode == 0 and len(lines) == 2, p.stdout + p.stderr
+    for line, name in zip(lines, ("entry", "nvfp4")):
+        assert line.startswith(f"{name}: ") and line.endswith(" 0 differ"), line
+
+
 def test_arch_of():
     assert cuda.arch_of("9.0") == "90a" and cuda.arch_of((10, 0)) == "100a" and cuda.arch_of((8, 6)) == "86"
 
@@ -88,9 +113,13 @@ def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
     x[2, :448] *= 1e4  # saturating magnitudes
     x[3, 100] = np.inf
     x[4, 5] = np.nan
+    x[8] *= 1e-37  # scales below 2^-32 and f32-subnormal ones (bf16 keeps magnitudes to ~1e-40)
+    x[9] *= 1e-40
+    x[9, 10] = -0.0
     xi = rng.normal(size=(N, 128)) * 10.0 ** rng.uniform(-3, 2, size=(N, 1))
     xi[5, :32] = 0
     xi[6, 40] = np.nan
+    xi[7] *= 1e-38
     # distinct (block, slot) per row; some rows go nowhere (block -1 or NB)
     cells = rng.permutation(NB * bs)[:N]
     block, slot = (cells // bs).astype(np.int32), (cells % bs).astype(np.int32)

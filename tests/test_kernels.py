@@ -194,6 +194,46 @@ def test_flush_write_matches_reference(rng, csa, storage):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
+@pytest.mark.gpu
+def test_ptx_div_shared_equals_div_rn(rng):
+    """The Pallas kernels' shared-divisor division gives div.rn's quotients (where a code can
+    depend on them) for every bf16 dividend over every FP8 entry scale amax / 448 and over
+    NVFP4 denominators e4m3 * gmax / 2688 for 256 random bf16 gmax: the plumbing of
+    cuda/div_rn.cuh's twin, which tests/div_rn_check.cu checks over every divisor."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as pltriton
+
+    from jaxkv.kernels.fp4_pack import ptx_div_rn, ptx_div_shared
+
+    bf16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
+    x = np.where(np.isfinite(bf16), bf16, 0).astype(np.float32)  # every finite bf16 (65,536 with padding)
+    amax = bf16[np.isfinite(bf16) & (bf16 > 0)]  # every positive bf16
+    entry = (amax.astype(np.float64) / 448).astype(np.float32)  # correctly rounded (53 >= 2 * 24 + 2 bits)
+    g = (rng.choice(amax, 256).astype(np.float64) / 2688).astype(np.float32)
+    e4m3 = np.arange(1, 0x7F, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)
+    nvfp4 = (e4m3[:, None] * g[None, :]).reshape(-1)  # f32 products, as the kernels form them
+    X = 4096
+
+    def kernel(x_ref, d_ref, o_ref, *, limit):
+        xs = x_ref[...]  # f32[X]
+        d = d_ref[pl.program_id(0)]
+        want, got = ptx_div_rn(xs, d), ptx_div_shared(xs, d)
+        wb, gb = lax.bitcast_convert_type(want, jnp.int32), lax.bitcast_convert_type(got, jnp.int32)
+        same = jnp.where(jnp.abs(want) < 2.0**-12, (jnp.abs(got) < 2.0**-11) & ((wb < 0) == (gb < 0)), wb == gb)
+        o_ref[0, 0] = jnp.sum(((jnp.abs(want) <= limit) & ~same).astype(jnp.int32))
+
+    for divisors, limit in ((entry, 448.001), (nvfp4[nvfp4 > 0], 16.0)):  # |x| <= amax: quotient <= 448.0001
+        n = 1 << (divisors.shape[0] - 1).bit_length()  # Triton blocks: powers of two
+        divisors = np.concatenate([divisors, np.ones(n - divisors.shape[0], np.float32)])
+        bad = pl.pallas_call(functools.partial(kernel, limit=limit), grid=(n, x.shape[0] // X),
+                             in_specs=[pl.BlockSpec((X,), lambda i, j: (j,)), pl.BlockSpec((n,), lambda i, j: (0,))],
+                             out_specs=pl.BlockSpec((1, 1), lambda i, j: (i, j)),
+                             out_shape=jax.ShapeDtypeStruct((n, x.shape[0] // X), jnp.int32),
+                             compiler_params=pltriton.CompilerParams(num_warps=4))(jnp.asarray(x), jnp.asarray(divisors))
+        assert int(jnp.sum(bad)) == 0, np.argwhere(np.asarray(bad))[:5]
+
+
 def test_compress_pallas_equals_xla(rng):
     """hybrid.compress with the Pallas flush-write: the same cache bytes over a prefill and
     2-token steps (1-token steps take the fused kernel: ``test_compress_decode_fused_matches_xla``)."""

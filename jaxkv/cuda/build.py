@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 SOURCES = ("flush_write.cu",)
+HEADERS = ("div_rn.cuh",)  # included by the sources: part of the cache key
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch
 
 
@@ -29,8 +30,8 @@ class BuildError(RuntimeError):
 def source_dir() -> Path:
     """The repository's ``cuda/`` (the package is installed editable from the repo)."""
     d = Path(__file__).resolve().parents[2] / "cuda"
-    if not all((d / s).is_file() for s in SOURCES):
-        raise BuildError(f"cuda sources not found: expected {', '.join(SOURCES)} in {d} "
+    if not all((d / s).is_file() for s in SOURCES + HEADERS):
+        raise BuildError(f"cuda sources not found: expected {', '.join(SOURCES + HEADERS)} in {d} "
                          "(install jaxkv from a checkout: pip install -e .)")
     return d
 
@@ -65,7 +66,7 @@ def _flags(arch: str) -> list[str]:
 def _key(arch: str) -> str:
     h = hashlib.sha256()
     src = source_dir()
-    for s in SOURCES:
+    for s in SOURCES + HEADERS:
         h.update((src / s).read_bytes())
     for hdr in sorted(Path(_ffi_include(), "xla", "ffi", "api").glob("*.h")):
         h.update(hdr.read_bytes())

@@ -47,11 +47,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.errors import Fault
-from jaxkv.formats._common import div_rn, round_bf16
+from jaxkv.formats._common import round_bf16
 from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
 from jaxkv.hybrid.stacked import as_stack, check_stacked
 from jaxkv.kernels.flush_write import ENTRY, KEY, f32_bytes, per_entry_codes, ue8m0_tile_codes
-from jaxkv.kernels.fp4_pack import mxfp4_pairs, nvfp4_pairs, ptx_div_rn
+from jaxkv.kernels.fp4_pack import division, mxfp4_pairs, nvfp4_pairs
 from jaxkv.kernels.tuning import COMPRESS_DECODE_WARPS as NUM_WARPS  # by storage family
 
 ROWS = 1  # requests per program
@@ -320,7 +320,7 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
     first = len(args)
     res = pl.pallas_call(
         functools.partial(_kernel, ratio=ratio, csa=csa, nb=nb, bs=bs, layer=layer, R=R, mb=table.shape[1], eps=eps,
-                          offsets=offsets, storage=storage, div=div_rn if interpret else ptx_div_rn),
+                          offsets=offsets, storage=storage, div=division(interpret)),
         out_shape=tuple(outs),
         grid=(pl.cdiv(B, ROWS),),
         input_output_aliases={first + n: n for n in range(len(aliased))},

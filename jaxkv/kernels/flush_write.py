@@ -7,7 +7,8 @@ block, and per key 64 B of E2M1 nibbles and 4 UE8M0 bytes (MXFP4); the seed fami
 float32 scale per entry (580 B) and NVFP4 keys (8 E4M3 group scales and a float32 global
 scale, 76 B). The math is the formats' (same helpers, same bytes as
 ``hybrid.flush.ref_flush_write``): dividing by a power-of-two scale is a multiply by its
-exact inverse, by a float32 scale a correctly rounded ``div_rn``; the keys use
+exact inverse, by a float32 scale correctly rounded (``fp4_pack.Division``: on a GPU the
+scale's reciprocal once and one fused correction per element); the keys use
 ``fp4_pack.mxfp4_pairs`` / ``nvfp4_pairs``. Each program handles ``tuning.FLUSH_WRITE_ROWS[storage]`` entries
 and writes them with scatter stores (integer-array indexers of the pool viewed as
 ``[layers * blocks, block bytes]``). Lowering: Triton (``pltriton.CompilerParams``).
@@ -26,11 +27,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.formats._common import E8M0_NAN, FP8_MAX, div_rn, ue8m0_scale
+from jaxkv.formats._common import E8M0_NAN, FP8_MAX, ue8m0_scale
 from jaxkv.formats.fp8 import UE8M0_MIN_SCALE
 from jaxkv.hybrid.stacked import as_stack
-from jaxkv.kernels.fp4_pack import (e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs, pow2_inverse,
-                                    ptx_div_rn)
+from jaxkv.kernels.fp4_pack import (EXACT, division, e4m3_bytes, is_nan_bits, mxfp4_pairs, nan_amax, nvfp4_pairs,
+                                    pow2_inverse)
 from jaxkv.kernels.tuning import FLUSH_WRITE_ROWS, FLUSH_WRITE_WARPS
 
 NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # FP8 dims; bytes of codes + rope; FP8 tiles; FP4 code bytes
@@ -38,14 +39,14 @@ ENTRY = {"official": 584, "seed": 580}  # bytes per entry
 KEY = {"official": 68, "seed": 76}  # bytes per 128-dim indexer key
 
 
-def ue8m0_tile_codes(*parts, div=div_rn):
+def ue8m0_tile_codes(*parts, div=EXACT):
     """FP8 E4M3 codes with one UE8M0 scale per tile, a tile given as ``parts`` f32[..., n]
     (its elements are all the parts' last axes together) -> (scale bytes u8[...], codes
     u8[..., n] per part). A tile holding a NaN gets the NaN scale byte and all NaN codes.
-    ``div``: ``div_rn`` or, on a GPU, ``fp4_pack.ptx_div_rn`` (the same quotients)."""
+    ``div``: an ``fp4_pack.Division`` (the same quotients either way)."""
     nan = functools.reduce(jnp.maximum, [jnp.max(is_nan_bits(x), axis=-1) for x in parts]) > 0
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), axis=-1) for x in parts])
-    _, byte = ue8m0_scale(jnp.maximum(div(amax, FP8_MAX), UE8M0_MIN_SCALE))
+    _, byte = ue8m0_scale(jnp.maximum(div.one(amax, FP8_MAX), UE8M0_MIN_SCALE))
     byte = jnp.where(nan, jnp.uint8(E8M0_NAN), byte)
     inv = pow2_inverse(byte)[..., None]
     nan_tile = (byte == E8M0_NAN)[..., None]
@@ -53,19 +54,19 @@ def ue8m0_tile_codes(*parts, div=div_rn):
                             lax.bitcast_convert_type((x * inv).astype(jnp.float8_e4m3fn), jnp.uint8)) for x in parts]
 
 
-def per_entry_codes(*parts, div=div_rn):
+def per_entry_codes(*parts, div=EXACT):
     """FP8 E4M3 codes with one float32 scale per entry (the seed storage family,
     ``formats.quantize_fp8_per_entry``), an entry's 448 FP8 dims given as ``parts``
-    f32[R, 8, n] whose tile 7 (the RoPE dims) is left out -> (scale f32[R], codes
-    u8[R, 8, n] per part). A non-finite entry gets a NaN scale and zero codes. ``div``:
-    ``div_rn`` or, on a GPU, ``fp4_pack.ptx_div_rn`` (the same quotients, far faster)."""
+    f32[R, 8, n] (bf16 values) whose tile 7 (the RoPE dims) is left out -> (scale f32[R],
+    codes u8[R, 8, n] per part). A non-finite entry gets a NaN scale and zero codes.
+    ``div``: an ``fp4_pack.Division`` (the same quotients either way)."""
     nope = jnp.arange(8)[None, :, None] < NOPE_TILES
     tiles = nan_amax(*[jnp.where(nope, x, 0.0) for x in parts])  # [R, 8]
     amax = nan_amax(tiles)  # [R]
-    scale = jnp.where(amax < jnp.inf, div(amax, jnp.float32(FP8_MAX)), jnp.nan)
+    scale = jnp.where(amax < jnp.inf, div.one(amax, jnp.float32(FP8_MAX)), jnp.nan)
     ok = (scale > 0)[:, None, None]
     safe = jnp.where(ok, scale[:, None, None], 1.0)
-    return scale, [jnp.where(ok, e4m3_bytes(div(x, safe)), jnp.uint8(0)) for x in parts]
+    return scale, [jnp.where(ok, e4m3_bytes(div.shared(x, safe)), jnp.uint8(0)) for x in parts]
 
 
 def f32_bytes(x):
@@ -152,7 +153,7 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
         xi = jnp.zeros((1, 128), jnp.bfloat16)
     outs = pl.pallas_call(
         functools.partial(_kernel, n=n, nb=nb, bs=bs, layer=layer, with_index=with_index, x_off=x_row * n,
-                          storage=storage, div=div_rn if interpret else ptx_div_rn, R=rows),
+                          storage=storage, div=division(interpret), R=rows),
         out_shape=(jax.ShapeDtypeStruct((L * nb, w), jnp.uint8),
                    jax.ShapeDtypeStruct((index_pool.shape[0] * index_pool.shape[1], index_pool.shape[2]), jnp.uint8)),
         grid=(pl.cdiv(n, rows),),

@@ -15,9 +15,10 @@ MXFP4_ROWS = 32
 MXFP4_WARPS = 8
 
 # flush-write by storage family, kernel time at 4,096 / 65,536 entries. official: 16 x 4
-# 4.38 / 54.1 us, 4 x 4 4.72 / 58.1 us; seed: 2 x 1 5.49 / 63.5 us, 4 x 4 5.53 / 68.9 us,
-# 8 x 4 5.82 / 74.1 us, 16 x 4 7.09 / 91.6 us. (An earlier sweep that found every setting
-# equal had patched the function, not this module's constants.)
+# 4.38 / 54.1 us, 4 x 4 4.72 / 58.1 us. seed, with the shared-divisor division: 2 x 1
+# 4.99 / 59.4 us, 4 x 1 4.92 / 64.4, 4 x 2 5.33 / 59.3, 8 x 4 5.31 / 59.9, 16 x 4 5.06 / 68.0,
+# 1 x 1 5.80 / 63.6. (An earlier sweep that found every setting equal had patched the
+# function, not this module's constants.)
 FLUSH_WRITE_ROWS = {"official": 16, "seed": 2}
 FLUSH_WRITE_WARPS = {"official": 4, "seed": 1}
 
