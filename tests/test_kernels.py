@@ -81,6 +81,29 @@ def test_frame_append_impls_agree(rng, pow2):
         frame.append(states["xla"], k, v, impl="cuda")
 
 
+def test_without_the_triton_lowering(rng, monkeypatch):
+    """A jax without the Pallas Triton lowering (deprecated in 0.11): "auto" falls back to the
+    XLA paths, an explicit impl="pallas" is a clear ValueError, and the cache is untouched."""
+    from jaxkv import _backend, frame
+    from jaxkv import hybrid as H
+
+    monkeypatch.setattr(_backend, "interpret", lambda: False)  # as on a GPU
+    assert _backend.auto_impl() == "pallas"
+    monkeypatch.setattr(_backend, "has_triton", lambda: False)
+    assert _backend.auto_impl() == "xla"
+    assert H.flush.default_impl() == "xla" and frame.ops.default_append_impl() == "xla"
+    spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=4, num_special=1,
+                           scale_frames=1, sliding_window=2, max_frames=8)
+    st = frame.init(spec)
+    k, v = (jnp.asarray(rng.normal(size=(2, 1, spec.tokens_per_frame, 2, 16)), jnp.bfloat16) for _ in range(2))
+    with pytest.raises(ValueError, match="impl='pallas': jax .* has no Pallas Triton lowering"):
+        frame.append(st, k, v, impl="pallas")
+    assert not np.asarray(frame.num_frames(st)).any()  # one count per stream
+    with pytest.raises(ValueError, match="impl='pallas'"):
+        H.flush.check_impl("pallas")
+    assert H.flush.check_impl("cuda") == "cuda"  # the other kernels do not need it
+
+
 # --- MXFP4 packing ----------------------------------------------------------------------------------
 def _keys(rng, n, d=128, dtype=jnp.float32):
     x = rng.normal(size=(n, d)) * rng.choice([1e-7, 1e-3, 1.0, 40.0, 3e4], size=(n, 1))

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv._backend import auto_impl, check_pallas, interpret
 from jaxkv.errors import Fault, record
 from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState
 from jaxkv.kernels.frame_append import write_rows
@@ -262,8 +263,8 @@ APPEND_IMPLS = ("auto", "xla", "pallas")
 
 def default_append_impl() -> str:
     """``pallas`` on a GPU (one launch for every layer: 1.75x XLA's 96 updates at 518x378 on
-    an H100, ``benchmarks/kernels.py``), ``xla`` elsewhere."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    an H100, ``benchmarks/kernels.py``), ``xla`` elsewhere (``jaxkv._backend.auto_impl``)."""
+    return auto_impl()
 
 
 def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
@@ -274,7 +275,7 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
     kb, vb = write_frame(flat(state.k), flat(state.v), k.reshape(k.shape[:3] + (-1,)),
                          v.reshape(v.shape[:3] + (-1,)), state.write_special_row, state.write_patch_row,
                          num_special=s.num_special, page_size=s.page_size,
-                         interpret=jax.default_backend() != "gpu")
+                         interpret=interpret())
     shape = state.k[0].shape
     return state.replace(k=tuple(b.reshape(shape) for b in kb), v=tuple(b.reshape(shape) for b in vb))
 
@@ -298,7 +299,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
     _check_frame_kv(state, k, v, per_layer=False)
     if impl not in APPEND_IMPLS:
         raise ValueError(f"impl: expected one of {APPEND_IMPLS}, got {impl!r}")
-    return _append(state, k, v, defer, impl=default_append_impl() if impl == "auto" else impl)
+    return _append(state, k, v, defer, impl=default_append_impl() if impl == "auto" else check_pallas(impl))
 
 
 @_donate

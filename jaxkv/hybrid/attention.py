@@ -8,6 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxkv._backend import auto_impl, check_pallas, interpret
 from jaxkv.formats import nvfp4_global_scale
 from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, index_keys
@@ -32,16 +33,15 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     c = state.config
     codec = c.storage_format.index_key(c.index_dim)
     x = hadamard(q).astype(jnp.bfloat16)
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "gpu"):
+    if (auto_impl() if impl == "auto" else check_pallas(impl)) == "xla":
         return codec.decode(codec.encode(x))
     from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
 
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
-    interpret = jax.default_backend() != "gpu"
     if c.storage == "official":
-        parts = quantize_mxfp4(rows, interpret=interpret)
+        parts = quantize_mxfp4(rows, interpret=interpret())
     else:  # the seed's keys: one global scale per key
-        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows), interpret=interpret)
+        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows), interpret=interpret())
         parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
     return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))
 

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._backend import auto_impl, check_pallas, interpret
 from jaxkv.hybrid.compressor import CUR_B, empty_tail
 from jaxkv.hybrid.stacked import check_stacked, row
 from jaxkv.hybrid.storage import STORAGES, write_items
@@ -40,14 +41,14 @@ def check_impl(impl: str) -> str:
     """Resolve ``impl``; "auto" is ``default_impl()``."""
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    return default_impl() if impl == "auto" else impl
+    return default_impl() if impl == "auto" else check_pallas(impl)
 
 
 def default_impl() -> str:
     """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer:
     4.0 -> 1.0-1.6 ms for a 256-request V4-Flash step on an H100, ``benchmarks/RESULTS.md``),
-    "xla" elsewhere; the same for both storage families."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    "xla" elsewhere (``jaxkv._backend.auto_impl``); the same for both storage families."""
+    return auto_impl()
 
 
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
@@ -126,7 +127,7 @@ def pallas_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_
 
     _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
     return kernel(pool, layer, x, block, slot, storage=storage, index_pool=index_pool, xi=xi,
-                  interpret=jax.default_backend() != "gpu")
+                  interpret=interpret())
 
 
 WRITERS = {"xla": ref_flush_write, "cuda": flush_write, "pallas": pallas_flush_write}

@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxkv._backend import auto_impl, check_pallas, interpret
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
@@ -211,7 +212,7 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     out = compress_decode(state.tails[g], token(kv), token(score), params.bias, params.norm, step.slot,
                           step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
                           state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
-                          eps=c.norm_eps, storage=c.storage, interpret=jax.default_backend() != "gpu", **extra)
+                          eps=c.norm_eps, storage=c.storage, interpret=interpret(), **extra)
     new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]),
                error=out[-1])
     if csa:
@@ -271,7 +272,7 @@ def _read(pool, j, blk, item, codec, storage, impl):
         from jaxkv.kernels.dequant_gather import dequant_gather
 
         flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage,
-                              interpret=jax.default_backend() != "gpu")
+                              interpret=interpret())
         return flat.reshape(*blk.shape, flat.shape[-1])
     items = codec.decode(read_items(pool, j, blk, item, codec.segments))
     return jnp.where((blk >= 0)[..., None], items, 0).astype(jnp.bfloat16)
@@ -288,8 +289,8 @@ def _gather_impl(impl: str) -> str:
     if impl not in GATHER_IMPLS:
         raise ValueError(f"impl: expected one of {GATHER_IMPLS}, got {impl!r}")
     if impl == "auto":  # the kernel: 1.6x XLA's gather by kernel time on an H100 (benchmarks/RESULTS.md)
-        return "pallas" if jax.default_backend() == "gpu" else "xla"
-    return impl
+        return auto_impl()
+    return check_pallas(impl)
 
 
 def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl: str = "auto"):
