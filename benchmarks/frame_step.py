@@ -55,7 +55,7 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto")
         state = frame.append(state, k, v, impl=append_impl)
         if not attend:
             return state, state.num_valid
-        outs = [frame.attention(state, q[layer], layer, impl=impl) for layer in range(L)]
+        outs = [frame.attention(state, layer, q[layer], impl=impl) for layer in range(L)]
         return state, jnp.stack(outs)
 
     step = jax.jit(step, donate_argnums=0)

@@ -34,7 +34,7 @@ import jax.numpy as jnp  # noqa: E402
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 from jaxkv.hybrid import flush as F  # noqa: E402
-from jaxkv.hybrid.storage import STORAGES  # noqa: E402
+from jaxkv.formats.storage import STORAGES  # noqa: E402
 from jaxkv.kernels import dequant_gather as _dg  # noqa: E402
 from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
 from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
@@ -96,7 +96,7 @@ def bench_mxfp4(n, iters, interpret=False):
 
 
 def bench_nvfp4(n, iters, interpret=False):
-    """NVFP4 with one global scale per key (the seed storage's indexer keys)."""
+    """NVFP4 with one global scale per key (the per_entry storage family's indexer keys)."""
     from jaxkv.formats import nvfp4_global_scale
 
     x = jax.random.normal(jax.random.key(2), (n, 128), jnp.float32)
@@ -236,15 +236,15 @@ def main(argv=None):
     if not interpret and want("dequant"):  # the Pallas gather has no cheap interpret size here
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)
-        rows += bench_dequant_gather(256, 512, args.iters, "seed")
+        rows += bench_dequant_gather(256, 512, args.iters, "per_entry")
     if not interpret and want("fused"):
-        for storage in ("official", "seed"):
+        for storage in ("official", "per_entry"):
             for n in (4096, 16384):
                 for ratio in (4, 128):
                     rows += bench_fused_flush(n, ratio, args.iters, storage)
     if not interpret and want("flush"):  # the CUDA kernel needs a GPU
         for n in (4096, 65536):
-            for storage in ("official", "seed"):
+            for storage in ("official", "per_entry"):
                 rows += bench_flush_write(n, storage, args.iters)
     print(f"\n{'operation':<36} {'impl':<7} {'MB moved':>9} {'ms':>8} {'GB/s':>8} {'of copy':>8} {'vs xla':>7}")
     out = []

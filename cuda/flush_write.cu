@@ -23,22 +23,44 @@
 
 namespace jaxkv {
 
-constexpr int kHeadDim = 512;   // stored entry: 448 FP8 + 64 BF16 rope dims
-constexpr int kNope = 448;
-constexpr int kTile = 64;       // UE8M0 tile
-constexpr int kIndexDim = 128;  // indexer key width
+// The pool layout comes from jaxkv.formats.storage.cuda_defines() (jaxkv.cuda.build passes it).
+#if !defined(JAXKV_HEAD_DIM) || !defined(JAXKV_OFFICIAL_ENTRY_SEG1) || !defined(JAXKV_PER_ENTRY_KEY_SEG2)
+#error "build with the -D flags of jaxkv.formats.storage.cuda_defines() (jaxkv.cuda.build does)"
+#endif
+constexpr int kHeadDim = JAXKV_HEAD_DIM;    // stored entry: FP8 dims, then BF16 rope dims
+constexpr int kNope = JAXKV_NOPE;           // FP8 dims
+constexpr int kTile = JAXKV_TILE;           // UE8M0 tile
+constexpr int kIndexDim = JAXKV_INDEX_DIM;  // indexer key width
+constexpr int kRopeBytes = 2 * (kHeadDim - kNope);
+static_assert(kHeadDim == 512 && kNope == 448 && kTile == 64 && kIndexDim == 128,
+              "the warp mapping below (16 dims per lane, 4 key dims per lane) is written for these widths");
+// segments (storage.py's Codec.segments): official entry [codes + rope][tile scales + pad],
+// per_entry entry [codes][rope][f32 scale]; official key [codes][UE8M0], per_entry key [codes][E4M3][f32]
+constexpr int kOffData = JAXKV_OFFICIAL_ENTRY_SEG0, kOffScales = JAXKV_OFFICIAL_ENTRY_SEG1;
+constexpr int kPeCodes = JAXKV_PER_ENTRY_ENTRY_SEG0, kPeRope = JAXKV_PER_ENTRY_ENTRY_SEG1,
+              kPeScale = JAXKV_PER_ENTRY_ENTRY_SEG2;
+constexpr int kOffKeyCodes = JAXKV_OFFICIAL_KEY_SEG0, kOffKeyScales = JAXKV_OFFICIAL_KEY_SEG1;
+constexpr int kPeKeyCodes = JAXKV_PER_ENTRY_KEY_SEG0, kPeKeyScales = JAXKV_PER_ENTRY_KEY_SEG1,
+              kPeKeyGlobal = JAXKV_PER_ENTRY_KEY_SEG2;
+static_assert(kOffData == kNope + kRopeBytes && kOffScales == 8 && kPeCodes == kNope && kPeRope == kRopeBytes &&
+              kPeScale == 4 && kOffKeyCodes == kIndexDim / 2 && kPeKeyCodes == kIndexDim / 2 &&
+              kOffKeyScales == 4 && kPeKeyScales == 8 && kPeKeyGlobal == 4,
+              "the stores below are written for this layout: change them with it");
 #ifndef JAXKV_FLUSH_ROWS  // swept with NVCC_APPEND_FLAGS=-DJAXKV_FLUSH_ROWS=n (scratch only)
 #define JAXKV_FLUSH_ROWS 4
 #endif
 constexpr int kRowsPerBlock = JAXKV_FLUSH_ROWS;  // warps per CTA, one entry each
 
-enum Storage : int32_t { kOfficial = 0, kSeed = 1 };
+enum Storage : int32_t { kOfficial = JAXKV_OFFICIAL_CODE, kPerEntry = JAXKV_PER_ENTRY_CODE };
 
-// Item bytes and segment sizes of each storage family (storage.py's Codec.segments).
-__host__ __device__ constexpr int entry_bytes(int32_t s) { return s == kOfficial ? 584 : 580; }
-__host__ __device__ constexpr int key_bytes(int32_t s) { return s == kOfficial ? 68 : 76; }
+__host__ __device__ constexpr int entry_bytes(int32_t s) {
+  return s == kOfficial ? JAXKV_OFFICIAL_ENTRY_BYTES : JAXKV_PER_ENTRY_ENTRY_BYTES;
+}
+__host__ __device__ constexpr int key_bytes(int32_t s) {
+  return s == kOfficial ? JAXKV_OFFICIAL_KEY_BYTES : JAXKV_PER_ENTRY_KEY_BYTES;
+}
 
-// ---- exact scalar helpers (mirror jaxkv/formats/_common.py) ------------------------------
+// ---- exact scalar helpers (mirror jaxkv/formats/numerics.py) ------------------------------
 __device__ __forceinline__ float pow2f(int e) { return __int_as_float((e + 127) << 23); }  // e in [-126, 127]
 
 __device__ __forceinline__ float nanmax(float a, float b) {  // max that keeps NaN (amax_abs): one FMNMX.NAN
@@ -162,18 +184,18 @@ __device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, 
     const float s = ue8m0_scale(t, &byte);
     // the 7 tile scales (lanes 0, 4, .., 24 hold them) and a zero pad byte: one 8-byte store
     const uint32_t lo = gather_bytes<4, 4>(byte), hi = gather_bytes<3, 4>(byte, 16);
-    if (lane == 0) *reinterpret_cast<uint2*>(base + bs * 576 + sl * 8) = make_uint2(lo, hi);
+    if (lane == 0) *reinterpret_cast<uint2*>(base + bs * kOffData + sl * kOffScales) = make_uint2(lo, hi);
     const float inv = inv_pow2(s);
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = e4m3x4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
     if (nope) {
-      store16(base + sl * 576 + 16 * lane, q);
+      store16(base + sl * kOffData + 16 * lane, q);
     } else {  // the rope dims' bytes as they came
-      uint8_t* dst = base + sl * 576 + kNope + 32 * (lane - kNope / 16);
+      uint8_t* dst = base + sl * kOffData + kNope + 32 * (lane - kNope / 16);
       store16(dst, raw[0]);
       store16(dst + 16, raw[1]);
     }
-  } else {  // seed: [448 fp8] x bs, [64 bf16] x bs, [f32 scale] x bs
+  } else {  // per_entry: [448 fp8] x bs, [64 bf16] x bs, [f32 scale] x bs
     amax = group_amax<32>(amax);
     const float scale = isfinite(amax) ? __fdiv_rn(amax, 448.f) : __int_as_float(0x7fc00000);
     if (nope) {
@@ -182,10 +204,11 @@ __device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, 
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         w[i] = ok ? e4m3x4(div(v[4 * i]), div(v[4 * i + 1]), div(v[4 * i + 2]), div(v[4 * i + 3])) : 0u;
-      store16(base + sl * kNope + 16 * lane, q);
-      if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 576 + sl * 4) = __float_as_uint(scale);
+      store16(base + sl * kPeCodes + 16 * lane, q);
+      if (lane == 0)
+        *reinterpret_cast<uint32_t*>(base + bs * (kPeCodes + kPeRope) + sl * kPeScale) = __float_as_uint(scale);
     } else {
-      uint8_t* dst = base + bs * kNope + sl * 128 + 32 * (lane - kNope / 16);
+      uint8_t* dst = base + bs * kPeCodes + sl * kPeRope + 32 * (lane - kNope / 16);
       store16(dst, raw[0]);
       store16(dst + 16, raw[1]);
     }
@@ -211,7 +234,7 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
 #pragma unroll
     for (int i = 0; i < 4; ++i) c[i] = e2m1(v[i] * inv);
     const uint32_t scales = gather_bytes<4, 8>(byte);  // lanes 0, 8, 16, 24
-    if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 4) = scales;
+    if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * kOffKeyCodes + sl * kOffKeyScales) = scales;
   } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
     const float gmax = group_amax<32>(amax);
     const float g = gmax > 0.f ? __fdiv_rn(gmax, 2688.f) : 1.f;
@@ -224,15 +247,15 @@ __device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, i
     for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? div(v[i]) : 0.f);
     const uint32_t lo = gather_bytes<4, 4>(b8), hi = gather_bytes<4, 4>(b8, 16);  // lanes 0, 4, .., 28
     if (lane == 0) {
-      uint32_t* d = reinterpret_cast<uint32_t*>(base + bs * 64 + sl * 8);
+      uint32_t* d = reinterpret_cast<uint32_t*>(base + bs * kPeKeyCodes + sl * kPeKeyScales);
       d[0] = lo, d[1] = hi;
-      *reinterpret_cast<uint32_t*>(base + bs * 72 + sl * 4) = __float_as_uint(g);
+      *reinterpret_cast<uint32_t*>(base + bs * (kPeKeyCodes + kPeKeyScales) + sl * kPeKeyGlobal) = __float_as_uint(g);
     }
   }
   // this lane's 2 code bytes, paired with the next lane's: one 4-byte store per even lane
   const uint32_t mine = (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8);
   const uint32_t next = __shfl_down_sync(0xffffffffu, mine, 1);
-  if (lane % 2 == 0) *reinterpret_cast<uint32_t*>(base + sl * 64 + 2 * lane) = mine | (next << 16);
+  if (lane % 2 == 0) *reinterpret_cast<uint32_t*>(base + sl * kOffKeyCodes + 2 * lane) = mine | (next << 16);
 }
 
 __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {
@@ -331,7 +354,8 @@ static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
                                   int32_t layer, int32_t block_size, int32_t storage, bool with_index) {
   const auto pd = pool.dimensions();
   const int64_t n = x.dimensions()[0];
-  if (storage != kOfficial && storage != kSeed) return ffi::Error::InvalidArgument("storage: expected 0 or 1");
+  if (storage != kOfficial && storage != kPerEntry)
+    return ffi::Error::InvalidArgument("storage: expected a code of jaxkv.formats.storage.STORAGE_CODES");
   if (x.dimensions()[1] != kHeadDim) return ffi::Error::InvalidArgument("x: expected bf16[n, 512]");
   if (block.dimensions()[0] != n || slot.dimensions()[0] != n)
     return ffi::Error::InvalidArgument("block, slot: expected i32[n] with n = x.shape[0]");

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jaxkv import demo
+
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxkv", description="jaxkv command line")
     sub = p.add_subparsers(dest="command", required=True)
-    from jaxkv import demo
-
     d = sub.add_parser("demo", help="stream random frames through a lingbot-map-shaped frame cache",
                        description=demo.__doc__)
     demo.add_arguments(d)

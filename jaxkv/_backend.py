@@ -1,17 +1,29 @@
-"""Where the Triton-lowered Pallas kernels run, and what ``impl="auto"`` picks for them.
+"""The one registry of implementations: for each operation, the names ``impl=`` takes,
+what each needs to run here, and what ``impl="auto"`` picks.
 
-On a GPU they run natively; elsewhere in interpret mode (CPU tests), which needs only the
-lowering's Python module. JAX 0.11 deprecates the Pallas Triton lowering: in a jax without
-it, ``"auto"`` falls back to the XLA paths (same bytes, slower) and an explicit
+Every public function with an ``impl=`` argument resolves it here (``resolve``), so the
+names, the ``auto`` rule and the error for a missing one are written once. Kernels run
+natively on a GPU and in Pallas interpret mode elsewhere (``interpret``). JAX 0.11
+deprecates the Pallas Triton lowering that five kernels use: in a jax without it,
+``"auto"`` falls back to the XLA path (same bytes, slower) and an explicit
 ``impl="pallas"`` raises a ``ValueError`` that says so, instead of an ImportError from
-inside a trace. (``kernels.prefix_attention`` uses the Mosaic GPU lowering and is
-unaffected.)
+inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hopper only).
+
+| operation | names | auto |
+| --- | --- | --- |
+| ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
+| ``frame.append`` | xla, pallas | pallas on a GPU with the Triton lowering, else xla |
+| ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
+| ``hybrid.gather`` | xla, pallas | as frame.append |
+| ``hybrid.index_query`` | xla, pallas | as frame.append |
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+from typing import Callable
 
 import jax
 
@@ -31,15 +43,84 @@ def interpret() -> bool:
     return jax.default_backend() != "gpu"
 
 
+def is_hopper() -> bool:
+    """Whether jax's first device is an sm_90 GPU (the Mosaic GPU kernels' target)."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 def auto_impl() -> str:
     """``"pallas"`` on a GPU whose jax has the Triton lowering, else ``"xla"``."""
     return "pallas" if not interpret() and has_triton() else "xla"
 
 
-def check_pallas(impl: str) -> str:
-    """``impl``, after checking that ``"pallas"`` can run here."""
-    if impl == "pallas" and not has_triton():
-        raise ValueError(f"impl='pallas': jax {jax.__version__} has no Pallas Triton lowering "
-                         "(jax.experimental.pallas.triton), which this kernel uses; pass impl='xla' "
-                         "or impl='auto', which falls back to it")
+def _triton_missing(**_) -> str | None:
+    if has_triton():
+        return None
+    return (f"jax {jax.__version__} has no Pallas Triton lowering (jax.experimental.pallas.triton), which this "
+            "kernel uses; pass impl='xla' or impl='auto', which falls back to it")
+
+
+def _hopper_missing(*, head_dim: int = 64, **_) -> str | None:
+    if is_hopper() and head_dim % 64 == 0:
+        return None
+    return (f"expected an NVIDIA Hopper GPU (sm_90) and head_dim a multiple of 64, got "
+            f"{jax.devices()[0].device_kind} and head_dim {head_dim}")
+
+
+def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
+    if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
+        return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
+    return "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class Operation:
+    """One operation's implementations.
+
+    names: what ``impl=`` takes besides ``"auto"``; auto(**context) -> a name;
+    missing: name -> check(**context) returning why it cannot run here, or None.
+    """
+
+    name: str
+    names: tuple[str, ...]
+    auto: Callable[..., str]
+    missing: dict[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        return ("auto",) + self.names
+
+
+def _triton_op(name: str, names: tuple[str, ...]) -> Operation:
+    return Operation(name, names, lambda **_: auto_impl(), {"pallas": _triton_missing})
+
+
+OPERATIONS = {op.name: op for op in (
+    Operation("frame.attention", ("reference", "xla", "cudnn", "pallas"), _frame_attention_auto,
+              {"pallas": _hopper_missing}),
+    _triton_op("frame.append", ("xla", "pallas")),
+    _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
+    _triton_op("hybrid.gather", ("xla", "pallas")),
+    _triton_op("hybrid.index_query", ("xla", "pallas")),
+)}
+
+
+def choices(operation: str) -> tuple[str, ...]:
+    """The names ``impl=`` takes for ``operation``, ``"auto"`` first."""
+    return OPERATIONS[operation].choices
+
+
+def resolve(operation: str, impl: str, **context) -> str:
+    """The implementation ``impl`` names for ``operation`` here: ``"auto"`` resolved by the
+    operation's rule (``context``: what the rule reads, e.g. ``head_dim``); a ``ValueError``
+    naming ``impl`` for an unknown name or one that cannot run here."""
+    op = OPERATIONS[operation]
+    if impl not in op.choices:
+        raise ValueError(f"impl: expected one of {op.choices} for {operation}, got {impl!r}")
+    if impl == "auto":
+        return op.auto(**context)
+    why = op.missing.get(impl, lambda **_: None)(**context)
+    if why:
+        raise ValueError(f"impl={impl!r} for {operation}: {why}")
     return impl

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxkv
+from jaxkv.errors import check
 from jaxkv import frame
 
 RESOLUTIONS = {"112x84": 48, "224x224": 256, "518x378": 999, "504x378": 972}  # 14x14 patches
@@ -55,7 +55,7 @@ def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
         v = jax.random.normal(kv, shape, dt)
         q = jax.random.normal(kq, shape, dt)
         state = frame.append(state, k, v, defer=defer)
-        out = [frame.attention(state, q[layer], layer, impl=impl) for layer in range(spec.num_layers)]
+        out = [frame.attention(state, layer, q[layer], impl=impl) for layer in range(spec.num_layers)]
         checksum = sum(jnp.sum(o.astype(jnp.float32)) for o in out)
         if defer:
             state = frame.resolve(state, t % keyframe_every == 0)
@@ -94,7 +94,7 @@ def run(args) -> dict:
         times.append(time.perf_counter() - t0)
         if t % 5 == 0 or t == args.frames - 1:
             bar.set_postfix(ms=f"{times[-1] * 1e3:.1f}", cache=f"{spec.kv_bytes / 2**20:.0f}MiB")
-    jaxkv.check(state)
+    check(state)
     visible = int(np.asarray(state.num_valid)[0])
     steady = times[1:] or times
     summary = {

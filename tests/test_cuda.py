@@ -16,7 +16,7 @@ import pytest
 from jaxkv import cuda
 from jaxkv import hybrid as H
 from jaxkv.hybrid import flush as F
-from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B
+from jaxkv.math.compressor import CUR_A, CUR_B, PREV_B
 
 import hybrid_driver as D
 
@@ -95,7 +95,7 @@ def test_flush_bad_inputs(rng):
     with pytest.raises(ValueError, match="block"):
         F.ref_flush_write(pool, 0, x, blk[:2], slot, storage="official")
     with pytest.raises(ValueError, match="pool"):
-        F.ref_flush_write(pool, 0, x, blk, slot, storage="seed")  # 584 is not a multiple of 580
+        F.ref_flush_write(pool, 0, x, blk, slot, storage="per_entry")  # 584 is not a multiple of 580
     with pytest.raises(ValueError, match="index_pool, xi"):
         F.ref_flush_write(pool, 0, x, blk, slot, storage="official", xi=jnp.ones((3, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="tails"):
@@ -135,7 +135,7 @@ def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("storage", ["official", "seed"])
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
 def test_cuda_flush_write_equals_jnp(rng, storage, csa):
     pool, args = _flush_case(rng, storage, csa)
@@ -160,7 +160,7 @@ def test_cuda_tail_state_equals_jnp(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("storage", ["official", "seed"])
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_compress_cuda_equals_xla(rng, storage):
     """A prefill chunk then decode steps, rows at different positions: same cache bytes."""
     c = dataclasses.replace(H.HybridConfig(compress_ratios=(4, 128), window=32, index_heads=4, top_k=16,
@@ -194,7 +194,7 @@ def _compress_all(st, step, x, params, impl):
 
 # --- the same kernels from torch, on views of jax buffers ----------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("storage", ["official", "seed"])
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_torch_flush_write_on_jax_buffers(rng, storage):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -244,13 +244,13 @@ def test_cached_step_equals_nnx_jit_and_syncs(rng):
 
 
 def test_shared_cache_layers(rng):
-    """Layers sharing one FrameCache: bookkeeping once, each layer its own buffers; misuse is refused."""
+    """Layers sharing one FrameCacheModule: bookkeeping once, each layer its own buffers; misuse is refused."""
     from jaxkv import frame
-    from jaxkv.flax import FrameCache
+    from jaxkv.flax import FrameCacheModule
 
     spec = frame.FrameSpec(num_layers=2, num_heads=HEADS, head_dim=DIM // HEADS, patches_per_frame=P,
                            num_special=NS, scale_frames=1, sliding_window=2, max_frames=64, dtype="float32")
-    shared = FrameCache(spec)
+    shared = FrameCacheModule(spec)
     layers = [StreamingGlobalAttention(DIM, HEADS, cache=shared, layer=i, impl="reference", rngs=nnx.Rngs(i))
               for i in range(2)]
     owned = [make_layer(seed=i) for i in range(2)]

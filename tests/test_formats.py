@@ -247,7 +247,7 @@ def test_fp4_saturation_and_nonfinite():
 
 
 def test_div_rn_is_correctly_rounded(rng):
-    from jaxkv.formats._common import div_rn
+    from jaxkv.formats.numerics import div_rn
 
     x = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 30, 200_000))).astype(np.float32)
     y = (rng.standard_normal(200_000) * np.exp(rng.uniform(-30, 30, 200_000))).astype(np.float32)
@@ -270,7 +270,7 @@ def test_div_rn_is_correctly_rounded(rng):
 
 def test_fp8_encoder_matches_ml_dtypes_everywhere(rng):
     """Our integer E4M3 rounding equals ml_dtypes' over normals, subnormals and edges."""
-    from jaxkv.formats._common import fp8_e4m3_encode
+    from jaxkv.formats.numerics import fp8_e4m3_encode
 
     y = (rng.standard_normal(300_000) * np.exp(rng.uniform(-16, 7, 300_000))).astype(np.float32)
     y[:10] = [0.0, -0.0, 448.0, 464.0, 500.0, -1e9, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 0.0146484375]
@@ -300,7 +300,7 @@ def test_nan_anywhere_in_a_group_poisons_its_scale(pos):
 def test_round_bf16_matches_ml_dtypes(rng):
     """The integer bf16 rounding (used where XLA could elide a cast round trip) equals a
     real cast: random magnitudes over the whole range, ties, overflow, inf, NaN, -0."""
-    from jaxkv.formats._common import round_bf16
+    from jaxkv.formats.numerics import round_bf16
 
     x = (rng.standard_normal(1 << 16) * 10.0 ** rng.integers(-40, 39, 1 << 16)).astype(np.float32)
     ties = (rng.integers(0, 1 << 15, 256).astype(np.uint32) << 16 | 0x8000).view(np.float32)  # exactly halfway

@@ -148,11 +148,11 @@ def test_bad_inputs_raise_clearly(rng):
     with pytest.raises(ValueError, match="layer: expected 0 <= layer < 2, got 5"):
         frame.write_layer(frame.begin_frame(state), 5, k[0], v[0])
     with pytest.raises(ValueError, match="q: expected"):
-        frame.attention(state, k[0, :, :, :, :4], 0)
+        frame.attention(state, 0, k[0, :, :, :, :4])
     with pytest.raises(ValueError, match="impl"):
-        frame.attention(state, k[0], 0, impl="flash")
-    with pytest.raises(ValueError, match=r"impl='pallas': expected an NVIDIA Hopper GPU.*head_dim 8"):
-        frame.attention(state, k[0], 0, impl="pallas")  # head_dim 8 (and here no Hopper either)
+        frame.attention(state, 0, k[0], impl="flash")
+    with pytest.raises(ValueError, match=r"impl='pallas'.*expected an NVIDIA Hopper GPU.*head_dim 8"):
+        frame.attention(state, 0, k[0], impl="pallas")  # head_dim 8 (and here no Hopper either)
     with pytest.raises(ValueError, match="FrameSpec.patches_per_frame"):
         frame.FrameSpec(num_layers=1, num_heads=1, head_dim=8, patches_per_frame=0)
     with pytest.raises(ValueError, match="defer"):
@@ -217,7 +217,7 @@ def test_jitted_loop_of_100_frames_has_no_host_sync(rng):
     def step(state, xs):
         k, q, t = xs
         state = frame.append(state, k, -k, defer=t % 5 == 4)
-        out = sum(frame.attention(state, q, layer, impl="xla") for layer in range(spec.num_layers))
+        out = sum(frame.attention(state, layer, q, impl="xla") for layer in range(spec.num_layers))
         state = frame.resolve(state, t % 10 != 9)
         return state, out
 

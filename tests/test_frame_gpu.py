@@ -7,7 +7,7 @@ import pytest
 
 import jaxkv
 from jaxkv import frame
-from jaxkv.frame.attention import _is_hopper
+from jaxkv._backend import is_hopper as _is_hopper
 
 pytestmark = pytest.mark.gpu
 FUSED = ("cudnn", "xla", "pallas") if _is_hopper() else ("cudnn", "xla")  # the Pallas kernel is Hopper-only
@@ -31,9 +31,9 @@ def test_fused_backends_match_reference(rng, patches, frames, defer_last):
     jaxkv.check(state)
     q = jnp.asarray(rng.standard_normal((2, spec.tokens_per_frame, 16, 64)), jnp.bfloat16)
     for layer in range(2):
-        ref = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
+        ref = frame.attention(state, layer, q, impl="reference").astype(jnp.float32)
         for impl in FUSED:
-            out = frame.attention(state, q, layer, impl=impl)
+            out = frame.attention(state, layer, q, impl=impl)
             assert out.dtype == jnp.bfloat16
             assert rel_err(out, ref) < 1e-2, impl  # bf16 operands
 
@@ -52,9 +52,9 @@ def test_gqa_queries(rng):
         kv = jnp.asarray(rng.standard_normal((1, 1, 70, 2, 64)), jnp.bfloat16)
         state = frame.append(state, kv, -kv)
     q = jnp.asarray(rng.standard_normal((1, 70, 8, 64)), jnp.bfloat16)
-    ref = frame.attention(state, q, 0, impl="reference").astype(jnp.float32)
+    ref = frame.attention(state, 0, q, impl="reference").astype(jnp.float32)
     for impl in FUSED[:1] + FUSED[2:]:
-        assert rel_err(frame.attention(state, q, 0, impl=impl), ref) < 1e-2, impl
+        assert rel_err(frame.attention(state, 0, q, impl=impl), ref) < 1e-2, impl
 
 
 def test_frame_state_lives_on_gpu():
@@ -88,8 +88,8 @@ def test_traced_layer_attention(rng):
         state = frame.append(state, kv, kv * 0.5)
     q = jnp.asarray(rng.standard_normal((1, 106, 4, 64)), jnp.bfloat16)
     for layer in range(3):
-        a = frame.attention(state, q, jnp.int32(layer))
-        b = frame.attention(state, q, layer, impl="reference").astype(jnp.float32)
+        a = frame.attention(state, jnp.int32(layer), q)
+        b = frame.attention(state, layer, q, impl="reference").astype(jnp.float32)
         assert rel_err(a, b) < 1e-2
 
 

@@ -126,7 +126,7 @@ class FrameCacheMachine(RuleBasedStateMachine):
         s = self.spec
         q = self.rng.standard_normal((B, 3, s.num_heads, s.head_dim)).astype(np.float32)
         for layer in range(s.num_layers):
-            outs = {impl: np.asarray(frame.attention(self.state, jnp.asarray(q), layer, impl=impl))
+            outs = {impl: np.asarray(frame.attention(self.state, layer, jnp.asarray(q), impl=impl))
                     for impl in ("reference", "xla")}
             for b, m in enumerate(self.models):
                 ids = m.visible_ids()

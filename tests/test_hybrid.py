@@ -14,9 +14,9 @@ import jaxkv
 from jaxkv import hybrid as H
 from jaxkv.errors import CacheError, Fault
 from jaxkv.formats import pack_ds_mla, quantize_mxfp4
-from jaxkv.hybrid.compressor import empty_tail, fold_chunk, next_tail
-from jaxkv.hybrid.rope import apply_rope, hadamard, rope_freqs
-from jaxkv.hybrid.storage import STORAGES, read_items, write_items
+from jaxkv.math.compressor import empty_tail, fold_chunk, next_tail
+from jaxkv.math.rotation import apply_rope, hadamard, rope_freqs
+from jaxkv.formats.storage import STORAGES, read_items, write_items
 
 import hybrid_driver as D
 
@@ -37,8 +37,20 @@ def test_presets_and_bytes_per_token():
     assert H.bytes_per_token(f) == pytest.approx(n_csa * (584 + 68) / 4 + n_hca * 584 / 128)
     assert abs(H.bytes_per_token(f) - 3500) < 50  # ≈ 3.5 KB
     assert abs(H.bytes_per_token(p) - 5000) < 50  # ≈ 5.0 KB
-    seed = dataclasses.replace(f, storage="seed")
-    assert H.bytes_per_token(seed) == pytest.approx(n_csa * (580 + 76) / 4 + n_hca * 580 / 128)
+    per_entry = dataclasses.replace(f, storage="per_entry")
+    assert H.bytes_per_token(per_entry) == pytest.approx(n_csa * (580 + 76) / 4 + n_hca * 580 / 128)
+
+
+def test_storage_renamed_from_seed():
+    """The per_entry family was called "seed" before 0.2: the old name still works, with a warning."""
+    from jaxkv.formats.storage import storage_name
+
+    with pytest.warns(DeprecationWarning, match="per_entry"):
+        c = dataclasses.replace(H.V4_FLASH, storage="seed")
+    assert c.storage == "per_entry" and H.bytes_per_token(c) == H.bytes_per_token(
+        dataclasses.replace(H.V4_FLASH, storage="per_entry"))
+    with pytest.raises(ValueError, match=r"storage: expected one of \['official', 'per_entry'\], got 'fp8'"):
+        storage_name("fp8")
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -84,7 +96,7 @@ def test_index_key_bytes(rng):
 
 def test_seed_entry_roundtrip(rng):
     x = jnp.asarray(rng.normal(size=(7, 512)), jnp.bfloat16)
-    codec = STORAGES["seed"].entry
+    codec = STORAGES["per_entry"].entry
     b = codec.encode(x)
     assert b.shape == (7, 580) and b.dtype == jnp.uint8
     y = np.asarray(codec.decode(b), np.float32)
@@ -180,7 +192,7 @@ def numpy_entry(pooled, i, m, norm_w, config):
     return y
 
 
-@pytest.mark.parametrize("storage", ["official", "seed"])
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_stored_entries_match_numpy_pipeline(rng, storage):
     cfg = dataclasses.replace(SMALL, storage=storage)
     params = D.make_params(cfg, rng)

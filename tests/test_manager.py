@@ -165,12 +165,12 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         if pages.pending != M.NONE:
             keep = bool(rs.random() < 0.5)
             calls.append((M.RESOLVE, keep))
-            meta, m = ops._resolve(meta, keep)
+            meta, m = ops.resolve_moves(meta, keep)
             assert pages.resolve(keep) == device_moves(m)
         else:
             defer = bool(rs.random() < 0.4)
             calls.append((M.BEGIN, defer))
-            meta, m = ops._begin_frame(meta, defer)
+            meta, m = ops.begin_frame_moves(meta, defer)
             moves, special_row, patch_row = pages.begin(defer)
             assert moves == device_moves(m)
             assert (special_row, patch_row) == (int(meta.write_special_row[0]), int(meta.write_patch_row[0]))
@@ -178,8 +178,7 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         assert pages.num_pages() == int(table.num_pages[0])
         assert pages.page_ids() == np.asarray(table.indices[0, : pages.num_pages()]).tolist()
         assert pages.last_page_len() == int(table.last_page_len[0])
-        assert (pages.num_scale, pages.num_window, pages.window_head, pages.num_special) == tuple(
-            int(x[0]) for x in (meta.num_scale, meta.num_window, meta.window_head, meta.num_special))
+        assert tuple(pages.c) == tuple(int(getattr(meta, name)[0]) for name in pages.c._fields)
     assert int(jnp.max(meta.error)) == 0
     # The manager replays its queued bookkeeping in one batched call: the same state.
     padded = np.zeros((M.REPLAY, 2), np.int32)

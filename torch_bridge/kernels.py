@@ -19,7 +19,7 @@ import ctypes
 import torch
 
 from jaxkv.cuda import STORAGE_CODES, arch_of, library
-from jaxkv.hybrid.storage import STORAGES
+from jaxkv.formats.storage import STORAGES, storage_name
 
 
 def _lib(device: torch.device):
@@ -51,8 +51,7 @@ def _ok(code: int, what: str) -> None:
 def flush_write(pool, x, block, slot, *, storage: str, index_pool=None, xi=None) -> None:
     """Quantize ``x`` (and ``xi``) in ``storage``'s format and write them into ``pool``
     (and ``index_pool``) at ``(block, slot)``, in place."""
-    if storage not in STORAGE_CODES:
-        raise ValueError(f"storage: expected one of {sorted(STORAGE_CODES)}, got {storage!r}")
+    storage = storage_name(storage)
     fmt = STORAGES[storage]
     _check("pool", pool, torch.uint8, 2)
     dev = pool.device

@@ -53,8 +53,8 @@ import torch
 
 from jaxkv import frame
 from jaxkv.errors import check as _check
-from jaxkv.frame.state import IN_SLOT, NONE, STAGED
-from jaxkv.frame import ops as frame_ops
+from jaxkv.frame import plan
+from jaxkv.frame.state import NONE
 from torch_bridge.dlpack import from_torch, to_torch
 
 try:
@@ -82,7 +82,7 @@ def _replay(meta, calls):
 
     def one(meta, call):
         kind, flag = call[0], call[1].astype(bool)
-        begun, resolved = frame_ops._begin_frame(meta, flag)[0], frame_ops._resolve(meta, flag)[0]
+        begun, resolved = frame.begin_frame_moves(meta, flag)[0], frame.resolve_moves(meta, flag)[0]
         pick = lambda old, b, r: jnp.where(kind == BEGIN, b, jnp.where(kind == RESOLVE, r, old))  # noqa: E731
         return jax.tree_util.tree_map(pick, meta, begun, resolved), None
 
@@ -93,10 +93,10 @@ class _Pages:
     """Host mirror of the shared page structure that ``jaxkv.frame`` keeps on the device.
 
     It follows from the calls alone, so a frame's rows, the row moves and the visible page
-    ids are known on the host without reading the device or waiting for JAX: the same
-    rules as ``jaxkv.frame.ops._begin_frame`` / ``_resolve`` and ``frame.page_table`` for
-    one stream (tests hold them equal). Rows and moves are token rows of a layer buffer;
-    a move is ``(src, dst)``, ``page_size`` rows, never overlapping.
+    ids are known on the host without reading the device or waiting for JAX. The rules
+    are ``jaxkv.frame.plan``'s, run on Python ints (``plan.HOST``) for one stream. Rows
+    and moves are token rows of a layer buffer; a move is ``(src, dst)``, ``page_size``
+    rows, never overlapping.
     """
 
     def __init__(self, spec):
@@ -104,79 +104,48 @@ class _Pages:
         self.reset()
 
     def reset(self):
-        self.frames = self.num_scale = self.num_window = self.num_special = self.window_head = 0
-        self.pending = NONE
+        self.c = plan.Counters(num_frames=0, num_scale=0, num_window=0, window_head=0, num_special=0, pending=NONE)
         self.version = 0  # bumps on every change: a new plan is needed
 
     @property
-    def slots(self) -> int:
-        return self.num_scale + self.num_window
+    def frames(self) -> int:
+        return self.c.num_frames
+
+    @property
+    def pending(self) -> int:
+        return self.c.pending
+
+    @property
+    def num_scale(self) -> int:
+        return self.c.num_scale
+
+    @property
+    def num_window(self) -> int:
+        return self.c.num_window
 
     def begin(self, defer: bool):
         """Count a new frame -> (moves, special_row, patch_row): where its tokens go."""
-        s = self.spec
-        ps, NS, S, W = s.page_size, s.num_special, s.scale_frames, s.sliding_window
-        f, ns = self.slots, self.num_special
-        room = f < S + W
-        staged = not room and defer
-        patch_row = f * ps if room else (f * ps + ns + NS if staged else (S + self.window_head) * ps)
-        if W == 0 and not (room or staged):  # a committed frame's patches are never visible
-            patch_row = s.trash_row
-        special_row = (f + 1) * ps + ns if room else f * ps + ns
-        moves = [(f * ps, max((f + 1) * ps, f * ps + ns))] if room and ns > 0 else []
-        if room:
-            if self.num_scale < S:
-                self.num_scale += 1
-            else:
-                self.num_window += 1
-        elif not defer and W > 0:
-            self.window_head = (self.window_head + 1) % W
-        self.num_special += NS
-        self.frames += 1
-        self.pending = (IN_SLOT if room else STAGED) if defer else NONE
+        new = plan.begin(self.spec, self.c, defer, plan.HOST)
+        self.c = new.after
         self.version += 1
-        return moves, special_row, patch_row
+        return [(new.move.src, new.move.dst)] if new.move.ok else [], new.special_row, new.patch_row
 
     def resolve(self, keep: bool):
         """Commit or roll back the pending frame -> the row moves it makes."""
-        s = self.spec
-        ps, NS, S, W = s.page_size, s.num_special, s.scale_frames, s.sliding_window
-        f, ns = self.slots, self.num_special
-        moves = []
-        if keep and self.pending == STAGED and W > 0:  # the staged patches replace the oldest window frame
-            moves.append((f * ps + ns, (S + self.window_head) * ps))
-            self.window_head = (self.window_head + 1) % W
-        if not keep:
-            if self.pending == IN_SLOT:
-                if ns - NS > 0:  # the specials it displaced move back into its slot
-                    moves.append((max(f * ps, (f - 1) * ps + ns - NS), (f - 1) * ps))
-                if self.num_window:
-                    self.num_window -= 1
-                else:
-                    self.num_scale -= 1
-            self.frames -= 1
-            self.num_special -= NS
-        self.pending = NONE
+        new = plan.resolve(self.spec, self.c, keep, plan.HOST)
+        self.c = new.after
         self.version += 1
-        return moves
-
-    def tail_rows(self) -> int:
-        staged = self.spec.patches_per_frame if self.pending == STAGED else 0
-        return self.num_special + staged
+        return [(m.src, m.dst) for m in new.moves if m.ok]
 
     def num_pages(self) -> int:
-        return self.slots + -(-self.tail_rows() // self.spec.page_size)
+        return plan.num_pages(self.spec, self.c, plan.HOST)
 
     def last_page_len(self) -> int:
-        t = self.tail_rows()
-        return self.spec.patches_per_frame if t == 0 else (t - 1) % self.spec.page_size + 1
+        return plan.last_page_len(self.spec, self.c, plan.HOST)
 
     def page_ids(self) -> List[int]:
         """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""
-        S, W = self.spec.scale_frames, self.spec.sliding_window
-        window = [S + (self.window_head + j) % max(W, 1) for j in range(self.num_window)]
-        tail = range(self.slots, self.num_pages())
-        return [*range(self.num_scale), *window, *tail]
+        return [plan.page_id(self.spec, self.c, j, plan.HOST) for j in range(self.num_pages())]
 
 
 class FlashInferKVCacheManager:
@@ -416,7 +385,7 @@ class FlashInferKVCacheManager:
             return torch.zeros_like(q)
         if not self.backend.startswith("flashinfer"):
             impl = "reference" if self.force_fp32 else "auto"
-            out = frame.attention(self.state, from_torch(q.to(self.dtype).contiguous()[None]), b, impl=impl)
+            out = frame.attention(self.state, b, from_torch(q.to(self.dtype).contiguous()[None]), impl=impl)
             return to_torch(out)[0].to(q.dtype)
         if self._planned != self._pages.version:  # once per frame step
             self._plan()

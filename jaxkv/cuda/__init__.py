@@ -9,8 +9,7 @@ import functools
 
 from jaxkv.cuda.build import ARCHS, BuildError, arch_of, build, check_compile, library
 
-# The kernels' storage-family argument (cuda/flush_write.cu's enum Storage).
-STORAGE_CODES = {"official": 0, "seed": 1}
+from jaxkv.formats.storage import STORAGE_CODES  # the kernels' storage-family argument (enum Storage)
 
 # FFI target name -> exported handler symbol (cuda/flush_write.cu)
 FFI_TARGETS = {

@@ -1,7 +1,7 @@
 """Build ``cuda/*.cu`` with nvcc on first use and cache the shared library by a key.
 
 The key hashes the sources, the XLA FFI headers they include, the nvcc version and the
-flags, so an edit or a new toolkit rebuilds and nothing stale is loaded. Libraries live
+flags (which carry the pool layout from ``jaxkv.formats.storage``), so an edit or a new toolkit rebuilds and nothing stale is loaded. Libraries live
 under ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``)/``cuda/<key>/``, never in the
 package directory. One library serves both sides: XLA FFI handlers for ``jax.ffi`` and
 ``extern "C"`` launchers for ``ctypes`` (``torch_bridge.kernels``).
@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from jaxkv.formats.storage import cuda_defines
 
 SOURCES = ("flush_write.cu",)
 HEADERS = ("div_rn.cuh",)  # included by the sources: part of the cache key
@@ -59,8 +61,9 @@ def _ffi_include() -> str:
 
 
 def _flags(arch: str) -> list[str]:
+    """nvcc flags, the pool layout among them (``formats.storage.cuda_defines``): part of the key."""
     return ["-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-isystem", _ffi_include(),
-            "-Xcompiler", "-fPIC"]
+            "-Xcompiler", "-fPIC", *cuda_defines()]
 
 
 def _key(arch: str) -> str:

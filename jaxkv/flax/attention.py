@@ -27,7 +27,7 @@ class QKVProjection(nnx.Module):
         return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
 
 
-class FrameCache(nnx.Module):
+class FrameCacheModule(nnx.Module):
     """A frame cache as NNX state (``self.state``: an ``nnx.Cache`` holding a ``FrameCacheState``).
 
     Share one between the global-attention layers of a model: the page bookkeeping runs
@@ -55,7 +55,7 @@ class FrameCache(nnx.Module):
 
     def attend(self, q, layer: int, impl: str = "auto"):
         """``jaxkv.frame.attention`` over ``layer``'s visible keys."""
-        return frame.attention(self.state.get_value(), q, layer, impl=impl)
+        return frame.attention(self.state.get_value(), layer, q, impl=impl)
 
     def resolve(self, keep):
         """Commit (``keep``) or roll back the deferred frame; keep: bool or bool[B]."""
@@ -76,16 +76,16 @@ class StreamingGlobalAttention(nnx.Module):
 
     Two ways to hold the cache:
 
-    * ``cache=None`` (default): the layer owns a one-layer ``FrameCache`` built from the
+    * ``cache=None`` (default): the layer owns a one-layer ``FrameCacheModule`` built from the
       cache arguments (``jaxkv.frame.FrameSpec``'s) and each call appends a whole frame
       (``defer`` as in ``jaxkv.frame.append``; ``resolve`` / ``reset`` act on it).
       Layers made with ``nnx.vmap`` and driven by ``nnx.scan`` each hold their own.
-    * ``cache=shared, layer=i``: layer ``i`` of a ``FrameCache`` shared by the model's
+    * ``cache=shared, layer=i``: layer ``i`` of a ``FrameCacheModule`` shared by the model's
       global layers (bookkeeping once per frame). The model calls
       ``shared.begin_frame(defer)`` before the layers and ``shared.resolve(keep)`` after.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, cache: FrameCache | None = None, layer: int = 0,
+    def __init__(self, dim: int, num_heads: int, *, cache: FrameCacheModule | None = None, layer: int = 0,
                  patches_per_frame: int | None = None, num_special: int = 6, scale_frames: int = 8,
                  sliding_window: int = 64, max_frames: int = 1024, num_streams: int = 1,
                  cache_dtype: str = "bfloat16", impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
@@ -99,7 +99,7 @@ class StreamingGlobalAttention(nnx.Module):
         if cache is None:
             if patches_per_frame is None:
                 raise ValueError("patches_per_frame: expected an int when the layer owns its cache (cache=None)")
-            cache = FrameCache(frame.FrameSpec(
+            cache = FrameCacheModule(frame.FrameSpec(
                 num_layers=1, num_heads=num_heads, head_dim=dim // num_heads, patches_per_frame=patches_per_frame,
                 num_special=num_special, scale_frames=scale_frames, sliding_window=sliding_window,
                 max_frames=max_frames, num_streams=num_streams, dtype=cache_dtype))
@@ -144,7 +144,7 @@ class StreamingGlobalAttention(nnx.Module):
 
     def _own_cache(self, what):
         if not self.owns_cache:
-            raise ValueError(f"{what}: this layer's cache is shared; call it on the shared FrameCache")
+            raise ValueError(f"{what}: this layer's cache is shared; call it on the shared FrameCacheModule")
         return self.cache
 
     def resolve(self, keep):

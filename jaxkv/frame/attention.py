@@ -11,8 +11,7 @@ backend gathers anything:
   has few queries (262 at 224x224: 3 query tiles x 16 heads, under half an H100's SMs),
   so the keys are split into equal chunks (a free reshape: the capacity is a multiple of
   16 x 128 rows), each chunk attended as its own batch entry, and the chunks merged by
-  their log-sum-exp — FlashInfer's split-KV, on cuDNN. cuDNN's key-length mask costs
-  ~16% of its kernel time at 518x378.
+  their log-sum-exp (``jaxkv.math.merge_partials``) — FlashInfer's split-KV, on cuDNN.
 * ``pallas``: ``jaxkv.kernels.prefix_attention``, a FlashAttention-3-style Mosaic GPU
   kernel (Hopper) whose key loop stops at the prefix length and masks only the last
   block, so the length costs nothing; split-KV as above where the queries are few.
@@ -24,36 +23,20 @@ With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` n
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv import _backend
 from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
+from jaxkv.kernels.prefix_attention import prefix_attention
+from jaxkv.math.attention import HIGHEST, merge_partials, ref_attention
 
-IMPLS = ("auto", "reference", "xla", "cudnn", "pallas")
-HIGHEST = lax.Precision.HIGHEST  # float32 math means float32 on GPUs too (not TF32)
-
-
-def ref_attention(q, k, v, mask, scale=None):
-    """Plain softmax attention in float32; rows with no visible key give zeros.
-
-    q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D] (Hq a multiple of H); mask: bool[B, T]
-    returns float32[B, Tq, Hq, D]
-    """
-    B, Tq, Hq, D = q.shape
-    H = k.shape[2]
-    scale = D**-0.5 if scale is None else scale
-    qf = q.astype(jnp.float32).reshape(B, Tq, H, Hq // H, D)
-    logits = jnp.einsum("bqhgd,bkhd->bhgqk", qf, k.astype(jnp.float32), precision=HIGHEST) * scale
-    logits = jnp.where(mask[:, None, None, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32),
-                     precision=HIGHEST)
-    return out.reshape(B, Tq, Hq, D)
+IMPLS = _backend.choices("frame.attention")
 
 
 XLA_BLOCK = 512  # key rows per step of the ``xla`` backend
@@ -150,14 +133,10 @@ def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
     qc = jnp.broadcast_to(q[:, None], (B, splits, Tq, Hq, D)).reshape(B * splits, Tq, Hq, D)
     out, lse = _cudnn_fwd(qc, k.reshape(B * splits, C, H, D), v.reshape(B * splits, C, H, D),
                           jnp.maximum(lens, 1).reshape(-1), scale)
-    out = out.reshape(B, splits, Tq, Hq, D).astype(jnp.float32)
+    out = out.reshape(B, splits, Tq, Hq, D)
     lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq), (0, 1, 3, 2))  # [B, n, Tq, Hq]
-    live = (lens > 0)[:, :, None, None]
-    m = jnp.max(jnp.where(live, lse, -jnp.inf), axis=1, keepdims=True)
-    w = jnp.where(live, jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    total = jnp.sum(w, axis=1)
-    merged = jnp.sum(jnp.where(live[..., None], out, 0.0) * w[..., None], axis=1)
-    return (merged / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
+    lse = jnp.where((lens > 0)[:, :, None, None], lse, -jnp.inf)  # an empty chunk ran on one row
+    return merge_partials(out, lse).astype(q.dtype)
 
 
 def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
@@ -175,19 +154,13 @@ def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> i
     return best
 
 
-def _is_hopper() -> bool:
-    dev = jax.devices()[0]
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
-
-
 def default_impl(spec) -> str:
-    """The fastest backend available for ``spec`` on the default device."""
-    on_gpu = jax.default_backend() == "gpu"
-    if on_gpu and not spec.pow2_pages and spec.dtype in ("bfloat16", "float16"):
-        return "pallas" if _is_hopper() and spec.head_dim % 64 == 0 else "cudnn"
-    return "xla"
+    """The fastest backend available for ``spec`` on the default device (``jaxkv._backend``)."""
+    return _backend.resolve("frame.attention", "auto", **_context(spec))
 
 
+def _context(spec) -> dict:
+    return dict(pow2_pages=spec.pow2_pages, dtype=spec.dtype, head_dim=spec.head_dim)
 
 
 def _check_q(state, q):
@@ -199,21 +172,21 @@ def _check_q(state, q):
         )
 
 
-def attention(state: FrameCacheState, q, layer, *, impl: str = "auto", scale=None):
+def attention(state: FrameCacheState, layer, q, *, impl: str = "auto", scale=None):
     """Attend ``q`` to everything visible in ``layer``'s cache.
 
-    q: float[B, Tq, Hq, D]  (Hq a multiple of the cache's heads: GQA)
     layer: int (static: the fused backends read the layer in place) or i32[]
+    q: float[B, Tq, Hq, D]  (Hq a multiple of the cache's heads: GQA)
     returns q.dtype[B, Tq, Hq, D]; zeros for a stream with nothing cached.
+    (Before 0.2 the order was ``(state, q, layer)``; that order still works, with a
+    ``DeprecationWarning``.)
     """
+    if getattr(layer, "ndim", 0) == 4:  # the old order: (state, q, layer)
+        warnings.warn("frame.attention(state, q, layer) is deprecated: pass (state, layer, q), as write_layer",
+                      DeprecationWarning, stacklevel=2)
+        layer, q = q, layer
     _check_q(state, q)
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    if impl == "auto":
-        impl = default_impl(state.spec)
-    if impl == "pallas" and not (_is_hopper() and state.spec.head_dim % 64 == 0):
-        raise ValueError(f"impl='pallas': expected an NVIDIA Hopper GPU (sm_90) and head_dim a multiple of 64, "
-                         f"got {jax.devices()[0].device_kind} and head_dim {state.spec.head_dim}")
+    impl = _backend.resolve("frame.attention", impl, **_context(state.spec))
     if isinstance(layer, int):
         if not 0 <= layer < state.spec.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")
@@ -237,8 +210,6 @@ def _attention(state: FrameCacheState, q, layer, impl: str, scale):
     if state.spec.pow2_pages:
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
     if impl == "pallas":
-        from jaxkv.kernels.prefix_attention import prefix_attention
-
         dev = jax.devices()[0]
         splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1], getattr(dev, "core_count", 132) or 132)
         return prefix_attention(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0

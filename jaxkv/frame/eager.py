@@ -76,7 +76,7 @@ class FrameCache:
         return self._done(_state.reset(self.state))
 
     def attention(self, layer, q, impl: str = "auto"):
-        return _attn.attention(self.state, q, layer, impl=impl)
+        return _attn.attention(self.state, layer, q, impl=impl)
 
     def page_table(self) -> views.PageTable:
         return views.page_table(self.state)

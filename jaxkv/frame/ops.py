@@ -13,10 +13,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv._backend import auto_impl, check_pallas, interpret
+from jaxkv import _backend
+from jaxkv._backend import interpret
 from jaxkv.errors import Fault, record
-from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState
-from jaxkv.kernels.frame_append import write_rows
+from jaxkv.frame import plan
+from jaxkv.frame.state import NONE, FrameCacheState
+from jaxkv.kernels.frame_append import write_frame, write_rows
 
 
 # ---------------------------------------------------------------- row-block helpers
@@ -74,33 +76,28 @@ def _as_streams(x, B, name, dtype=jnp.bool_):
 
 
 # ---------------------------------------------------------------- append
-def _begin_frame(state: FrameCacheState, defer):
-    """-> (state, i32[B, 3] the row moves it made, ``row_moves``)."""
+def _counters(state: FrameCacheState) -> plan.Counters:
+    return plan.Counters(state.num_frames, state.num_scale, state.num_window, state.window_head, state.num_special,
+                         state.pending)
+
+
+def begin_frame_moves(state: FrameCacheState, defer):
+    """``begin_frame``, not jitted, also returning the row moves it made: -> (state,
+    i32[B, 3] ``row_moves``). The rules are ``frame.plan.begin``'s; here faults skip the
+    frame and the token ids are written (and the K/V rows moved, where the state has them)."""
     s = state.spec
     B, ps, P, NS = s.num_streams, s.page_size, s.patches_per_frame, s.num_special
-    S, W = s.scale_frames, s.sliding_window
     defer = _as_streams(defer, B, "defer")
 
-    f = state.num_slots_used
-    ns = state.num_special
     pending_fault = state.pending != NONE
-    capacity_fault = ns + NS > s.special_capacity
+    capacity_fault = state.num_special + NS > s.special_capacity
     ok = ~pending_fault & ~capacity_fault
     error = record(record(state.error, pending_fault, Fault.APPEND_WHILE_PENDING), capacity_fault, Fault.SPECIAL_CAPACITY)
 
-    room = f < S + W  # a free slot: scale or window still filling
-    staged = ~room & defer
-    # Where this frame's patches and specials go (the trash rows when skipped).
-    patch_row = jnp.where(room, f * ps, jnp.where(staged, f * ps + ns + NS, (S + state.window_head) * ps))
-    special_row = jnp.where(room, (f + 1) * ps + ns, f * ps + ns)
-    patch_ok = ok & (room | staged) if W == 0 else ok  # W == 0: a committed frame's patches are never visible
-    patch_row = jnp.where(patch_ok, patch_row, s.trash_row)
-    special_row = jnp.where(ok, special_row, s.trash_row)
-
-    # Claiming slot f: the specials sitting in its rows move to the tail's end.
-    move = ok & room & (ns > 0)
-    reloc_dst = jnp.maximum((f + 1) * ps, f * ps + ns)
-    moves = [(b, f[b] * ps, reloc_dst[b], move[b]) for b in range(B)]
+    new = plan.begin(s, _counters(state), defer)
+    patch_row = jnp.where(ok, new.patch_row, s.trash_row)  # where this frame goes (trash rows: skipped)
+    special_row = jnp.where(ok, new.special_row, s.trash_row)
+    moves = [(b, new.move.src[b], new.move.dst[b], ok[b] & new.move.ok[b]) for b in range(B)]
     moved = _move_rows(state, moves, ps)
 
     # Token ids of the new frame: ps patch rows (padding rows of a page are -1), then specials.
@@ -112,20 +109,12 @@ def _begin_frame(state: FrameCacheState, defer):
         if NS:
             token_id = _write(token_id, b, special_row[b], (base[b] + jnp.arange(NS, dtype=jnp.int32))[None])
 
-    fill_scale = room & (state.num_scale < S)
-    fill_window = room & ~fill_scale
-    evict = ok & ~room & ~defer & (W > 0)
-    upd = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+    after = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new.after, _counters(state))
     return state.replace(
         k=moved["k"],
         v=moved["v"],
         token_id=token_id,
-        num_frames=upd(state.num_frames + 1, state.num_frames),
-        num_scale=upd(state.num_scale + fill_scale, state.num_scale),
-        num_window=upd(state.num_window + fill_window, state.num_window),
-        window_head=jnp.where(evict, (state.window_head + 1) % max(W, 1), state.window_head),
-        num_special=upd(ns + NS, ns),
-        pending=upd(jnp.where(defer, jnp.where(room, IN_SLOT, STAGED), NONE), state.pending),
+        **after._asdict(),
         write_patch_row=patch_row,
         write_special_row=special_row,
         error=error,
@@ -174,46 +163,21 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
 
 
 # ---------------------------------------------------------------- commit / rollback
-def _resolve(state: FrameCacheState, keep):
-    """-> (state, i32[2B, 3] the row moves it made, ``row_moves``)."""
+def resolve_moves(state: FrameCacheState, keep):
+    """``resolve``, not jitted, also returning the row moves it made: -> (state, i32[2B, 3]
+    ``row_moves``); rules: ``frame.plan.resolve``."""
     s = state.spec
-    B, ps, NS = s.num_streams, s.page_size, s.num_special
-    S, W = s.scale_frames, s.sliding_window
+    B = s.num_streams
     keep = _as_streams(keep, B, "keep")
-    pend = state.pending
-    nothing = (pend == NONE) & ~keep
-    error = record(state.error, nothing, Fault.ROLLBACK_NOTHING_PENDING)
-
-    commit_staged = keep & (pend == STAGED) & (W > 0)
-    undo_slot = ~keep & (pend == IN_SLOT)
-    undo = ~keep & (pend != NONE)
-
-    f = state.num_slots_used
-    ns = state.num_special
-    f0, ns0 = f - 1, ns - NS
-    # Commit a staged frame: its patches replace the oldest window frame's (a whole page,
-    # so power-of-two padding comes along). Roll back a frame that claimed a slot: the
-    # specials it displaced move back into the slot.
-    stage_row = f * ps + ns
-    oldest_row = (S + state.window_head) * ps
-    back_src = jnp.maximum(f * ps, f0 * ps + ns0)
-    moves = ([(b, stage_row[b], oldest_row[b], commit_staged[b]) for b in range(B)]
-             + [(b, back_src[b], f0[b] * ps, undo_slot[b] & (ns0[b] > 0)) for b in range(B)])
-    moved = _move_rows(state, moves, ps)
-
-    from_window = undo_slot & (state.num_window > 0)
-    from_scale = undo_slot & ~from_window
+    new = plan.resolve(s, _counters(state), keep)
+    moves = [(b, m.src[b], m.dst[b], m.ok[b]) for m in new.moves for b in range(B)]
+    moved = _move_rows(state, moves, s.page_size)
     return state.replace(
         **moved,
-        num_frames=state.num_frames - undo,
-        num_scale=state.num_scale - from_scale,
-        num_window=state.num_window - from_window,
-        window_head=jnp.where(commit_staged, (state.window_head + 1) % max(W, 1), state.window_head),
-        num_special=jnp.where(undo, ns0, ns),
-        pending=jnp.where(nothing, pend, NONE),
+        **new.after._asdict(),
         write_patch_row=jnp.full_like(state.write_patch_row, s.trash_row),
         write_special_row=jnp.full_like(state.write_special_row, s.trash_row),
-        error=error,
+        error=record(state.error, new.nothing_pending, Fault.ROLLBACK_NOTHING_PENDING),
     ), row_moves(moves, s.trash_row)
 
 
@@ -230,7 +194,7 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
     ``commit``; ``rollback`` removes the new frame instead. Faults (special capacity
     exhausted, a deferred frame still pending) skip the frame and set an error bit.
     """
-    return _begin_frame(state, defer)[0]
+    return begin_frame_moves(state, defer)[0]
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
@@ -258,18 +222,16 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     return _write_layer_traced(state, jnp.asarray(layer, jnp.int32), k, v)
 
 
-APPEND_IMPLS = ("auto", "xla", "pallas")
+APPEND_IMPLS = _backend.choices("frame.append")
 
 
 def default_append_impl() -> str:
-    """``pallas`` on a GPU (one launch for every layer: 1.75x XLA's 96 updates at 518x378 on
-    an H100, ``benchmarks/kernels.py``), ``xla`` elsewhere (``jaxkv._backend.auto_impl``)."""
-    return auto_impl()
+    """``pallas`` on a GPU (one launch for every layer; figures in ``benchmarks/RESULTS.md``),
+    ``xla`` elsewhere (``jaxkv._backend``)."""
+    return _backend.resolve("frame.append", "auto")
 
 
 def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
-    from jaxkv.kernels.frame_append import write_frame
-
     s = state.spec
     flat = lambda bufs: [b.reshape(b.shape[:2] + (-1,)) for b in bufs]  # noqa: E731 - a bitcast
     kb, vb = write_frame(flat(state.k), flat(state.v), k.reshape(k.shape[:3] + (-1,)),
@@ -282,7 +244,7 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
 def _append(state, k, v, defer, impl):
-    state = _begin_frame(state, defer)[0]
+    state = begin_frame_moves(state, defer)[0]
     if impl == "pallas":
         return _write_all_pallas(state, k, v)
     return _write_kv(state, None, k, v)
@@ -297,9 +259,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
       ``auto`` (``default_append_impl()``). The bookkeeping is the same jnp code.
     """
     _check_frame_kv(state, k, v, per_layer=False)
-    if impl not in APPEND_IMPLS:
-        raise ValueError(f"impl: expected one of {APPEND_IMPLS}, got {impl!r}")
-    return _append(state, k, v, defer, impl=default_append_impl() if impl == "auto" else check_pallas(impl))
+    return _append(state, k, v, defer, impl=_backend.resolve("frame.append", impl))
 
 
 @_donate
@@ -310,7 +270,7 @@ def resolve(state: FrameCacheState, keep) -> FrameCacheState:
     nothing is pending). Rollback removes the pending frame's patches, specials and count;
     with nothing pending it sets ROLLBACK_NOTHING_PENDING and changes nothing else.
     """
-    return _resolve(state, keep)[0]
+    return resolve_moves(state, keep)[0]
 
 
 def commit(state: FrameCacheState) -> FrameCacheState:

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv._pytree import cache_dataclass
+from jaxkv.frame import plan
 from jaxkv.frame.state import FrameCacheState
 
 
@@ -32,16 +33,14 @@ class PageTable:
 @jax.jit
 def page_table(state: FrameCacheState) -> PageTable:
     s = state.spec
-    ps, S, W = s.page_size, s.scale_frames, s.sliding_window
-    ns, nw, f = state.num_scale[:, None], state.num_window[:, None], state.num_slots_used[:, None]
-    tail_rows = state.num_valid - state.num_slots_used * ps  # [B]
-    num_pages = state.num_slots_used + -(-tail_rows // ps)
+    c = plan.Counters(state.num_frames, state.num_scale, state.num_window, state.window_head, state.num_special,
+                      state.pending)
+    num_pages = plan.num_pages(s, c)
+    col = lambda x: x[:, None]  # noqa: E731 - [B] -> [B, 1] against the page axis
     j = jnp.arange(s.max_pages, dtype=jnp.int32)[None]
-    window = S + (state.window_head[:, None] + (j - ns)) % max(W, 1)
-    idx = jnp.where(j < ns, j, jnp.where(j < ns + nw, window, f + (j - ns - nw)))
+    idx = plan.page_id(s, plan.Counters(*map(col, c)), j)
     idx = jnp.where(j < num_pages[:, None], idx, 0)
-    last = jnp.where(tail_rows == 0, s.patches_per_frame, (tail_rows - 1) % ps + 1)
-    return PageTable(indices=idx.astype(jnp.int32), num_pages=num_pages, last_page_len=last)
+    return PageTable(indices=idx.astype(jnp.int32), num_pages=num_pages, last_page_len=plan.last_page_len(s, c))
 
 
 def visible_mask(state: FrameCacheState):

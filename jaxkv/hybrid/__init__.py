@@ -27,7 +27,7 @@ from jaxkv.hybrid.attention import (
     sparse_attention,
     window_mask,
 )
-from jaxkv.hybrid.compressor import ref_pool_sequence
+from jaxkv.math.compressor import ref_pool_sequence
 from jaxkv.hybrid.eager import HybridCache
 from jaxkv.hybrid.config import CSA, HCA, SWA, V4_FLASH, V4_PRO, HybridConfig, bytes_per_token
 from jaxkv.hybrid.ops import (
@@ -40,10 +40,10 @@ from jaxkv.hybrid.ops import (
     window_keys,
     write_window,
 )
-from jaxkv.hybrid.stacked import Stacked
+from jaxkv.stacked import Stacked
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward
-from jaxkv.hybrid.storage import STORAGES
+from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
 
 __all__ = [

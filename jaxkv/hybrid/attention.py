@@ -8,19 +8,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv._backend import auto_impl, check_pallas, interpret
+from jaxkv import _backend
+from jaxkv._backend import interpret
+from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
 from jaxkv.formats import nvfp4_global_scale
 from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, index_keys
-from jaxkv.hybrid.rope import hadamard
+from jaxkv.math.rotation import hadamard
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
-from jaxkv.hybrid.storage import as_bytes
+from jaxkv.formats.storage import as_bytes
 
 _HI = jax.lax.Precision.HIGHEST
 
 
-QUERY_IMPLS = ("auto", "xla", "pallas")
+QUERY_IMPLS = _backend.choices("hybrid.index_query")
 
 
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
@@ -28,19 +30,15 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
     impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "pallas" (the
     ``kernels.fp4_pack`` kernels; same bytes), "auto" (pallas on a GPU, else xla)."""
-    if impl not in QUERY_IMPLS:
-        raise ValueError(f"impl: expected one of {QUERY_IMPLS}, got {impl!r}")
     c = state.config
     codec = c.storage_format.index_key(c.index_dim)
     x = hadamard(q).astype(jnp.bfloat16)
-    if (auto_impl() if impl == "auto" else check_pallas(impl)) == "xla":
+    if _backend.resolve("hybrid.index_query", impl) == "xla":
         return codec.decode(codec.encode(x))
-    from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
-
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     if c.storage == "official":
         parts = quantize_mxfp4(rows, interpret=interpret())
-    else:  # the seed's keys: one global scale per key
+    else:  # per_entry keys: one global scale per key
         packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows), interpret=interpret())
         parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
     return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.hybrid.storage import STORAGES, Storage
+from jaxkv.formats.storage import STORAGES, Storage, storage_name
 
 SWA, CSA, HCA = "swa", "csa", "hca"
 
@@ -39,8 +39,9 @@ class HybridConfig:
       pool_tokens: raw tokens the pools hold over all requests together (default
         ``max_requests * max_context``); a step that needs more blocks than are free
         is refused for the requests that do not fit (``Fault.POOL_EXHAUSTED``).
-      storage: ``"official"`` (ds_mla 584 B entries with UE8M0 tiles, MXFP4 indexer keys
-        at 68 B) or ``"seed"`` (FP8 + float32 per-entry scale, NVFP4 indexer keys).
+      storage: ``"official"`` (ds_mla entries with UE8M0 tiles, MXFP4 indexer keys) or
+        ``"per_entry"`` (FP8 + float32 per-entry scale, NVFP4 indexer keys; called
+        ``"seed"`` before 0.2). Layouts and their bytes: ``jaxkv.formats.storage``.
       norm_eps, rope_theta, rope_factor, original_seq_len, beta_fast, beta_slow:
         RMSNorm epsilon and the YaRN RoPE of compressed entries (DeepSeek-V4's
         ``compress_rope_theta`` and ``rope_scaling``); ``original_seq_len=0`` is plain RoPE.
@@ -73,8 +74,7 @@ class HybridConfig:
         bad = [r for r in self.compress_ratios if r < 0 or r == 1]
         if bad:
             raise ValueError(f"compress_ratios: expected 0 (SWA) or a ratio >= 2, got {bad[0]}")
-        if self.storage not in STORAGES:
-            raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {self.storage!r}")
+        object.__setattr__(self, "storage", storage_name(self.storage))
         for name in ("head_dim", "window", "index_heads", "top_k", "block_size", "max_requests", "max_context"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive int, got {getattr(self, name)}")
@@ -134,7 +134,7 @@ def bytes_per_token(config: HybridConfig) -> float:
 
     Counts the compressed entries (``entry_bytes / ratio``) and the CSA indexer keys
     (``index_key_bytes / ratio``); the fixed-size SWA ring and compressor tails are
-    excluded. Official storage: 584 B per entry, 68 B per MXFP4 key.
+    excluded (item bytes: ``jaxkv.formats.storage``).
     """
     fmt = config.storage_format
     total = 0.0

@@ -1,6 +1,6 @@
 """The write half of a CSA / HCA flush, and the tail-state update after it.
 
-``flush_write`` quantizes finished entries (RMSNorm and RoPE applied; for CSA also the
+``cuda_flush_write`` (and ``ref_flush_write``, ``pallas_flush_write``) quantizes finished entries (RMSNorm and RoPE applied; for CSA also the
 rotated indexer keys) in the cache's storage family and scatters them into one layer of a
 paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
 request's tail on after its flush. Each has a jnp reference (``ref_…``; what
@@ -14,7 +14,7 @@ entry / key bytes of the storage family):
 
     pool:       u8[L, NB, bs * E]      index_pool: u8[L, NB, bs * K]  (CSA only)
     x:          bf16[N, 512]           xi:         bf16[N, 128]       (CSA only)
-                (x may be a ``hybrid.Stacked`` row of bf16[n, N, 512]; the Pallas writer reads it in place)
+                (x may be a ``jaxkv.stacked.Stacked`` row of bf16[n, N, 512]; the Pallas writer reads it in place)
     block:      i32[N]  physical block; rows outside [0, NB) are not written
     slot:       i32[N]  entry within the block, in [0, bs)
     tails:      f32[R, streams, 3, width]   (CSA 3 streams, HCA 1; see ``compressor``)
@@ -23,46 +23,45 @@ entry / key bytes of the storage family):
 
 from __future__ import annotations
 
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._backend import auto_impl, check_pallas, interpret
-from jaxkv.hybrid.compressor import CUR_B, empty_tail
-from jaxkv.hybrid.stacked import check_stacked, row
-from jaxkv.hybrid.storage import STORAGES, write_items
+from jaxkv import _backend
+from jaxkv._backend import interpret
+from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
+from jaxkv.kernels.flush_write import flush_write as pallas_kernel
+from jaxkv.math.compressor import CUR_B, empty_tail
+from jaxkv.stacked import check_stacked, row
+from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, write_items
 
-IMPLS = ("auto", "xla", "cuda", "pallas")
+IMPLS = _backend.choices("hybrid.write")
 
 
 # --- validators -----------------------------------------------------------------------------
 def check_impl(impl: str) -> str:
-    """Resolve ``impl``; "auto" is ``default_impl()``."""
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    return default_impl() if impl == "auto" else check_pallas(impl)
+    """Resolve ``impl`` (``jaxkv._backend``, operation ``hybrid.write``)."""
+    return _backend.resolve("hybrid.write", impl)
 
 
 def default_impl() -> str:
-    """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer:
-    4.0 -> 1.0-1.6 ms for a 256-request V4-Flash step on an H100, ``benchmarks/RESULTS.md``),
-    "xla" elsewhere (``jaxkv._backend.auto_impl``); the same for both storage families."""
-    return auto_impl()
+    """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer;
+    figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
+    return _backend.resolve("hybrid.write", "auto")
 
 
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
-    if storage not in STORAGES:
-        raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}")
-    fmt = STORAGES[storage]
+    fmt = STORAGES[storage_name(storage)]
     if pool.ndim != 3 or pool.dtype != jnp.uint8 or pool.shape[-1] % fmt.entry_bytes:
         raise ValueError(f"pool: expected u8[layers, blocks, block_size * {fmt.entry_bytes}], "
                          f"got {pool.dtype}{list(pool.shape)}")
     if not isinstance(layer, (int, np.integer)) or not 0 <= layer < pool.shape[0]:
         raise ValueError(f"layer: expected a static int in [0, {pool.shape[0]}), got {layer!r}")
     check_stacked("x", x)
-    if x.ndim != 2 or x.shape[1] != 512 or x.dtype != jnp.bfloat16:
-        raise ValueError(f"x: expected bf16[N, 512], got {x.dtype}{list(x.shape)}")
+    if x.ndim != 2 or x.shape[1] != HEAD_DIM or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bf16[N, {HEAD_DIM}], got {x.dtype}{list(x.shape)}")
     n = x.shape[0]
     for name, a in (("block", block), ("slot", slot)):
         if a.shape != (n,) or a.dtype != jnp.int32:
@@ -70,13 +69,13 @@ def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
     if (index_pool is None) != (xi is None):
         raise ValueError("index_pool, xi: expected both (a CSA layer) or neither (HCA)")
     if index_pool is not None:
-        kb = fmt.index_key_bytes(128)
+        kb = fmt.index_key_bytes(INDEX_DIM)
         bs = pool.shape[-1] // fmt.entry_bytes
         if index_pool.dtype != jnp.uint8 or index_pool.shape != (*pool.shape[:2], bs * kb):
             raise ValueError(f"index_pool: expected u8{[*pool.shape[:2], bs * kb]}, got "
                              f"{index_pool.dtype}{list(index_pool.shape)}")
-        if xi.shape != (n, 128) or xi.dtype != jnp.bfloat16:
-            raise ValueError(f"xi: expected bf16[{n}, 128], got {xi.dtype}{list(xi.shape)}")
+        if xi.shape != (n, INDEX_DIM) or xi.dtype != jnp.bfloat16:
+            raise ValueError(f"xi: expected bf16[{n}, {INDEX_DIM}], got {xi.dtype}{list(xi.shape)}")
     return fmt
 
 
@@ -101,16 +100,14 @@ def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_poo
     return pool, write_items(index_pool, layer, block, slot, codec.encode(xi), codec.segments)
 
 
-def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
+def cuda_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
     """The CUDA kernel (one warp per entry), in place on ``pool`` / ``index_pool``; same
     arguments and result as ``ref_flush_write``. Needs a GPU and nvcc (first use builds)."""
-    from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
-
     fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
     x = row(x)
     register_ffi_targets()
     attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // fmt.entry_bytes),
-                 storage=np.int32(STORAGE_CODES[storage]))
+                 storage=np.int32(STORAGE_CODES[fmt.name]))
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
     if index_pool is None:
         return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(pool, x, block, slot, **attrs)
@@ -123,14 +120,20 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
 def pallas_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
     """The Pallas kernel (``jaxkv.kernels.flush_write``; interpret mode off a GPU); same
     arguments and result as ``ref_flush_write``."""
-    from jaxkv.kernels.flush_write import flush_write as kernel
-
-    _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
-    return kernel(pool, layer, x, block, slot, storage=storage, index_pool=index_pool, xi=xi,
-                  interpret=interpret())
+    fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
+    return pallas_kernel(pool, layer, x, block, slot, storage=fmt.name, index_pool=index_pool, xi=xi,
+                         interpret=interpret())
 
 
-WRITERS = {"xla": ref_flush_write, "cuda": flush_write, "pallas": pallas_flush_write}
+WRITERS = {"xla": ref_flush_write, "cuda": cuda_flush_write, "pallas": pallas_flush_write}
+
+
+def __getattr__(name):  # names of 0.1, kept one release
+    if name == "flush_write":
+        warnings.warn("jaxkv.hybrid.flush.flush_write is now cuda_flush_write (jaxkv.kernels.flush_write is the "
+                      "Pallas kernel)", DeprecationWarning, stacklevel=2)
+        return cuda_flush_write
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- tail state after a flush -------------------------------------------------------------------
@@ -155,8 +158,6 @@ def ref_hca_reset_state(tails, tail_slot):
 
 
 def _tail_call(name, tails, tail_slot):
-    from jaxkv.cuda import register_ffi_targets
-
     register_ffi_targets()
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(tails.shape, tails.dtype), input_output_aliases={0: 0})(
         tails, tail_slot)
@@ -174,5 +175,5 @@ def hca_reset_state(tails, tail_slot):
     return _tail_call("jaxkv_hca_reset_state", tails, tail_slot)
 
 
-__all__ = ["WRITERS", "check_impl", "csa_rotate_state", "default_impl", "flush_write", "pallas_flush_write", "hca_reset_state", "ref_csa_rotate_state",
-           "ref_flush_write", "ref_hca_reset_state"]
+__all__ = ["WRITERS", "check_impl", "csa_rotate_state", "cuda_flush_write", "default_impl", "hca_reset_state",
+           "pallas_flush_write", "ref_csa_rotate_state", "ref_flush_write", "ref_hca_reset_state"]

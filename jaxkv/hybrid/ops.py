@@ -13,17 +13,20 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxkv._backend import auto_impl, check_pallas, interpret
+from jaxkv import _backend
+from jaxkv._backend import interpret
+from jaxkv.kernels.compress_decode import compress_decode
+from jaxkv.kernels.dequant_gather import dequant_gather
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
-from jaxkv.hybrid.compressor import finalize, fold_chunk, next_tail
+from jaxkv.math.compressor import finalize, fold_chunk, next_tail
 from jaxkv.hybrid.config import CSA, HCA
 from jaxkv.hybrid.flush import WRITERS, check_impl
-from jaxkv.hybrid.rope import rope_freqs
-from jaxkv.hybrid.stacked import check_stacked, map_stack, row
+from jaxkv.math.rotation import rope_freqs
+from jaxkv.stacked import check_stacked, map_stack, row
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step
-from jaxkv.hybrid.storage import read_items
+from jaxkv.formats.storage import read_items
 
 
 @cache_dataclass
@@ -197,8 +200,6 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
 
 
 def _compress_decode(state, step, layer, kv, score, params, index):
-    from jaxkv.kernels.compress_decode import compress_decode
-
     def token(x):  # [B, 1, w] -> [B, w], a Stacked row's stack reshaped (no copy)
         return map_stack(lambda a: a.reshape(a.shape[:2] + a.shape[3:]), x)
 
@@ -262,15 +263,13 @@ def entry_count(step: Step, ratio: int):
     return (step.start + step.num_tokens) // ratio
 
 
-GATHER_IMPLS = ("auto", "xla", "pallas")
+GATHER_IMPLS = _backend.choices("hybrid.gather")
 
 
 def _read(pool, j, blk, item, codec, storage, impl):
     """Items ``(blk, item)`` of layer ``j`` of a pool, dequantized: bf16[..., 512]; zeros
     where ``blk < 0``. impl "pallas": one gather-dequantize kernel (entry codecs only)."""
     if impl == "pallas":
-        from jaxkv.kernels.dequant_gather import dequant_gather
-
         flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage,
                               interpret=interpret())
         return flat.reshape(*blk.shape, flat.shape[-1])
@@ -286,11 +285,7 @@ def _gather(pool, j, table, slot, idx, codec, bs, storage, impl="xla"):
 
 
 def _gather_impl(impl: str) -> str:
-    if impl not in GATHER_IMPLS:
-        raise ValueError(f"impl: expected one of {GATHER_IMPLS}, got {impl!r}")
-    if impl == "auto":  # the kernel: 1.6x XLA's gather by kernel time on an H100 (benchmarks/RESULTS.md)
-        return auto_impl()
-    return check_pallas(impl)
+    return _backend.resolve("hybrid.gather", impl)
 
 
 def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl: str = "auto"):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv._pytree import cache_dataclass, static_field
-from jaxkv.hybrid.compressor import empty_tail
+from jaxkv.math.compressor import empty_tail
 from jaxkv.hybrid.config import HybridConfig
 
 

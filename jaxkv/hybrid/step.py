@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
-from jaxkv.hybrid.compressor import empty_tail
+from jaxkv.math.compressor import empty_tail
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
 
 

@@ -4,13 +4,13 @@ For each request of a decode step (one token each) the kernel folds the token's
 compressor inputs into the request's running-softmax tail and, where that token completes
 a window, does the whole flush: pool (a + previous-b streams for CSA), RMSNorm, RoPE on
 the last 64 dims at ``entry * ratio``, FP8 (UE8M0 tiles, ``ds_mla`` bytes, in the
-official storage family; one float32 scale per entry in the seed's), the indexer key
+official storage family; one float32 scale per entry in the per_entry family), the indexer key
 (RMSNorm, RoPE, Hadamard, MXFP4 / NVFP4), the scatter through the block table, and
 the tail's move on (CSA a -> b rotation, HCA reset). Tails, pools and the error field are
 updated in place (``input_output_aliases``); a request whose flush finds no block gets
-``Fault.POOL_EXHAUSTED`` in its error word. The byte encoders are ``kernels.flush_write``'s.
+``Fault.POOL_EXHAUSTED`` in its error word. The byte encoders are ``kernels.codes``'.
 
-The math is ``hybrid.compressor`` + ``hybrid.storage``; the reference is
+The math is ``jaxkv.math.compressor`` + ``jaxkv.formats.storage``; the reference is
 ``hybrid.compress(..., impl="xla")`` on the same step. Two things are computed in a different order, so a BF16 entry can differ from the
 reference's in its last bit where the float32 value sits on a rounding boundary (and
 its FP8 / FP4 bytes then by one code): the 512- and 128-wide sums of RMSNorm, and the
@@ -29,10 +29,10 @@ Lowering: Triton (``pltriton.CompilerParams``).
     ikv, iscore: float[B, 256]              CSA only: the indexer's compressor inputs
     bias: f32[ratio, coff * 512]   norm: f32[512]   (ibias f32[ratio, 256], inorm f32[128])
     slot, write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
-    table: i32[R, max_blocks]   pool: u8[L, NB, bs * E]   index_pool: u8[L, NB, bs * K]   (E, K: 584, 68 / 580, 76)
+    table: i32[R, max_blocks]   pool: u8[L, NB, bs * E]   index_pool: u8[L, NB, bs * K]   (E, K: storage.entry_bytes, key_bytes)
     error: u32[R + 1]
 
-Each of kv, score, bias, norm (and the indexer's) may instead be a ``hybrid.Stacked`` row
+Each of kv, score, bias, norm (and the indexer's) may instead be a ``jaxkv.stacked.Stacked`` row
 of an array stacked over layers; the kernel reads that row in place.
 """
 
@@ -47,16 +47,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxkv.errors import Fault
-from jaxkv.formats._common import round_bf16
-from jaxkv.hybrid.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
-from jaxkv.hybrid.stacked import as_stack, check_stacked
-from jaxkv.kernels.flush_write import ENTRY, KEY, f32_bytes, per_entry_codes, ue8m0_tile_codes
-from jaxkv.kernels.fp4_pack import division, mxfp4_pairs, nvfp4_pairs
+from jaxkv.formats.numerics import round_bf16
+from jaxkv.math.compressor import CUR_A, CUR_B, PREV_B, A, S, combine_triples, fold_triple
+from jaxkv.formats.storage import (HEAD_DIM as HEAD, INDEX_DIM as INDEX, KEY_CODES, NOPE, NOPE_TILES, STORAGES,
+                                   entry_bytes, key_bytes, segment_offsets, storage_name)
+from jaxkv.kernels.codes import f32_bytes, mxfp4_pairs, nvfp4_pairs, per_entry_codes, ue8m0_tile_codes
+from jaxkv.kernels.division import division
 from jaxkv.kernels.tuning import COMPRESS_DECODE_WARPS as NUM_WARPS  # by storage family
+from jaxkv.stacked import as_stack, check_stacked
 
 ROWS = 1  # requests per program
-NOPE, DATA, NOPE_TILES, CODES = 448, 576, 7, 64  # as in ``kernels.flush_write``
-HEAD, INDEX = 512, 128
 
 
 def _sylvester(n: int) -> np.ndarray:
@@ -66,7 +66,7 @@ def _sylvester(n: int) -> np.ndarray:
     return h
 
 
-_bf16 = round_bf16  # f32 -> f32 rounded to bf16, as ``hybrid.compressor.finalize`` rounds
+_bf16 = round_bf16  # f32 -> f32 rounded to bf16, as ``jaxkv.math.compressor.finalize`` rounds
 
 
 def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div):
@@ -80,6 +80,8 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div)
          tails_ref, pool_ref, err_ref) = refs
     streams = 3 if csa else 1
     official = storage == "official"
+    seg, kseg = STORAGES[storage].entry.segments, STORAGES[storage].index_key(INDEX).segments
+    off, koff = segment_offsets(seg, bs), segment_offsets(kseg, bs)
     c = HEAD
     load, store = pltriton.load, pltriton.store
     # first row of this layer's kv, score, bias, norm (and the indexer's) in their stacks
@@ -175,14 +177,14 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div)
     prow2 = jnp.broadcast_to(prow[:, None], (ROWS, 8))
     if official:  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 UE8M0 + pad)]
         byte, codes = ue8m0_tile_codes(xe, xo, div=div)  # [ROWS, 8], 2 x [ROWS, 8, 32]
-        code_col, rope_col = b3(sl) * DATA, b3(sl) * DATA + NOPE_TILES * 64
-        store(pool_ref.at[prow2, bs * DATA + sl[:, None] * 8 + t2], jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)),
+        code_col, rope_col = off[0] + b3(sl) * seg[0], off[0] + b3(sl) * seg[0] + NOPE
+        store(pool_ref.at[prow2, off[1] + sl[:, None] * seg[1] + t2], jnp.where(t2 < NOPE_TILES, byte, jnp.uint8(0)),
               mask=write[:, None])
-    else:  # seed: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
+    else:  # per_entry: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
         scale, codes = per_entry_codes(xe, xo, div=div)
-        code_col, rope_col = b3(sl) * NOPE, bs * NOPE + b3(sl) * 128
+        code_col, rope_col = off[0] + b3(sl) * seg[0], off[1] + b3(sl) * seg[1]
         c4 = jnp.arange(4)[None, :]
-        store(pool_ref.at[jnp.broadcast_to(prow[:, None], (ROWS, 4)), bs * DATA + sl[:, None] * 4 + c4],
+        store(pool_ref.at[jnp.broadcast_to(prow[:, None], (ROWS, 4)), off[2] + sl[:, None] * seg[2] + c4],
               f32_bytes(scale), mask=write[:, None])
     for par, x, q in ((0, xe, codes[0]), (1, xo, codes[1])):
         store(pool_ref.at[prow3, code_col + ch + par], q, mask=w3 & (t < NOPE_TILES))
@@ -212,15 +214,15 @@ def _kernel(*refs, ratio, csa, nb, bs, layer, R, mb, eps, offsets, storage, div)
         return jnp.sum(jnp.sum(prod, axis=1), axis=1) * scale
 
     ye, yo = _bf16(rotate(ie + io)), _bf16(rotate(ie - io))
-    kcol = b3(sl) * CODES + g * 16 + kk
+    kcol = koff[0] + b3(sl) * KEY_CODES + g * 16 + kk
     if official:  # MXFP4: 4 groups of 32 = 16 pairs, 4 UE8M0 bytes
         packed, kbyte = mxfp4_pairs(ye, yo, div=div)  # [ROWS, 4, 16], [ROWS, 4]
-        kscol = bs * CODES + sl[:, None] * 4 + jnp.arange(4)[None, :]
+        kscol = koff[1] + sl[:, None] * kseg[1] + jnp.arange(4)[None, :]
     else:  # NVFP4: 8 groups of 16 = 8 pairs, 8 E4M3 bytes, then the f32 global scale
         packed, kbyte, gscale = nvfp4_pairs(ye.reshape(ROWS, 8, 8), yo.reshape(ROWS, 8, 8), div=div)
         packed = packed.reshape(ishp)
-        kscol = bs * CODES + sl[:, None] * 8 + jnp.arange(8)[None, :]
-        gcol = bs * (CODES + 8) + sl[:, None] * 4 + jnp.arange(4)[None, :]
+        kscol = koff[1] + sl[:, None] * kseg[1] + jnp.arange(8)[None, :]
+        gcol = koff[2] + sl[:, None] * kseg[2] + jnp.arange(4)[None, :]
         store(index_ref.at[jnp.broadcast_to(prow[:, None], gcol.shape), gcol], f32_bytes(gscale), mask=write[:, None])
     store(index_ref.at[jnp.broadcast_to(b3(prow), ishp), kcol], packed, mask=b3(write))
     store(index_ref.at[jnp.broadcast_to(prow[:, None], kscol.shape), kscol], kbyte, mask=write[:, None])
@@ -249,9 +251,7 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
     if not 0 <= layer < L or pool.ndim != 3 or pool.shape[0] != L:
         raise ValueError(f"layer: expected a static int in [0, {L}) indexing tails and pool alike, got {layer} with "
                          f"pool {list(pool.shape)}")
-    if storage not in ENTRY:
-        raise ValueError(f"storage: expected one of {sorted(ENTRY)}, got {storage!r}")
-    E = ENTRY[storage]
+    E = entry_bytes(storage_name(storage))
     if pool.dtype != jnp.uint8 or pool.shape[2] % E:
         raise ValueError(f"pool: expected u8[{L}, NB, bs * {E}] ({storage} storage), got {pool.dtype}{list(pool.shape)}")
     want("kv", kv, (B, coff * HEAD), floats)
@@ -271,7 +271,7 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
         want("index norm", inorm, (INDEX,), (jnp.float32,))
         if index_pool is None:
             raise ValueError("index_pool: expected the CSA layer's indexer-key pool with index, got None")
-        want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // E * KEY[storage]), (jnp.uint8,))
+        want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // E * key_bytes(storage_name(storage))), (jnp.uint8,))
 
 
 def _flat(x, dtype=None):
@@ -283,15 +283,23 @@ def _flat(x, dtype=None):
     return flat, index * per
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "storage", "interpret"),
-                   donate_argnames=("tails", "pool", "index_pool", "error"))
 def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
                     layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None,
                     interpret: bool = False):
     """The kernel. ``index = (ikv, iscore, ibias, inorm)`` for a CSA layer (with
     ``index_pool``), None for HCA. Each of kv, score, bias, norm and the index tuple may
-    be a ``hybrid.Stacked`` row, read in place. Returns ``(tails, pool, error)`` or, for
-    CSA, ``(tails, pool, index_pool, error)``, all updated in place."""
+    be a ``jaxkv.stacked.Stacked`` row, read in place. Returns ``(tails, pool, error)`` or,
+    for CSA, ``(tails, pool, index_pool, error)``, all updated in place."""
+    return _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error,
+                            freqs, layer=layer, ratio=ratio, eps=eps, storage=storage_name(storage), index=index,
+                            index_pool=index_pool, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "storage", "interpret"),
+                   donate_argnames=("tails", "pool", "index_pool", "error"))
+def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
+                     layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None,
+                     interpret: bool = False):
     from jax.experimental.pallas import triton as pltriton
 
     check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, layer=layer, ratio=ratio,
@@ -299,7 +307,7 @@ def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_t
     csa = index is not None
     R = tails.shape[1]
     L, nb, w = pool.shape
-    bs = w // ENTRY[storage]
+    bs = w // entry_bytes(storage)
     B = slot.shape[0]
     flat_tails = tails.reshape(-1, tails.shape[-1])
     operands = [_flat(kv), _flat(score), _flat(bias, jnp.float32), _flat(norm, jnp.float32)]

@@ -4,12 +4,12 @@ dequantized to BF16, as a Pallas kernel, in either storage family.
 Serves CSA's top-k entries, HCA's all-entries reads and the SWA window
 (``hybrid.gather_entries`` / ``all_entries`` / ``window_keys``, ``impl="pallas"``): each
 item's 448 FP8 dims times its scale (UE8M0 per 64-dim tile in the official ``ds_mla``
-block, one float32 per entry in the seed's), and its 64 BF16 RoPE dims as stored;
+block, one float32 per entry in the per_entry family's), and its 64 BF16 RoPE dims as stored;
 K = V, so one gather serves both. Each program reads ``ROWS`` items with gather loads
 (integer-array indexers of the pool viewed as ``[layers * blocks, block bytes]``) and
 writes their rows contiguously. Lowering: Triton (``pltriton.CompilerParams``).
 
-    pool: u8[L, NB, bs * E]   (E = 584 official, 580 seed)
+    pool: u8[L, NB, bs * E]   (E: ``jaxkv.formats.storage.entry_bytes(storage)``)
     block, slot: i32[M]   item m's block and entry slot; block outside [0, NB) -> zeros
     -> bf16[M, 512]
 """
@@ -23,17 +23,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.formats._common import e8m0_to_float
+from jaxkv.formats.numerics import e8m0_to_float
+from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, STORAGES, entry_bytes, read_items, segment_offsets, storage_name
 from jaxkv.kernels.tuning import DEQUANT_GATHER_ROWS as ROWS, DEQUANT_GATHER_WARPS as NUM_WARPS
-
-from jaxkv.kernels.flush_write import DATA, ENTRY, NOPE, NOPE_TILES
 
 
 def ref_dequant_gather(pool, layer: int, block, slot, storage: str = "official"):
-    """The jnp reference (``hybrid.storage.read_items`` + the storage's entry decoder)."""
-    from jaxkv.hybrid.storage import STORAGES, read_items
-
-    codec = STORAGES[storage].entry
+    """The jnp reference (``formats.storage.read_items`` + the storage's entry decoder)."""
+    codec = STORAGES[storage_name(storage)].entry
     nb = pool.shape[1]
     ok = (block >= 0) & (block < nb)
     items = codec.decode(read_items(pool, layer, block, slot, codec.segments))
@@ -60,17 +57,19 @@ def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer, storage):
     tile = jnp.arange(8)[None, :, None]
     lane = jnp.arange(64)[None, None, :]
     nope = jnp.minimum(tile, NOPE_TILES - 1) * 64 + lane
+    seg = STORAGES[storage].entry.segments
+    off = segment_offsets(seg, bs)
     if storage == "official":  # ds_mla: [bs x (448 codes + 128 rope)] [bs x (7 UE8M0 + pad)]
-        q = load(sl[:, None, None] * DATA + nope, 0)  # u8[R, 8, 64]
-        byte = load(bs * DATA + sl[:, None] * 8 + jnp.minimum(jnp.arange(8)[None, :], NOPE_TILES - 1), 127)
+        q = load(off[0] + sl[:, None, None] * seg[0] + nope, 0)  # u8[R, 8, 64]
+        byte = load(off[1] + sl[:, None] * seg[1] + jnp.minimum(jnp.arange(8)[None, :], NOPE_TILES - 1), 127)
         scale = e8m0_to_float(byte)[..., None]  # [R, 8, 1]
-        rope_col = sl[:, None] * DATA + NOPE_TILES * 64
-    else:  # seed: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
-        q = load(sl[:, None, None] * NOPE + nope, 0)
-        b4 = load(bs * DATA + sl[:, None] * 4 + jnp.arange(4)[None, :], 0).astype(jnp.uint32)  # [R, 4]
+        rope_col = off[0] + sl[:, None] * seg[0] + NOPE
+    else:  # per_entry: [bs x 448 codes] [bs x 128 rope] [bs x f32 scale]
+        q = load(off[0] + sl[:, None, None] * seg[0] + nope, 0)
+        b4 = load(off[2] + sl[:, None] * seg[2] + jnp.arange(4)[None, :], 0).astype(jnp.uint32)  # [R, 4]
         bits = jnp.sum(b4 << (8 * jnp.arange(4, dtype=jnp.uint32))[None, :], axis=1)
         scale = lax.bitcast_convert_type(bits, jnp.float32)[:, None, None]
-        rope_col = bs * NOPE + sl[:, None] * 128
+        rope_col = off[1] + sl[:, None] * seg[1]
     deq = lax.bitcast_convert_type(q, jnp.float8_e4m3fn).astype(jnp.float32) * scale
     rcol = rope_col + 2 * jnp.arange(64)[None, :]
     lo = load(rcol, 0).astype(jnp.uint16)
@@ -81,15 +80,17 @@ def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer, storage):
     pltriton.store(out_ref.at[rows], out, mask=live[:, None, None])
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "storage", "interpret"))
 def dequant_gather(pool, layer: int, block, slot, *, storage: str = "official", interpret: bool = False):
     """The kernel: bf16[M, 512], bytes-exact with ``ref_dequant_gather``."""
+    return _dequant_gather(pool, layer, block, slot, storage=storage_name(storage), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "storage", "interpret"))
+def _dequant_gather(pool, layer: int, block, slot, *, storage: str, interpret: bool):
     from jax.experimental.pallas import triton as pltriton
 
-    if storage not in ENTRY:
-        raise ValueError(f"storage: expected one of {sorted(ENTRY)}, got {storage!r}")
     L, nb, w = pool.shape
-    E = ENTRY[storage]
+    E = entry_bytes(storage)
     if w % E:
         raise ValueError(f"pool: expected u8[layers, blocks, block_size * {E}] ({storage} storage), got "
                          f"{pool.dtype}{list(pool.shape)}")
@@ -102,4 +103,4 @@ def dequant_gather(pool, layer: int, block, slot, *, storage: str = "official", 
         interpret=interpret,
         name="jaxkv_dequant_gather",
     )(block.astype(jnp.int32), slot.astype(jnp.int32), pool.reshape(L * nb, w))
-    return out.reshape(m, 512)
+    return out.reshape(m, HEAD_DIM)

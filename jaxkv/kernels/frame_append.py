@@ -1,7 +1,7 @@
 """Frame append: one frame's K/V for every layer written into the frame cache in one launch.
 
 XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
-patches): 4 * layers * streams small kernels, launch-bound at ~1 ms for 24 layers. This
+patches): 4 * layers * streams small kernels, launch-bound (``benchmarks/RESULTS.md``). This
 Pallas kernel (Triton lowering: ``compiler_params=pltriton.CompilerParams``; deprecated
 from jax 0.11 but present in 0.11.2) writes them all from one grid:
 

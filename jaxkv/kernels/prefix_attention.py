@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxkv.math.attention import merge_partials, ref_attention
 from jaxkv.kernels.tuning import PREFIX_ATTENTION_BLOCK_KV as BLOCK_KV, PREFIX_ATTENTION_STAGES as STAGES
 
 BLOCK_Q = 64  # queries per compute warpgroup (the wgmma M tile); a program holds 2 x BLOCK_Q
@@ -61,8 +62,6 @@ def ref_prefix_attention(q, k, v, kv_len, *, scale=None):
 
     q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; kv_len: i32[B] -> float32[B, Tq, Hq, D]
     """
-    from jaxkv.frame.attention import ref_attention
-
     mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None] < kv_len[:, None]
     return ref_attention(q, k, v, mask, scale)
 
@@ -221,10 +220,7 @@ def prefix_attention(q, k, v, kv_len, *, scale=None, splits: int = 1):
     qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))) if pad else q
     out, lse = _partials(qp, k, v, kv_len, float(scale), splits)
     if splits > 1:  # merge the chunks by their log-sum-exp (base 2)
-        out = out.reshape(B, splits, Tq + pad, Hq, D).astype(jnp.float32)
-        lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq + pad), (0, 1, 3, 2))[..., None]  # [B, n, Tq, Hq, 1]
-        top = jnp.max(lse, axis=1, keepdims=True)
-        w = jnp.exp2(lse - jnp.where(jnp.isfinite(top), top, 0.0))  # 0 for an empty chunk
-        total = jnp.sum(w, axis=1)
-        out = (jnp.sum(out * w, axis=1) / jnp.where(total > 0, total, 1.0)).astype(q.dtype)
+        out = out.reshape(B, splits, Tq + pad, Hq, D)
+        lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq + pad), (0, 1, 3, 2))  # [B, n, Tq, Hq]
+        out = merge_partials(out, lse, base2=True).astype(q.dtype)
     return out[:, :Tq] if pad else out

@@ -7,17 +7,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxkv.flax import CachedStep, caches, check
+from jaxkv.models.reconstructor import ReconstructorConfig, StreamingReconstructor
+from jaxkv.models.synthetic import synthetic_video
 
 
 
 def run(args) -> dict:
     """Stream ``args.frames`` frames; print a summary table and write ``args.plot``."""
-    from flax import nnx
-    from tqdm import tqdm
-
-    from jaxkv.flax import CachedStep, caches, check
-    from jaxkv.models import ReconstructorConfig, StreamingReconstructor, synthetic_video
-
     width, height = (int(x) for x in args.resolution.split("x"))
     if args.special < 2:
         raise ValueError(f"--special: the model needs camera + scale tokens (>= 2), got {args.special}")

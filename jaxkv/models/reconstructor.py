@@ -5,7 +5,7 @@ first (camera, registers, scale), then ``depth`` pairs of blocks — *frame* att
 within the frame, then *global* attention over the frame cache (one
 ``StreamingGlobalAttention`` per pair) — and two heads: a camera head on the camera
 token (9 numbers: translation, quaternion, field of view, as VGGT's pose encoding) and a
-depth head on the patches. The global layers share one ``FrameCache`` (one page
+depth head on the patches. The global layers share one ``FrameCacheModule`` (one page
 structure, bookkeeping once per frame). Positions are 3D (frame, row, column) and rotate q and k
 before the keys enter the cache.
 
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxkv import frame
-from jaxkv.flax import FrameCache, QKVProjection, StreamingGlobalAttention, axial_rope
+from jaxkv.flax import FrameCacheModule, QKVProjection, StreamingGlobalAttention, axial_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +137,7 @@ class StreamingReconstructor(nnx.Module):
         self.special_tokens = nnx.Param(init(rngs.params(), (c.num_special, c.dim), kw["param_dtype"]))  # camera, registers, scale
         self.frame_blocks = nnx.List([Block(FrameAttention(c.dim, c.num_heads, **kw), c.dim, c.mlp_ratio, **kw)
                                       for _ in range(c.depth)])
-        self.cache = FrameCache(frame.FrameSpec(
+        self.cache = FrameCacheModule(frame.FrameSpec(
             num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
             num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
             max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype))

@@ -1,5 +1,9 @@
 """Storage families: how a 512-dim entry and a 128-dim indexer key become bytes in a block.
 
+This module is the one owner of the pool byte layout. The jnp codecs here, the Pallas
+kernels (``jaxkv.kernels``), the XLA paths of ``jaxkv.hybrid`` and the CUDA build
+(``jaxkv.cuda.build`` passes ``cuda_defines()`` to nvcc) all read it from here.
+
 Every pool — a compressed layer's entries, its indexer keys, and each request's SWA ring —
 is one ``uint8[num_blocks, block_size * bytes_per_item]`` array per layer (stacked over
 the layers that share it). An item is split into
@@ -11,12 +15,16 @@ handed to their kernels as is.
 | family | entry (512 dims) | indexer key (128 dims) |
 | --- | --- | --- |
 | ``official`` | [448 FP8 (UE8M0 per 64) + 64 BF16 rope] 576 B, [7 UE8M0 + pad] 8 B = 584 B | MXFP4: 64 B codes, 4 B UE8M0 = 68 B |
-| ``seed`` | 448 FP8 B, 128 B BF16 rope, 4 B f32 per-entry scale = 580 B | NVFP4: 64 B codes, 8 B E4M3, 4 B f32 global = 76 B |
+| ``per_entry`` | 448 FP8 B, 128 B BF16 rope, 4 B f32 per-entry scale = 580 B | NVFP4: 64 B codes, 8 B E4M3, 4 B f32 global = 76 B |
+
+``per_entry`` is the layout of the DeepSeek-V4 seed design (``shared/seeds``); it was
+called ``"seed"`` before 0.2, a name still accepted with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
 import jax
@@ -33,9 +41,18 @@ from jaxkv.formats import (
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from jaxkv.formats.fp8 import dequantize_fp8_ue8m0
+from jaxkv.formats import ds_mla
+from jaxkv.formats.fp8 import TILE, dequantize_fp8_ue8m0
 
-NOPE = 448
+# --- the layout's numbers (every other place reads them from here; the entry's are the
+# ds_mla block's) ----------------------------------------------------------------------
+HEAD_DIM = ds_mla.HEAD_DIM  # a stored entry's dims: NOPE FP8 dims, then ROPE BF16 dims (512)
+NOPE = ds_mla.NOPE_DIM  # FP8 dims of an entry (448)
+ROPE = ds_mla.ROPE_DIM  # BF16 dims of an entry, its RoPE tail (64)
+NOPE_TILES = ds_mla.NUM_TILES  # UE8M0 tiles of the official family (7)
+DATA = ds_mla.TOKEN_DATA_BYTES  # bytes of an entry's codes + rope dims (576)
+INDEX_DIM = 128  # indexer key width the kernels are built for
+KEY_CODES = INDEX_DIM // 2  # E2M1 code bytes of a 128-dim key (64)
 
 
 def as_bytes(x):
@@ -89,8 +106,8 @@ def _ds_mla_encode(x):
 
 def _ds_mla_decode(b):
     q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
-    rope = from_bytes(b[..., NOPE:576], jnp.bfloat16)
-    return jnp.concatenate([dequantize_fp8_ue8m0(q, b[..., 576:583]), rope], axis=-1)
+    rope = from_bytes(b[..., NOPE:DATA], jnp.bfloat16)
+    return jnp.concatenate([dequantize_fp8_ue8m0(q, b[..., DATA:DATA + NOPE_TILES]), rope], axis=-1)
 
 
 def _mxfp4_codec(dim: int) -> Codec:
@@ -104,17 +121,17 @@ def _mxfp4_codec(dim: int) -> Codec:
     return Codec((dim // 2, dim // 32), encode, decode)
 
 
-# --- seed: per-entry FP8 scale, NVFP4 keys ---------------------------------------------------
-def _seed_encode(x):
+# --- per_entry: one float32 FP8 scale per entry, NVFP4 keys -----------------------------------
+def _per_entry_encode(x):
     q, scale = quantize_fp8_per_entry(x[..., :NOPE].astype(jnp.float32))  # f8[..., 448], f32[...]
     rope = as_bytes(x[..., NOPE:].astype(jnp.bfloat16))
     return jnp.concatenate([as_bytes(q), rope, as_bytes(scale[..., None])], axis=-1)
 
 
-def _seed_decode(b):
+def _per_entry_decode(b):
     q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
-    rope = from_bytes(b[..., NOPE:576], jnp.bfloat16)
-    scale = from_bytes(b[..., 576:580], jnp.float32)[..., 0]
+    rope = from_bytes(b[..., NOPE:DATA], jnp.bfloat16)
+    scale = from_bytes(b[..., DATA:DATA + 4], jnp.float32)[..., 0]
     return jnp.concatenate([dequantize_fp8_per_entry(q, scale), rope], axis=-1)
 
 
@@ -135,9 +152,59 @@ def _nvfp4_codec(dim: int) -> Codec:
 
 
 STORAGES = {
-    "official": Storage("official", Codec((576, 8), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec),
-    "seed": Storage("seed", Codec((NOPE, 128, 4), _seed_encode, _seed_decode), _nvfp4_codec),
+    "official": Storage("official", Codec((DATA, ds_mla.TOKEN_SCALE_BYTES), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec),
+    "per_entry": Storage("per_entry", Codec((NOPE, 2 * ROPE, 4), _per_entry_encode, _per_entry_decode), _nvfp4_codec),
 }
+RENAMED = {"seed": "per_entry"}  # old family names, accepted for one release
+
+
+def storage_name(name: str, arg: str = "storage") -> str:
+    """The family ``name`` stands for: a name of ``STORAGES``, or a renamed one (with a
+    ``DeprecationWarning``); a ``ValueError`` naming ``arg`` otherwise."""
+    if name in RENAMED:
+        warnings.warn(f"{arg}={name!r} is deprecated: the family is now called {RENAMED[name]!r}",
+                      DeprecationWarning, stacklevel=3)
+        return RENAMED[name]
+    if name not in STORAGES:
+        raise ValueError(f"{arg}: expected one of {sorted(STORAGES)}, got {name!r}")
+    return name
+
+
+def entry_bytes(name: str) -> int:
+    """Bytes of one 512-dim entry in family ``name``."""
+    return STORAGES[name].entry_bytes
+
+
+def key_bytes(name: str, dim: int = INDEX_DIM) -> int:
+    """Bytes of one indexer key of width ``dim`` in family ``name``."""
+    return STORAGES[name].index_key_bytes(dim)
+
+
+def segment_offsets(segments, block_size: int) -> tuple[int, ...]:
+    """Byte offset of each segment inside a block of ``block_size`` items."""
+    out, off = [], 0
+    for z in segments:
+        out.append(off * block_size)
+        off += z
+    return tuple(out)
+
+
+def cuda_defines() -> list[str]:
+    """The layout as nvcc ``-D`` flags for ``cuda/flush_write.cu``: per family its code,
+    item bytes and each segment's bytes (``JAXKV_OFFICIAL_ENTRY_SEG0=576``, ...). Scalars
+    only: nvcc splits option values at commas."""
+    flags = [f"-DJAXKV_HEAD_DIM={HEAD_DIM}", f"-DJAXKV_NOPE={NOPE}", f"-DJAXKV_TILE={TILE}",
+             f"-DJAXKV_INDEX_DIM={INDEX_DIM}"]
+    for code, name in enumerate(STORAGES):
+        st, tag = STORAGES[name], f"-DJAXKV_{name.upper()}"
+        flags.append(f"{tag}_CODE={code}")
+        for kind, codec in (("ENTRY", st.entry), ("KEY", st.index_key(INDEX_DIM))):
+            flags.append(f"{tag}_{kind}_BYTES={codec.bytes}")
+            flags += [f"{tag}_{kind}_SEG{i}={z}" for i, z in enumerate(codec.segments)]
+    return flags
+
+
+STORAGE_CODES = {name: code for code, name in enumerate(STORAGES)}  # the CUDA kernels' family argument
 
 
 # --- block addressing ----------------------------------------------------------------------

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.formats._common import round_bf16
-from jaxkv.hybrid.rope import apply_rope, hadamard
+from jaxkv.formats.numerics import round_bf16
+from jaxkv.math.rotation import apply_rope, hadamard
 
 M, S, A = 0, 1, 2  # rows of a stream's triple
 CUR_A, CUR_B, PREV_B = 0, 1, 2  # CSA streams (HCA has only CUR_A)
