@@ -126,7 +126,7 @@ def bench_flush_write(n, storage, iters):
     block, slot = cells // bs, cells % bs
     moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
     rows = []
-    impls = [("xla", F.ref_flush_write), ("cuda", F.flush_write), ("pallas", F.pallas_flush_write)]
+    impls = [("xla", F.ref_flush_write), ("cuda", F.cuda_flush_write), ("pallas", F.pallas_flush_write)]
     for name, fn in impls:
         f = jax.jit(functools.partial(fn, layer=0, storage=storage), donate_argnames=("pool", "index_pool"))
         box = {"p": (jnp.zeros((1, nb, bs * fmt.entry_bytes), jnp.uint8), jnp.zeros((1, nb, bs * kb), jnp.uint8))}

@@ -1,11 +1,12 @@
-"""A small pure-Python model of the seed's FlashInferKVCacheManager semantics (one stream)."""
+"""A small pure-Python model of the frame cache semantics of lingbot-map's manager (one stream): the
+tests' oracle for what is visible after any sequence of appends, commits and rollbacks."""
 
 from __future__ import annotations
 
 import collections
 
 
-class SeedModel:
+class FrameModel:
     def __init__(self, S, W, P, NS, max_frames):
         self.S, self.W, self.P, self.NS, self.max_frames = S, W, P, NS, max_frames
         self.reset()

@@ -10,7 +10,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 
 import jaxkv  # noqa: E402
-from frame_model import SeedModel  # noqa: E402
+from frame_model import FrameModel  # noqa: E402
 from jaxkv.flax import StreamingGlobalAttention, apply_rope, axial_rope, caches, check  # noqa: E402
 from jaxkv.models import SMALL, StreamingReconstructor, synthetic_video  # noqa: E402
 
@@ -40,7 +40,7 @@ def frame_rope(t):
 def seed_visibility(keeps, S, W, P, NS, F):
     """bool[F, F*T] visible keys per frame from the pure-Python model, in video-frame token ids."""
     T = P + NS
-    ref, owner = SeedModel(S, W, P, NS, max_frames=10 * F), {}
+    ref, owner = FrameModel(S, W, P, NS, max_frames=10 * F), {}
     vis = np.zeros((F, F * T), bool)
     for i, keep in enumerate(keeps):
         owner[ref.count] = i

@@ -222,12 +222,12 @@ def test_ptx_div_shared_equals_div_rn(rng):
     """The Pallas kernels' shared-divisor division gives div.rn's quotients (where a code can
     depend on them) for every bf16 dividend over every FP8 entry scale amax / 448 and over
     NVFP4 denominators e4m3 * gmax / 2688 for 256 random bf16 gmax: the plumbing of
-    cuda/div_rn.cuh's twin, which tests/div_rn_check.cu checks over every divisor."""
+    cuda/div_rn.cuh's twin, which tests/cuda/div_rn_check.cu checks over every divisor."""
     from jax import lax
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import triton as pltriton
 
-    from jaxkv.kernels.fp4_pack import ptx_div_rn, ptx_div_shared
+    from jaxkv.kernels.division import ptx_div_rn, ptx_div_shared
 
     bf16 = (np.arange(1 << 16, dtype=np.uint32) << 16).view(np.float32)
     x = np.where(np.isfinite(bf16), bf16, 0).astype(np.float32)  # every finite bf16 (65,536 with padding)

@@ -32,7 +32,7 @@ def test_kernels_compile_for_sm90a_and_sm100a():
 @pytest.mark.gpu
 def test_shared_divisor_exhaustive(tmp_path):
     """cuda/div_rn.cuh's SharedDivisor equals div.rn.f32 on every quotient the seed-family
-    flush forms from bf16 inputs (tests/div_rn_check.cu: 1.1e9 entry and 1.3e11 NVFP4
+    flush forms from bf16 inputs (tests/cuda/div_rn_check.cu: 1.1e9 entry and 1.3e11 NVFP4
     quotients, about a second on an H100)."""
     import subprocess
 
@@ -140,7 +140,7 @@ def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
 def test_cuda_flush_write_equals_jnp(rng, storage, csa):
     pool, args = _flush_case(rng, storage, csa)
     want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
-    kernel = jax.jit(functools.partial(F.flush_write, layer=1, storage=storage), donate_argnums=0)
+    kernel = jax.jit(functools.partial(F.cuda_flush_write, layer=1, storage=storage), donate_argnums=0)
     got = kernel(jnp.array(pool), **{k: (jnp.array(v) if k == "index_pool" else v) for k, v in args.items()})
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

@@ -9,7 +9,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jaxkv import frame
 from jaxkv.errors import Fault
 
-from frame_model import SeedModel
+from frame_model import FrameModel
 
 B = 2
 
@@ -38,7 +38,7 @@ class FrameCacheMachine(RuleBasedStateMachine):
                                     scale_frames=S, sliding_window=W, max_frames=max_frames, num_streams=B,
                                     dtype="float32", pow2_pages=pow2)
         self.state = frame.init(self.spec)
-        self.models = [SeedModel(S, W, P, NS, max_frames) for _ in range(B)]
+        self.models = [FrameModel(S, W, P, NS, max_frames) for _ in range(B)]
         self.kv = [dict() for _ in range(B)]  # token id -> (k [L,H,D], v [L,H,D]) of every append ever
         self.rng = np.random.default_rng(0)
         self.expected_error = np.zeros(B, np.uint32)

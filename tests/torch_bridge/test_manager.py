@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch_bridge import FlashInferKVCacheManager  # noqa: E402
 from torch_bridge import manager as M  # noqa: E402
 
-from frame_model import SeedModel  # noqa: E402
+from frame_model import FrameModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 on_gpu = pytest.mark.skipif(DEVICE != "cuda" or not M.FLASHINFER_AVAILABLE, reason="needs CUDA torch and FlashInfer")
@@ -82,7 +82,7 @@ def test_seed_sanity_check_scenario():
     tpf = 262
     mgr, kv, rand = _sanity_check_scenario(tpf)
     assert mgr.compute_last_page_len(0) == 88
-    model = SeedModel(8, 64, tpf - 6, 6, 200)
+    model = FrameModel(8, 64, tpf - 6, 6, 200)
     for _ in range(100):
         model.append(False)
     for block in (0, 1):  # block 1 lagged 100 frames behind block 0 and still holds its own frames
@@ -105,7 +105,7 @@ def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
     mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
                                    dtype=torch.bfloat16, device=DEVICE, num_special_tokens=NS, scale_frames=S,
                                    sliding_window=W, max_total_frames=4, force_fp32=force_fp32, fa3=fa3)
-    model = SeedModel(S, W, P, NS, 10 ** 6)
+    model = FrameModel(S, W, P, NS, 10 ** 6)
     rs = np.random.default_rng(7 + force_fp32)
     dtype = torch.float32 if force_fp32 else torch.bfloat16
     kv = {}

@@ -11,7 +11,7 @@ import jaxkv
 from jaxkv import frame
 from jaxkv.errors import CacheError, Fault
 
-from frame_model import SeedModel
+from frame_model import FrameModel
 
 SMALL = dict(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=5, num_special=2,
              scale_frames=2, sliding_window=3, max_frames=30, dtype="float32")
@@ -64,7 +64,7 @@ def test_sanity_check_scenario():
 def test_visible_set_follows_seed_with_deferral(rng, pow2):
     spec = frame.FrameSpec(**SMALL, pow2_pages=pow2)
     state = frame.init(spec)
-    model = SeedModel(2, 3, 5, 2, 30)
+    model = FrameModel(2, 3, 5, 2, 30)
     ops = ["a", "a", "d+", "d-", "a", "a", "d-", "a", "d+", "a", "a", "d-", "d+", "a"]
     for op in ops:
         k, v = rand_frame(rng, spec)
@@ -131,7 +131,7 @@ def test_append_while_pending_and_grow(rng):
     for _ in range(3):
         state = frame.append(state, *rand_frame(rng, spec))
     jaxkv.check(state)
-    model = SeedModel(2, 3, 5, 2, 6)
+    model = FrameModel(2, 3, 5, 2, 6)
     for _ in range(6):
         model.append(False)
     assert visible(state) == model.visible_ids()
@@ -190,7 +190,7 @@ def test_per_layer_equals_all_layers(rng):
 def test_streams_are_independent(rng):
     spec = frame.FrameSpec(**{**SMALL, "num_streams": 3})
     state = frame.init(spec)
-    models = [SeedModel(2, 3, 5, 2, 30) for _ in range(3)]
+    models = [FrameModel(2, 3, 5, 2, 30) for _ in range(3)]
     for t in range(10):
         defer = np.array([t % 2 == 0, t % 3 == 0, False])
         state = frame.append(state, *rand_frame(rng, spec), defer=jnp.asarray(defer))
