@@ -4,10 +4,13 @@
 * ``jaxkv.frame`` — the streaming frame cache of a reconstruction transformer.
 * ``jaxkv.hybrid`` — the DeepSeek-V4 hybrid compressed cache (SWA, CSA, HCA).
 * ``jaxkv.check`` — raise the faults a jitted operation recorded in a state.
+* ``jaxkv.save`` / ``jaxkv.restore`` — durable cache state (``jaxkv.checkpoint``, Orbax).
 """
 
 from jaxkv import formats, frame, hybrid
+from jaxkv.checkpoint import CheckpointError, restore, save
 from jaxkv.errors import CacheError, Fault, check, clear_errors
 
 __version__ = "0.1.0"
-__all__ = ["CacheError", "Fault", "check", "clear_errors", "formats", "frame", "hybrid", "__version__"]
+__all__ = ["CacheError", "CheckpointError", "Fault", "check", "clear_errors", "formats", "frame", "hybrid", "restore", "save",
+           "__version__"]

@@ -16,6 +16,10 @@ def main(argv=None) -> int:
     demo.add_arguments(d)
     args = p.parse_args(argv)
     if args.command == "demo":
+        try:
+            demo.check_args(args)
+        except ValueError as e:
+            d.error(str(e))  # usage and the message, exit status 2: no traceback
         demo.run(args)
     return 0
 

@@ -64,7 +64,18 @@ def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
     return jax.jit(step, donate_argnums=0)
 
 
+def check_args(args) -> None:
+    """The flags' values: a ValueError naming the flag (the CLI prints it as a usage error)."""
+    for flag, low in (("frames", 1), ("layers", 1), ("heads", 1), ("head_dim", 1), ("scale_frames", 0),
+                      ("window", 0), ("special", 0), ("keyframe_every", 0)):
+        if getattr(args, flag) < low:
+            raise ValueError(f"--{flag.replace('_', '-')}: expected an int >= {low}, got {getattr(args, flag)}")
+    if args.keyframe_threshold is not None and not args.model:
+        raise ValueError("--keyframe-threshold: used only with --model (without it, use --keyframe-every)")
+
+
 def run(args) -> dict:
+    check_args(args)
     if args.model:
         if args.keyframe_every:
             raise ValueError("--keyframe-every: not used with --model (use --keyframe-threshold)")
@@ -117,5 +128,10 @@ def run(args) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxkv demo", description=__doc__)
     add_arguments(p)
-    run(p.parse_args(argv))
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    run(args)
     return 0

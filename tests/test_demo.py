@@ -61,3 +61,21 @@ def argparse_parser():
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
     return p
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--frames", "0"], "--frames: expected an int >= 1, got 0"),
+    (["--layers", "0"], "--layers: expected an int >= 1, got 0"),
+    (["--window", "-1"], "--window: expected an int >= 0, got -1"),
+    (["--keyframe-threshold", "0.01"], "--keyframe-threshold: used only with --model"),
+])
+def test_demo_bad_flags_are_usage_errors(capsys, argv, message):
+    """A mistaken flag prints usage and what is wrong (exit status 2), never a traceback."""
+    with pytest.raises(SystemExit) as e:
+        main(["demo", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -23,7 +23,7 @@ LAYERS = {
     "jaxkv.frame": 4, "jaxkv.hybrid": 4,
     "jaxkv.flax": 5,
     "jaxkv.models": 6,
-    "jaxkv.demo": 7, "jaxkv.__main__": 8, "jaxkv": 8,
+    "jaxkv.demo": 7, "jaxkv.checkpoint": 7, "jaxkv.__main__": 8, "jaxkv": 8,
     "torch_bridge": 9,
 }
 # Function-local imports of the package: only where the imported part needs an optional

@@ -43,7 +43,10 @@ tensor made after those writes, e.g. the query, which orders the streams).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+from pathlib import Path
 from typing import List
 
 import jax
@@ -51,7 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxkv import frame
+from jaxkv import checkpoint, frame
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
 from jaxkv.frame.state import NONE
@@ -413,7 +416,63 @@ class FlashInferKVCacheManager:
         self._frame_open = False
         self._planned = None
 
-    # ---------------------------------------------------------------- views
+    # ---------------------------------------------------------------- durable state
+    def state_dict(self) -> dict:
+        """The cache as a torch state dict: each jaxkv state array as a tensor (a copy) under
+        ``"state" + its key path`` (``jaxkv.checkpoint.leaves``'s names), the per-block frame
+        counts under ``"frame_count"``, the spec as JSON under ``"spec"``."""
+        out = {f"state{k}": to_torch(x).clone() for k, x in checkpoint.leaves(self.state).items()}
+        out["frame_count"] = torch.tensor(self.frame_count, dtype=torch.int64)
+        out["spec"] = json.dumps(checkpoint.spec_to_json(self.spec))
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue from ``state_dict()``'s output, which must come from a manager of the same
+        spec (``ValueError`` naming what differs); nothing changes on a refusal."""
+        spec = checkpoint.spec_from_json("frame", json.loads(state_dict.get("spec", "{}")))
+        if spec != self.spec:
+            diff = [f"{k}={getattr(spec, k)!r} (this manager: {v!r})"
+                    for k, v in dataclasses.asdict(self.spec).items() if getattr(spec, k) != v]
+            raise ValueError("state_dict: its spec differs from this manager's: " + ", ".join(diff))
+        names = list(checkpoint.leaves(self._state))
+        missing = [f"state{k}" for k in names if f"state{k}" not in state_dict]
+        if missing or "frame_count" not in state_dict:
+            raise ValueError(f"state_dict: missing {(missing + ['frame_count'])[:4]}")
+        counts = [int(c) for c in state_dict["frame_count"]]
+        if len(counts) != self.num_blocks:
+            raise ValueError(f"state_dict: frame_count for {len(counts)} blocks, this manager has {self.num_blocks}")
+        like = checkpoint.leaves(self._state)
+        arrays = []
+        for k in names:
+            t = state_dict[f"state{k}"].to(self.device).contiguous()
+            x = jnp.array(from_torch(t), copy=True)  # the manager owns its buffers
+            if x.shape != like[k].shape or x.dtype != like[k].dtype:
+                raise ValueError(f"state_dict: state{k} is {x.dtype}{list(x.shape)}, expected "
+                                 f"{like[k].dtype}{list(like[k].shape)}")
+            arrays.append(x)
+        self._queued = []
+        self.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self._state), arrays)
+        self._take_views()
+        st = self._state  # the host mirror from the device counters: a load, not a step
+        self._pages.c = plan.Counters(*(int(getattr(st, f)[0]) for f in plan.Counters._fields))
+        self._pages.version += 1
+        self.frame_count = counts
+        self._frame_open = False
+        self._planned = None
+
+    def save(self, path) -> None:
+        """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""
+        path = checkpoint.save(path, self.state)
+        (path / "frame_count.json").write_text(json.dumps(self.frame_count))
+
+    def restore(self, path) -> None:
+        """Continue from ``save``'s directory (a checkpoint of a manager of the same spec)."""
+        state = checkpoint.restore(path, like=self._state)
+        sd = {f"state{k}": to_torch(x) for k, x in checkpoint.leaves(state).items()}
+        counts = json.loads((Path(path) / "frame_count.json").read_text())
+        self.load_state_dict({**sd, "frame_count": torch.tensor(counts), "spec": json.dumps(
+            checkpoint.spec_to_json(state.spec))})
+
     def build_visible_page_table(self, block_idx: int) -> List[int]:
         """Visible page ids in scale -> window -> special order (reads the device: for
         inspection, not for the per-frame step)."""

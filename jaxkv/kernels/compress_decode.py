@@ -53,7 +53,7 @@ from jaxkv.formats.storage import (HEAD_DIM as HEAD, INDEX_DIM as INDEX, KEY_COD
                                    entry_bytes, key_bytes, segment_offsets, storage_name)
 from jaxkv.kernels.codes import f32_bytes, mxfp4_pairs, nvfp4_pairs, per_entry_codes, ue8m0_tile_codes
 from jaxkv.kernels.division import division
-from jaxkv.kernels.tuning import COMPRESS_DECODE_WARPS as NUM_WARPS  # by storage family
+from jaxkv.kernels.tuning import launch
 from jaxkv.stacked import as_stack, check_stacked
 
 ROWS = 1  # requests per program
@@ -332,7 +332,7 @@ def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_
         out_shape=tuple(outs),
         grid=(pl.cdiv(B, ROWS),),
         input_output_aliases={first + n: n for n in range(len(aliased))},
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS[storage], num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=launch(f"compress_decode/{storage}")["warps"], num_stages=1),
         interpret=interpret,
         name="jaxkv_compress_decode",
     )(*args, *aliased)

@@ -5,7 +5,7 @@ Serves CSA's top-k entries, HCA's all-entries reads and the SWA window
 (``hybrid.gather_entries`` / ``all_entries`` / ``window_keys``, ``impl="pallas"``): each
 item's 448 FP8 dims times its scale (UE8M0 per 64-dim tile in the official ``ds_mla``
 block, one float32 per entry in the per_entry family's), and its 64 BF16 RoPE dims as stored;
-K = V, so one gather serves both. Each program reads ``ROWS`` items with gather loads
+K = V, so one gather serves both. Each program reads ``ROWS`` items (``tuning``) with gather loads
 (integer-array indexers of the pool viewed as ``[layers * blocks, block bytes]``) and
 writes their rows contiguously. Lowering: Triton (``pltriton.CompilerParams``).
 
@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from jaxkv.formats.numerics import e8m0_to_float
 from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, STORAGES, entry_bytes, read_items, segment_offsets, storage_name
-from jaxkv.kernels.tuning import DEQUANT_GATHER_ROWS as ROWS, DEQUANT_GATHER_WARPS as NUM_WARPS
+from jaxkv.kernels.tuning import launch
 
 
 def ref_dequant_gather(pool, layer: int, block, slot, storage: str = "official"):
@@ -37,7 +37,7 @@ def ref_dequant_gather(pool, layer: int, block, slot, storage: str = "official")
     return jnp.where(ok[:, None], items, 0).astype(jnp.bfloat16)
 
 
-def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer, storage):
+def _kernel(blk_ref, slot_ref, pool_ref, out_ref, *, m, nb, bs, layer, storage, ROWS):
     # blk_ref, slot_ref: i32[M]; pool_ref: u8[L * NB, bs * E]; out_ref: bf16[M, 8, 64]
     from jax.experimental.pallas import triton as pltriton
 
@@ -95,11 +95,13 @@ def _dequant_gather(pool, layer: int, block, slot, *, storage: str, interpret: b
         raise ValueError(f"pool: expected u8[layers, blocks, block_size * {E}] ({storage} storage), got "
                          f"{pool.dtype}{list(pool.shape)}")
     m = block.shape[0]
+    tune = launch("dequant_gather")
+    ROWS = tune["rows"]
     out = pl.pallas_call(
-        functools.partial(_kernel, m=m, nb=nb, bs=w // E, layer=layer, storage=storage),
+        functools.partial(_kernel, m=m, nb=nb, bs=w // E, layer=layer, storage=storage, ROWS=ROWS),
         out_shape=jax.ShapeDtypeStruct((m, 8, 64), jnp.bfloat16),
         grid=(pl.cdiv(m, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tune["warps"], num_stages=1),
         interpret=interpret,
         name="jaxkv_dequant_gather",
     )(block.astype(jnp.int32), slot.astype(jnp.int32), pool.reshape(L * nb, w))

@@ -8,7 +8,7 @@ MXFP4 nibbles and UE8M0 bytes; the per_entry family one float32 scale per entry 
 keys. The math is the formats' (``kernels.codes``; same bytes as
 ``hybrid.flush.ref_flush_write``): dividing by a power-of-two scale is a multiply by its
 exact inverse, by a float32 scale correctly rounded (``kernels.division``). Each program
-handles ``tuning.FLUSH_WRITE_ROWS[storage]`` entries and writes them with scatter stores
+handles ``tuning``'s rows for the family and writes them with scatter stores
 (integer-array indexers of the pool viewed as ``[layers * blocks, block bytes]``).
 Lowering: Triton (``pltriton.CompilerParams``).
 
@@ -30,7 +30,7 @@ from jaxkv.formats.storage import (INDEX_DIM, KEY_CODES, NOPE, NOPE_TILES, STORA
                                    segment_offsets, storage_name)
 from jaxkv.kernels.codes import f32_bytes, mxfp4_pairs, nvfp4_pairs, per_entry_codes, ue8m0_tile_codes
 from jaxkv.kernels.division import division
-from jaxkv.kernels.tuning import FLUSH_WRITE_ROWS, FLUSH_WRITE_WARPS
+from jaxkv.kernels.tuning import launch
 from jaxkv.stacked import as_stack
 
 
@@ -111,7 +111,8 @@ def _flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=N
     L, nb, w = pool.shape
     bs = w // entry_bytes(storage)
     n = x.shape[0]
-    rows = FLUSH_WRITE_ROWS[storage]
+    tune = launch(f"flush_write/{storage}")
+    rows = tune["rows"]
     x, x_row = as_stack(x)  # x: a hybrid.Stacked row, read in place
     with_index = index_pool is not None
     if not with_index:  # a 1-row stand-in keeps one kernel signature
@@ -124,7 +125,7 @@ def _flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=N
                    jax.ShapeDtypeStruct((index_pool.shape[0] * index_pool.shape[1], index_pool.shape[2]), jnp.uint8)),
         grid=(pl.cdiv(n, rows),),
         input_output_aliases={4: 0, 5: 1},
-        compiler_params=pltriton.CompilerParams(num_warps=FLUSH_WRITE_WARPS[storage], num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tune["warps"], num_stages=1),
         interpret=interpret,
         name="jaxkv_flush_write",
     )(x.reshape(-1, 8, 64), lax.bitcast_convert_type(xi.reshape(-1, 64, 2), jnp.uint32).reshape(-1, 4, 16), block, slot, pool.reshape(L * nb, w),

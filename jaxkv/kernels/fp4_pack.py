@@ -6,7 +6,7 @@ bytes), except for the division: by MXFP4's power-of-two group scale it is a mul
 the exact inverse, by NVFP4's float32 scales the GPU's correctly rounded ``div.rn.f32``
 (the reference's integer long division ``div_rn`` computes the same quotients, and is what
 interpret mode runs); ``kernels.division`` holds the choice, ``kernels.codes`` the
-per-group byte math every kernel shares. Each program quantizes ``ROWS`` keys. The input is viewed as
+per-group byte math every kernel shares. Each program quantizes ``ROWS`` keys (``tuning``). The input is viewed as
 ``[N, G, P, 2]`` (G groups of P element pairs) so the even and odd elements of every
 group load as two ``[ROWS, G, P]`` blocks and pack into one byte each, with no reshape
 inside the kernel. Lowering: Triton (``pltriton.CompilerParams``).
@@ -29,7 +29,7 @@ from jaxkv.formats import fp4 as _fp4
 from jaxkv.formats.numerics import check_float, check_groups
 from jaxkv.kernels.codes import mxfp4_pairs, nvfp4_pairs
 from jaxkv.kernels.division import EXACT, GENERAL
-from jaxkv.kernels.tuning import MXFP4_ROWS as ROWS, MXFP4_WARPS as NUM_WARPS
+from jaxkv.kernels.tuning import launch
 
 
 def ref_quantize_mxfp4(x):
@@ -44,7 +44,7 @@ def _check_rows(x, group):
         raise ValueError(f"x: expected float[N, d], got shape {tuple(x.shape)}")
 
 
-def _pack_kernel(x_ref, *refs, n, pairs):
+def _pack_kernel(x_ref, *refs, n, pairs, ROWS):
     # x_ref: f[N, G, P, 2]; refs: the per-row operands ``pairs`` takes after (even, odd)
     # (f32[N] each), then packed_ref: u8[N, G, P], scales_ref: u8[N, G]
     from jax.experimental.pallas import triton as pltriton
@@ -68,11 +68,14 @@ def _pack(x, group: int, pairs, name: str, interpret: bool, *per_row):
 
     n, d = x.shape
     groups, p = d // group, group // 2
+    tune = launch("fp4_pack")
+    ROWS = tune["rows"]
     packed, scales = pl.pallas_call(
-        functools.partial(_pack_kernel, n=n, pairs=functools.partial(pairs, div=EXACT if interpret else GENERAL)),
+        functools.partial(_pack_kernel, n=n, pairs=functools.partial(pairs, div=EXACT if interpret else GENERAL),
+                          ROWS=ROWS),
         out_shape=(jax.ShapeDtypeStruct((n, groups, p), jnp.uint8), jax.ShapeDtypeStruct((n, groups), jnp.uint8)),
         grid=(pl.cdiv(n, ROWS),),
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tune["warps"], num_stages=1),
         interpret=interpret,
         name=name,
     )(x.reshape(n, groups, p, 2), *per_row)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxkv.kernels.tuning import FRAME_APPEND_ROWS as ROWS, FRAME_APPEND_WARPS as NUM_WARPS
+from jaxkv.kernels.tuning import launch
 
 
 def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size):
@@ -72,7 +72,7 @@ def ref_write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special
     return tuple(map(put, k_bufs, k)), tuple(map(put, v_bufs, v))
 
 
-def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf):
+def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf, ROWS):
     # rows_ref: i32[2, B] (special_row; patch_row); k_ref, v_ref: [L, B, tpf, hd];
     # refs: 2L input buffers (aliased, unused) then the same 2L as outputs.
     from jax.experimental.pallas import triton as pltriton
@@ -110,15 +110,17 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     from jax.experimental.pallas import triton as pltriton
 
     L, B, tpf, hd = k.shape
+    tune = launch("frame_append")
+    ROWS = tune["rows"]
     blocks = pl.cdiv(num_special, ROWS) + pl.cdiv(page_size, ROWS)
     bufs = (*k_bufs, *v_bufs)
     rows = jnp.stack([special_row, patch_row])
     out = pl.pallas_call(
-        functools.partial(_kernel, L=L, B=B, num_special=num_special, page_size=page_size, tpf=tpf),
+        functools.partial(_kernel, L=L, B=B, num_special=num_special, page_size=page_size, tpf=tpf, ROWS=ROWS),
         out_shape=tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
         grid=(2 * L * B, blocks),
         input_output_aliases={3 + n: n for n in range(2 * L)},
-        compiler_params=pltriton.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
+        compiler_params=pltriton.CompilerParams(num_warps=tune["warps"], num_stages=1),
         interpret=interpret,
         name="jaxkv_frame_append",
     )(rows, k, v, *bufs)

@@ -3,14 +3,14 @@
 cuDNN's flash attention pays ~16-35% more when told a key length (its padding-mask
 kernel), even when the length covers the whole buffer (``benchmarks/RESULTS.md``). A frame
 cache's visible keys are a prefix of a fixed-capacity buffer, so every call needs a length.
-This kernel takes it as data: the key loop runs ``ceil(kv_len / BLOCK_KV)`` steps and only
+This kernel takes it as data: the key loop runs ``ceil(kv_len / block_kv)`` steps and only
 the last step is masked, so a length costs nothing.
 
 Design (FlashAttention-3's warp specialization, written with Pallas' Mosaic GPU lowering;
 JAX's ``pallas/ops/gpu/attention_mgpu.py`` is the pattern): each program owns 128 queries
 of one head and one key chunk; two compute warpgroups (64 queries each) run QK^T and PV on
 the tensor cores (``wgmma``) with an online softmax in registers, ping-ponged by a barrier;
-a third warpgroup streams K/V blocks into shared memory by TMA, ``STAGES`` blocks ahead.
+a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` blocks ahead (both from ``tuning``).
 
     q: dtype[B, Tq, Hq, D]       queries (Tq padded to a multiple of 128 here)
     k, v: dtype[B, T, H, D]      key/value buffers (Hq a multiple of H: GQA), T = splits x chunk
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.math.attention import merge_partials, ref_attention
-from jaxkv.kernels.tuning import PREFIX_ATTENTION_BLOCK_KV as BLOCK_KV, PREFIX_ATTENTION_STAGES as STAGES
+from jaxkv.kernels.tuning import launch
 
 BLOCK_Q = 64  # queries per compute warpgroup (the wgmma M tile); a program holds 2 x BLOCK_Q
 LOG2E = math.log2(math.e)
@@ -67,7 +67,7 @@ def ref_prefix_attention(q, k, v, kv_len, *, scale=None):
 
 
 def _block_kv(chunk: int) -> int:
-    return next(b for b in (BLOCK_KV, 128, 64) if chunk % b == 0)
+    return next(b for b in (launch("prefix_attention")["block_kv"], 128, 64) if chunk % b == 0)
 
 
 def _partials(q, k, v, kv_len, scale, splits):
@@ -80,7 +80,7 @@ def _partials(q, k, v, kv_len, scale, splits):
     G = Hq // H
     chunk = T // splits
     block_kv = _block_kv(chunk)
-    stages = max(1, min(STAGES, chunk // block_kv))
+    stages = max(1, min(launch("prefix_attention")["stages"], chunk // block_kv))
     dtype = q.dtype
     c = scale * LOG2E  # logits in base 2: exp(s * scale) = exp2(s * c)
 

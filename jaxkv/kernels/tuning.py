@@ -1,26 +1,43 @@
-"""Launch parameters of the Pallas kernels, as data.
+"""Launch parameters of the Pallas kernels, as data keyed by device.
 
-``*_ROWS``: items per program (a power of two: Triton blocks); ``*_WARPS``: warps per
-program; by storage family where the families differ. Chosen by sweeps on ``SWEPT_ON``;
-the sweeps' figures are in ``benchmarks/RESULTS.md`` ("Launch-parameter sweeps").
-Re-sweep on another GPU.
+``rows``: items per program (a power of two: Triton blocks); ``warps``: warps per program;
+``block_kv`` / ``stages``: the Mosaic GPU attention's keys per TMA block and blocks in
+flight. Entries are per kernel, and per storage family where the families differ
+(``"flush_write/per_entry"``). A device without its own table uses ``DEFAULT``'s, the
+device the sweeps ran on; their figures are in ``benchmarks/RESULTS.md``
+("Launch-parameter sweeps"). Add a table for another GPU by its ``device_kind``.
 """
 
-SWEPT_ON = "NVIDIA H100 80GB HBM3"
+from __future__ import annotations
 
-FRAME_APPEND_ROWS = 16
-FRAME_APPEND_WARPS = 4
+import jax
 
-MXFP4_ROWS = 32
-MXFP4_WARPS = 8
+DEFAULT = "NVIDIA H100 80GB HBM3"
 
-FLUSH_WRITE_ROWS = {"official": 16, "per_entry": 2}
-FLUSH_WRITE_WARPS = {"official": 4, "per_entry": 1}
+TABLES = {
+    "NVIDIA H100 80GB HBM3": {
+        "frame_append": dict(rows=16, warps=4),
+        "fp4_pack": dict(rows=32, warps=8),
+        "flush_write/official": dict(rows=16, warps=4),
+        "flush_write/per_entry": dict(rows=2, warps=1),
+        "dequant_gather": dict(rows=16, warps=4),  # not swept
+        "compress_decode/official": dict(warps=4),  # one request per program
+        "compress_decode/per_entry": dict(warps=2),
+        "prefix_attention": dict(block_kv=256, stages=2),
+    },
+}
 
-DEQUANT_GATHER_ROWS = 16  # not swept
-DEQUANT_GATHER_WARPS = 4
 
-COMPRESS_DECODE_WARPS = {"official": 4, "per_entry": 2}  # one request per program
+def device_kind() -> str:
+    """jax's first device's kind (``"cpu"`` off a GPU: interpret mode uses ``DEFAULT``)."""
+    return jax.devices()[0].device_kind
 
-PREFIX_ATTENTION_BLOCK_KV = 256  # keys per TMA block (Mosaic GPU)
-PREFIX_ATTENTION_STAGES = 2  # blocks in flight
+
+def launch(kernel: str, device: str | None = None) -> dict:
+    """The launch parameters of ``kernel`` on ``device`` (default: jax's first device);
+    read at trace time, so a jitted kernel is specialized for the device it runs on."""
+    table = TABLES.get(device or device_kind(), TABLES[DEFAULT])
+    return table.get(kernel, TABLES[DEFAULT][kernel])
+
+
+__all__ = ["DEFAULT", "TABLES", "device_kind", "launch"]

@@ -1,0 +1,240 @@
+"""Durable cache state: ``save`` a frame or hybrid cache to a directory, ``restore`` it in
+another process (or onto another mesh) and continue bit-identically.
+
+A checkpoint is a directory::
+
+    path/
+      jaxkv.json   format version, the cache kind, its spec / config, each array's
+                   shape, dtype and checksum (written last: its presence marks a complete save)
+      arrays/      the arrays, an Orbax (``orbax-checkpoint``) PyTree checkpoint
+
+The save goes to a temporary sibling directory that is renamed into place when complete,
+so ``path`` either holds a whole checkpoint or nothing. ``restore`` refuses what does not
+match (another format version, another kind, a spec different from ``like``'s) with a
+``CheckpointError`` that says what differs, and checks every array's checksum
+(position-weighted sums of its 32-bit words, computed where the array lives), so a
+truncated or corrupted checkpoint is reported, never loaded half way. Everything in the
+state is saved: the sticky error field, and a deferred frame still pending (``commit`` or
+``rollback`` it after the restore as before the save).
+
+Orbax restores each array onto the sharding of ``like``'s (a state laid out on the target
+devices), or, with ``mesh``, replicated over that mesh; without either, onto the default
+device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv import frame, hybrid
+from jaxkv.frame.spec import FrameSpec
+from jaxkv.hybrid.config import HybridConfig
+
+FORMAT = "jaxkv-cache"
+VERSION = 1
+META = "jaxkv.json"
+ARRAYS = "arrays"
+
+# kind -> (state class, spec field, spec class, abstract state of a spec)
+_KINDS = {
+    "frame": (frame.FrameCacheState, "spec", FrameSpec, frame.init),
+    "hybrid": (hybrid.HybridCacheState, "config", HybridConfig, hybrid.init),
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored as asked: incomplete, corrupted, or another
+    format, kind or spec than expected. The message says which, and where."""
+
+
+def kind_of(state) -> str:
+    """``"frame"`` or ``"hybrid"``; TypeError for anything else."""
+    for kind, (cls, *_rest) in _KINDS.items():
+        if isinstance(state, cls):
+            return kind
+    raise TypeError(f"state: expected a frame.FrameCacheState or hybrid.HybridCacheState, got {type(state).__name__}")
+
+
+def spec_of(state):
+    """The state's FrameSpec or HybridConfig."""
+    return getattr(state, _KINDS[kind_of(state)][1])
+
+
+def spec_to_json(spec) -> dict:
+    """A FrameSpec / HybridConfig as JSON-able fields."""
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(spec).items()}
+
+
+def spec_from_json(kind: str, d: dict):
+    """``spec_to_json``'s inverse for a ``"frame"`` or ``"hybrid"`` cache."""
+    cls = _KINDS[kind][2]
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise CheckpointError(f"{kind} spec: fields {unknown} are not in this jaxkv's {cls.__name__}")
+    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()})
+
+
+def leaves(state) -> dict:
+    """{key path: array} of the state's arrays, in pytree order."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {jax.tree_util.keystr(p): x for p, x in flat}
+
+
+@jax.jit
+def _checksum(x):
+    """u32[2]: the sum of the array's 32-bit words and their sum weighted by 2i + 1 (mod 2^32),
+    on the device that holds it (no copy to the host): any changed word, or a moved one,
+    changes it."""
+    b = x.reshape(-1)
+    if b.dtype == jnp.bool_:
+        b = b.astype(jnp.uint8)
+    if b.dtype != jnp.uint8:
+        b = lax.bitcast_convert_type(b, jnp.uint8).reshape(-1)
+    b = jnp.pad(b, (0, -b.size % 4)).reshape(-1, 4)
+    w = lax.bitcast_convert_type(b, jnp.uint32)
+    i = jnp.arange(w.shape[0], dtype=jnp.uint32)
+    return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * (2 * i + 1), dtype=jnp.uint32)])
+
+
+def _sums(arrays: dict) -> dict:
+    """{key: [s1, s2]}: every array's checksum, fetched to the host in one transfer."""
+    sums = jax.device_get({k: _checksum(x) if x.size else jnp.zeros(2, jnp.uint32) for k, x in arrays.items()})
+    return {k: [int(v) for v in np.asarray(s)] for k, s in sums.items()}
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.PyTreeCheckpointer()
+
+
+def save(path, state) -> Path:
+    """Save a frame or hybrid cache state to the directory ``path`` (which must not exist).
+
+    Blocks until the checkpoint is complete on disk; returns its path."""
+    kind = kind_of(state)
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"path: {path} exists; save writes a new checkpoint directory")
+    arrays = leaves(state)
+    sums = _sums(arrays)
+    meta = {
+        "format": FORMAT,
+        "version": VERSION,
+        "kind": kind,
+        "spec": spec_to_json(spec_of(state)),
+        "arrays": {k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        import orbax.checkpoint as ocp
+
+        _checkpointer().save(tmp / ARRAYS, args=ocp.args.PyTreeSave(_as_tree(arrays)))
+        (tmp / META).write_text(json.dumps(meta, indent=1))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _as_tree(leaves: dict) -> dict:
+    """Orbax wants string keys it can use as names: index the leaves."""
+    return {f"a{i:04d}": x for i, x in enumerate(leaves.values())}
+
+
+def read_meta(path) -> dict:
+    """The checkpoint's metadata (``jaxkv.json``), checked to be a complete jaxkv checkpoint."""
+    path = Path(path).absolute()
+    f = path / META
+    if not f.is_file():
+        what = "does not exist" if not path.exists() else f"has no {META} (an incomplete or foreign checkpoint)"
+        raise CheckpointError(f"path: {path} {what}")
+    try:
+        meta = json.loads(f.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{f}: corrupted metadata ({e})") from None
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{f}: expected format {FORMAT!r}, got {meta.get('format')!r}")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"{f}: format version {meta.get('version')} is not this jaxkv's ({VERSION})")
+    if meta.get("kind") not in _KINDS:
+        raise CheckpointError(f"{f}: expected kind 'frame' or 'hybrid', got {meta.get('kind')!r}")
+    return meta
+
+
+def restore(path, like=None, mesh=None):
+    """The state saved at ``path``.
+
+    like: a state of the same kind and spec (its arrays' shardings place the restored
+      arrays; its values are not read), or None (the spec comes from the checkpoint).
+    mesh: with ``like=None``, a ``jax.sharding.Mesh`` to replicate the arrays over.
+    """
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    kind = meta["kind"]
+    spec = spec_from_json(kind, meta["spec"])
+    if like is not None:
+        if kind_of(like) != kind:
+            raise CheckpointError(f"like: a {kind_of(like)} cache, but {path} holds a {kind} cache")
+        want = spec_of(like)
+        if want != spec:
+            diff = {k: (v, getattr(spec, k)) for k, v in dataclasses.asdict(want).items() if getattr(spec, k) != v}
+            raise CheckpointError(f"like: its spec differs from the checkpoint's at {path}: "
+                                  + ", ".join(f"{k}={a!r} (checkpoint: {b!r})" for k, (a, b) in diff.items()))
+        target = like
+    else:
+        target = jax.eval_shape(lambda: _KINDS[kind][3](spec))
+    arrays = leaves(target)
+    saved = meta["arrays"]
+    if list(saved) != list(arrays):
+        raise CheckpointError(f"{path}: its arrays {list(saved)[:4]}... do not match a {kind} cache's "
+                              f"{list(arrays)[:4]}...")
+    for k, x in arrays.items():
+        s = saved[k]
+        if tuple(s["shape"]) != tuple(x.shape) or s["dtype"] != str(x.dtype):
+            raise CheckpointError(f"{path}: array {k} is {s['dtype']}{s['shape']}, a {kind} cache of this spec "
+                                  f"has {x.dtype}{list(x.shape)}")
+
+    def abstract(x):
+        if like is not None:
+            sharding = x.sharding
+        elif mesh is not None:
+            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        else:
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    import orbax.checkpoint as ocp
+
+    items = _as_tree({k: abstract(x) for k, x in arrays.items()})
+    try:
+        restored = _checkpointer().restore(
+            path / ARRAYS, args=ocp.args.PyTreeRestore(
+                item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
+    except Exception as e:  # orbax / tensorstore: missing or unreadable files
+        raise CheckpointError(f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
+    values = [restored[name] for name in items]
+    sums = _sums(dict(zip(arrays, values)))
+    for k in arrays:
+        if sums[k] != saved[k]["checksum"]:
+            raise CheckpointError(f"{path}: array {k} fails its checksum (a corrupted checkpoint)")
+    treedef = jax.tree_util.tree_structure(target)
+    return jax.tree_util.tree_unflatten(treedef, values)
+
+
+__all__ = ["CheckpointError", "kind_of", "leaves", "read_meta", "restore", "save", "spec_from_json", "spec_of",
+           "spec_to_json"]
