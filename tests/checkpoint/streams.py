@@ -1,8 +1,11 @@
 """Deterministic streams for the checkpoint tests: the same frames / tokens whether a run is
-whole or cut by a save and continued in another process (``python streams.py ...``)."""
+whole or cut by a save and continued in another process (``python streams.py ...``). Every
+run is its own fresh process, started alike: on a GPU, XLA picks its GEMM algorithms per
+process by timing them, so two processes agree bit for bit only with autotuning off."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -34,7 +37,7 @@ def frame_run(state, t0: int, t1: int):
     return state, np.asarray(jnp.stack(outs).astype(jnp.float32))
 
 
-def hybrid_run(state, t0: int, t1: int):
+def hybrid_run(state, t0: int, t1: int):  # noqa: D401
     """Decode tokens [t0, t1) for both request slots. -> (state, {layer: f32[t1 - t0, B, 1, H, D]})."""
     import hybrid_driver as D
 
@@ -59,12 +62,21 @@ def as_bytes(x) -> np.ndarray:
     return np.ascontiguousarray(x).view(np.uint8)
 
 
-def main(kind: str, path: str, t0: int, t1: int, out: str) -> None:
-    """Restore ``path``, continue to ``t1``, write the outputs and the final state to ``out``."""
-    state = checkpoint.restore(path)
-    state, outs = (frame_run if kind == "frame" else hybrid_run)(state, t0, t1)
-    np.savez(out, outputs=outs, **{f"leaf{i}": as_bytes(x) for i, x in enumerate(leaves(state).values())})
+def main(kind: str, mode: str, path: str, t0: int, t1: int, out: str) -> None:
+    """mode "whole": run [0, t1); "part": run [0, t1) and save to ``path``; "continue":
+    restore ``path`` and run [t0, t1). Writes the outputs and the final state to ``out``."""
+    run = frame_run if kind == "frame" else hybrid_run
+    if mode == "continue":
+        state = checkpoint.restore(path)
+    else:
+        state = frame.init(FRAME_SPEC) if kind == "frame" else H.init(
+            dataclasses.replace(HYBRID, storage=kind.split(":")[1]))
+    state, outs = run(state, t0, t1)
+    if mode == "part":
+        checkpoint.save(path, state)
+    np.savez(out, outputs=outs, pending=np.asarray(getattr(state, "pending", np.zeros(1))),
+             **{f"leaf{i}": as_bytes(x) for i, x in enumerate(leaves(state).values())})
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])

@@ -22,41 +22,44 @@ import streams as S
 HERE = pathlib.Path(__file__).resolve().parent
 
 
-def _continue_elsewhere(kind, path, t0, t1, tmp_path):
-    out = tmp_path / "continued.npz"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, str(HERE / "streams.py"), kind, str(path), str(t0), str(t1), str(out)],
+def _fresh(kind, mode, path, t0, t1, tmp_path):
+    """One run of ``streams.py`` in a fresh process -> its npz."""
+    out = tmp_path / f"{mode}.npz"
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"  # see streams.py
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+           "XLA_FLAGS": flags.strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    p = subprocess.run([sys.executable, str(HERE / "streams.py"), kind, mode, str(path), str(t0), str(t1), str(out)],
                        capture_output=True, text=True, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     return np.load(out)
 
 
-def _same_run(whole_state, whole_out, n, got):
-    np.testing.assert_array_equal(got["outputs"], whole_out[n:])
-    for i, x in enumerate(S.leaves(whole_state).values()):
-        np.testing.assert_array_equal(got[f"leaf{i}"], S.as_bytes(x), err_msg=f"leaf {i}")
+def _cut_equals_whole(kind, n, m, tmp_path):
+    """Run [0, n), save, continue [n, n + m) in another process: == one run of [0, n + m)."""
+    path = tmp_path / "ck"
+    whole = _fresh(kind, "whole", path, 0, n + m, tmp_path)
+    part = _fresh(kind, "part", path, 0, n, tmp_path)
+    np.testing.assert_array_equal(part["outputs"], whole["outputs"][:n])
+    assert sorted(os.listdir(tmp_path)) == ["ck", "part.npz", "whole.npz"]  # no temporary left behind
+    got = _fresh(kind, "continue", path, n, n + m, tmp_path)
+    np.testing.assert_array_equal(got["outputs"], whole["outputs"][n:])
+    leaves = [k for k in whole.files if k.startswith("leaf")]
+    assert leaves and leaves == [k for k in got.files if k.startswith("leaf")]
+    for k in leaves:
+        np.testing.assert_array_equal(got[k], whole[k], err_msg=k)
+    return part
 
 
 def test_frame_cache_continues_bit_identically_in_a_fresh_process(tmp_path):
-    N, M = 6, 5  # frame 5 is deferred: the save holds a pending frame
-    whole, whole_out = S.frame_run(frame.init(S.FRAME_SPEC), 0, N + M)
-    part, part_out = S.frame_run(frame.init(S.FRAME_SPEC), 0, N)
-    assert int(part.pending[0]) != frame.NONE
-    np.testing.assert_array_equal(part_out, whole_out[:N])
-    path = jaxkv.save(tmp_path / "frames", part)
-    assert sorted(os.listdir(tmp_path)) == ["frames"]  # no temporary left behind
-    _same_run(whole, whole_out, N, _continue_elsewhere("frame", path, N, N + M, tmp_path))
+    part = _cut_equals_whole("frame", 6, 5, tmp_path)  # frame 5 is deferred: the save holds a pending frame
+    assert int(part["pending"][0]) != frame.NONE
 
 
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_hybrid_cache_continues_bit_identically_in_a_fresh_process(tmp_path, storage):
-    cfg = dataclasses.replace(S.HYBRID, storage=storage)
-    N, M = 21, 14  # CSA flushes on both sides of the cut, the SWA ring wraps, HCA tails carry over
-    whole, whole_out = S.hybrid_run(H.init(cfg), 0, N + M)
-    part, _ = S.hybrid_run(H.init(cfg), 0, N)
-    path = jaxkv.save(tmp_path / storage, part)
-    assert C.read_meta(path)["spec"]["storage"] == storage
-    _same_run(whole, whole_out, N, _continue_elsewhere("hybrid", path, N, N + M, tmp_path))
+    # CSA flushes on both sides of the cut, the SWA ring wraps, HCA tails carry over
+    _cut_equals_whole(f"hybrid:{storage}", 21, 14, tmp_path)
+    assert C.read_meta(tmp_path / "ck")["spec"]["storage"] == storage
 
 
 def _saved(tmp_path, rng):
