@@ -26,6 +26,7 @@ class Fault(enum.IntFlag):
     POSITION_GAP = 1 << 7
     SLOT_REPEATED = 1 << 8
     CONTEXT_EXHAUSTED = 1 << 9
+    WRITE_WITHOUT_FRAME = 1 << 10
 
 
 _MESSAGES = {
@@ -34,6 +35,8 @@ _MESSAGES = {
     Fault.ROLLBACK_NOTHING_PENDING: "rollback with nothing to roll back: no deferred frame is pending",
     Fault.APPEND_WHILE_PENDING: "append while a deferred frame is pending: commit or roll it back first",
     Fault.LAYER_OUT_OF_RANGE: "layer index out of range: the write was skipped",
+    Fault.WRITE_WITHOUT_FRAME: "write_layer with no frame begun (call begin_frame first; commit and rollback end "
+    "a frame): nothing was written",
     Fault.POOL_EXHAUSTED: "block pool exhausted: the step's flushes needed more free blocks than were left; "
     "the request's step was skipped (finish requests, or raise pool_tokens)",
     Fault.POSITION_BACKWARDS: "position went backwards: the step's position is below the tokens the request "

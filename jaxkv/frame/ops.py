@@ -126,6 +126,8 @@ def _check_frame_kv(state, k, v, per_layer: bool):
     lead = () if per_layer else (s.num_layers,)
     want = lead + (s.num_streams, s.tokens_per_frame, s.num_heads, s.head_dim)
     for name, x in (("k", k), ("v", v)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name}: expected an array {s.dtype}{list(want)}, got a {type(x).__name__}")
         if tuple(x.shape) != want or x.dtype != s.jnp_dtype:
             raise ValueError(
                 f"{name}: expected {s.dtype}{list(want)} "
@@ -154,6 +156,8 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         targets = [(l, layer == l, k, v) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
+    if layer is not None:  # write_layer: a frame must be open (a skipped frame has its own fault already)
+        error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
     for l, hit, kl, vl in targets:  # a missed layer's rows go to the trash
         rows = dict(special_row=jnp.where(hit, state.write_special_row, s.trash_row),
                     patch_row=jnp.where(hit, state.write_patch_row, s.trash_row))

@@ -64,6 +64,8 @@ def _zeros(b, dtype=jnp.int32):
 
 def init(spec: FrameSpec) -> FrameCacheState:
     """An empty cache. K/V rows start as zeros and are never visible until written."""
+    if not isinstance(spec, FrameSpec):
+        raise TypeError(f"spec: expected a jaxkv.frame.FrameSpec, got {type(spec).__name__}")
     B = spec.num_streams
     shape = (B, spec.capacity, spec.num_heads, spec.head_dim)
     return FrameCacheState(

@@ -144,6 +144,8 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     impl = check_impl(impl)
     kind = check_layer(state, layer, (CSA, HCA))
     csa = kind == CSA
+    if not isinstance(params, CompressorParams):
+        raise ValueError(f"params: expected the layer's CompressorParams(bias, norm), got {type(params).__name__}")
     if (index is None) == csa:
         raise ValueError(f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
                          f"{kind.upper()} and index is {'None' if index is None else 'given'}")
@@ -295,6 +297,8 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``; same values), "auto"
     (pallas on a GPU, else xla)."""
     check_layer(state, layer, (CSA, HCA))
+    if not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
+        raise ValueError(f"idx: expected an integer array of entry indices (-1: none), got dtype {jnp.result_type(idx)}")
     c = state.config
     g, j = state.group(layer)
     return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,

@@ -89,6 +89,8 @@ def _layers_of(c: HybridConfig, ratio: int) -> int:
 
 def init(config: HybridConfig) -> HybridCacheState:
     """An empty cache: every slot at position 0, every block free."""
+    if not isinstance(config, HybridConfig):
+        raise TypeError(f"config: expected a jaxkv.hybrid.HybridConfig, got {type(config).__name__}")
     c = config
     fmt = c.storage_format
     R = c.max_requests
