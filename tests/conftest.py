@@ -1,3 +1,4 @@
+import os
 import zlib
 
 import jax
@@ -27,3 +28,14 @@ def rng(request):
     # Fresh random inputs per test, reproducible from the test's name.
     seed = zlib.crc32(request.node.nodeid.encode())  # not hash(): str hashes change per process
     return np.random.default_rng(seed)
+
+
+LONG = os.environ.get("JAXKV_LONG") == "1"
+
+
+def machine_settings(examples: int, steps: int):
+    """Hypothesis settings of a state machine: ``examples`` sequences of up to ``steps``
+    operations by default (within CI's budget); with ``JAXKV_LONG=1``, 10,000 sequences."""
+    from hypothesis import settings
+
+    return settings(max_examples=10_000 if LONG else examples, stateful_step_count=steps, deadline=None)

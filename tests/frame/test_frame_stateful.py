@@ -3,9 +3,10 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import settings, strategies as st
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from conftest import machine_settings
 from jaxkv import frame
 from jaxkv.errors import Fault
 
@@ -138,4 +139,4 @@ class FrameCacheMachine(RuleBasedStateMachine):
 
 
 TestFrameCache = FrameCacheMachine.TestCase
-TestFrameCache.settings = settings(max_examples=40, stateful_step_count=20, deadline=None)
+TestFrameCache.settings = machine_settings(examples=40, steps=20)

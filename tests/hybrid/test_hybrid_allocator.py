@@ -12,11 +12,11 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import jaxkv
+from conftest import machine_settings
 from jaxkv import hybrid as H
 from jaxkv.errors import Fault
 
@@ -88,5 +88,5 @@ class Allocator(RuleBasedStateMachine):
             assert sorted(free + used) == list(range(nb)), "free + used != all blocks"
 
 
-Allocator.TestCase.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+Allocator.TestCase.settings = machine_settings(examples=30, steps=25)
 TestAllocator = Allocator.TestCase
