@@ -119,21 +119,22 @@ def _checkpointer():
     return ocp.PyTreeCheckpointer()
 
 
-def save(path, state) -> Path:
-    """Save a frame or hybrid cache state to the directory ``path`` (which must not exist).
+def _as_tree(arrays: dict) -> dict:
+    """Orbax wants string keys it can use as names: index the arrays."""
+    return {f"a{i:04d}": x for i, x in enumerate(arrays.values())}
 
-    Blocks until the checkpoint is complete on disk; returns its path."""
-    kind = kind_of(state)
+
+def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
+    """The checkpoint directory ``path`` (new) holding ``arrays`` ({name: array}) and metadata."""
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"path: {path} exists; save writes a new checkpoint directory")
-    arrays = leaves(state)
     sums = _sums(arrays)
     meta = {
         "format": FORMAT,
         "version": VERSION,
         "kind": kind,
-        "spec": spec_to_json(spec_of(state)),
+        "spec": spec,
         "arrays": {k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,9 +151,55 @@ def save(path, state) -> Path:
     return path
 
 
-def _as_tree(leaves: dict) -> dict:
-    """Orbax wants string keys it can use as names: index the leaves."""
-    return {f"a{i:04d}": x for i, x in enumerate(leaves.values())}
+def _read(path, meta: dict, like: dict, sharding, what: str) -> list:
+    """The arrays of the checkpoint at ``path``, in ``like``'s order ({name: array or
+    ShapeDtypeStruct}), each placed by ``sharding(like[name])`` and checksum-checked."""
+    saved = meta["arrays"]
+    if list(saved) != list(like):
+        raise CheckpointError(f"{path}: its arrays {list(saved)[:4]}... do not match {what}'s {list(like)[:4]}...")
+    for k, x in like.items():
+        s = saved[k]
+        if tuple(s["shape"]) != tuple(x.shape) or s["dtype"] != str(x.dtype):
+            raise CheckpointError(f"{path}: array {k} is {s['dtype']}{s['shape']}, {what} has {x.dtype}{list(x.shape)}")
+    import orbax.checkpoint as ocp
+
+    items = _as_tree({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)) for k, x in like.items()})
+    try:
+        restored = _checkpointer().restore(
+            path / ARRAYS, args=ocp.args.PyTreeRestore(
+                item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
+    except Exception as e:  # orbax / tensorstore: missing or unreadable files
+        raise CheckpointError(f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
+                              f"{type(e).__name__}: {str(e)[:300]}") from None
+    values = [restored[name] for name in items]
+    sums = _sums(dict(zip(like, values)))
+    for k in like:
+        if sums[k] != saved[k]["checksum"]:
+            raise CheckpointError(f"{path}: array {k} fails its checksum (a corrupted checkpoint)")
+    return values
+
+
+def save(path, state) -> Path:
+    """Save a frame or hybrid cache state to the directory ``path`` (which must not exist).
+
+    Blocks until the checkpoint is complete on disk; returns its path."""
+    return _write(path, kind_of(state), spec_to_json(spec_of(state)), leaves(state))
+
+
+def save_arrays(path, arrays: dict) -> Path:
+    """Save ``{name: array}`` (any arrays: a model's other state beside its caches) to the
+    new directory ``path``, with the same metadata, checksums and atomicity as ``save``."""
+    return _write(path, "arrays", {}, dict(arrays))
+
+
+def restore_arrays(path, like: dict) -> dict:
+    """``save_arrays``' arrays, checked against ``like`` ({name: array}: names, shapes,
+    dtypes) and placed on its arrays' shardings."""
+    path = Path(path).absolute()
+    meta = read_meta(path)
+    if meta["kind"] != "arrays":
+        raise CheckpointError(f"{path} holds a {meta['kind']} cache, not arrays (use restore)")
+    return dict(zip(like, _read(path, meta, dict(like), lambda x: x.sharding, "like")))
 
 
 def read_meta(path) -> dict:
@@ -170,8 +217,8 @@ def read_meta(path) -> dict:
         raise CheckpointError(f"{f}: expected format {FORMAT!r}, got {meta.get('format')!r}")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"{f}: format version {meta.get('version')} is not this jaxkv's ({VERSION})")
-    if meta.get("kind") not in _KINDS:
-        raise CheckpointError(f"{f}: expected kind 'frame' or 'hybrid', got {meta.get('kind')!r}")
+    if meta.get("kind") not in (*_KINDS, "arrays"):
+        raise CheckpointError(f"{f}: expected kind 'frame', 'hybrid' or 'arrays', got {meta.get('kind')!r}")
     return meta
 
 
@@ -185,6 +232,8 @@ def restore(path, like=None, mesh=None):
     path = Path(path).absolute()
     meta = read_meta(path)
     kind = meta["kind"]
+    if kind == "arrays":
+        raise CheckpointError(f"{path} holds arrays, not a cache (use restore_arrays)")
     spec = spec_from_json(kind, meta["spec"])
     if like is not None:
         if kind_of(like) != kind:
@@ -197,44 +246,17 @@ def restore(path, like=None, mesh=None):
         target = like
     else:
         target = jax.eval_shape(lambda: _KINDS[kind][3](spec))
-    arrays = leaves(target)
-    saved = meta["arrays"]
-    if list(saved) != list(arrays):
-        raise CheckpointError(f"{path}: its arrays {list(saved)[:4]}... do not match a {kind} cache's "
-                              f"{list(arrays)[:4]}...")
-    for k, x in arrays.items():
-        s = saved[k]
-        if tuple(s["shape"]) != tuple(x.shape) or s["dtype"] != str(x.dtype):
-            raise CheckpointError(f"{path}: array {k} is {s['dtype']}{s['shape']}, a {kind} cache of this spec "
-                                  f"has {x.dtype}{list(x.shape)}")
 
-    def abstract(x):
+    def sharding(x):
         if like is not None:
-            sharding = x.sharding
-        elif mesh is not None:
-            sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        else:
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            return x.sharding
+        if mesh is not None:
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-    import orbax.checkpoint as ocp
-
-    items = _as_tree({k: abstract(x) for k, x in arrays.items()})
-    try:
-        restored = _checkpointer().restore(
-            path / ARRAYS, args=ocp.args.PyTreeRestore(
-                item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
-    except Exception as e:  # orbax / tensorstore: missing or unreadable files
-        raise CheckpointError(f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
-                              f"{type(e).__name__}: {str(e)[:300]}") from None
-    values = [restored[name] for name in items]
-    sums = _sums(dict(zip(arrays, values)))
-    for k in arrays:
-        if sums[k] != saved[k]["checksum"]:
-            raise CheckpointError(f"{path}: array {k} fails its checksum (a corrupted checkpoint)")
-    treedef = jax.tree_util.tree_structure(target)
-    return jax.tree_util.tree_unflatten(treedef, values)
+    values = _read(path, meta, leaves(target), sharding, f"a {kind} cache of this spec")
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), values)
 
 
-__all__ = ["CheckpointError", "kind_of", "leaves", "read_meta", "restore", "save", "spec_from_json", "spec_of",
-           "spec_to_json"]
+__all__ = ["CheckpointError", "kind_of", "leaves", "read_meta", "restore", "restore_arrays", "save", "save_arrays",
+           "spec_from_json", "spec_of", "spec_to_json"]

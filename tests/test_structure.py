@@ -21,10 +21,11 @@ LAYERS = {
     "jaxkv.math": 2,
     "jaxkv.kernels": 3, "jaxkv.cuda": 3,
     "jaxkv.frame": 4, "jaxkv.hybrid": 4,
-    "jaxkv.flax": 5,
-    "jaxkv.models": 6,
-    "jaxkv.demo": 7, "jaxkv.checkpoint": 7, "jaxkv.__main__": 8, "jaxkv": 8,
-    "torch_bridge": 9,
+    "jaxkv.checkpoint": 5,
+    "jaxkv.flax": 6,
+    "jaxkv.models": 7,
+    "jaxkv.demo": 8, "jaxkv.__main__": 9, "jaxkv": 9,
+    "torch_bridge": 10,
 }
 # Function-local imports of the package: only where the imported part needs an optional
 # dependency that the importing module must not (the CLI works without flax).

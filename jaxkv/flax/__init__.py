@@ -12,7 +12,7 @@ import warnings
 
 from jaxkv.flax.attention import FrameCacheModule, QKVProjection, StreamingGlobalAttention
 from jaxkv.flax.rope import apply_rope, axial_rope
-from jaxkv.flax.state import caches, check
+from jaxkv.flax.state import caches, check, restore_caches, save_caches
 from jaxkv.flax.step import CachedStep
 
 
@@ -25,4 +25,5 @@ def __getattr__(name):  # the 0.1 name, kept one release (``jaxkv.frame.FrameCac
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["CachedStep", "FrameCacheModule", "QKVProjection", "StreamingGlobalAttention", "apply_rope", "axial_rope", "caches", "check"]
+__all__ = ["CachedStep", "FrameCacheModule", "QKVProjection", "StreamingGlobalAttention", "apply_rope", "axial_rope", "caches", "check",
+           "restore_caches", "save_caches"]

@@ -306,3 +306,30 @@ def test_hybrid_cache_as_nnx_state(rng):
     with pytest.raises(jaxkv.CacheError, match="position skips ahead"):
         check(m)
     np.testing.assert_array_equal(np.asarray(caches(m)[0].position), [5, 6])  # the refused request stayed
+
+
+def test_model_caches_save_restore_and_continue(tmp_path):
+    """Stream, save_caches, restore_caches into a fresh model, stream on: the outputs equal
+    an uninterrupted model's, bit for bit (keyframes rolled back on both sides of the cut)."""
+    F, N = 10, 6
+    cfg = dataclasses.replace(SMALL, keyframe_threshold=0.01)
+    frames = jnp.asarray(synthetic_video(F, cfg.height, cfg.width, seed=3).frames)
+    step = nnx.jit(lambda m, x: m(x))
+    whole = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
+    want = [jax.device_get(step(whole, frames[i : i + 1])) for i in range(F)]
+    first = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
+    for i in range(N):
+        step(first, frames[i : i + 1])
+    path = jaxkv.flax.save_caches(tmp_path / "model", first)
+    assert sorted(p.name for p in path.iterdir()) == sorted([f"cache{i}" for i in range(len(caches(first)))] + ["others"])
+    second = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
+    jaxkv.flax.restore_caches(path, second)
+    for i in range(N, F):
+        got = jax.device_get(step(second, frames[i : i + 1]))
+        for key in ("camera", "depth", "keep"):
+            np.testing.assert_array_equal(got[key], want[i][key], err_msg=f"frame {i} {key}")
+    with pytest.raises(FileExistsError, match="exists"):
+        jaxkv.flax.save_caches(path, first)
+    layer = make_layer(impl="xla")
+    with pytest.raises(jaxkv.CheckpointError, match=r"holds \d+ cache states and \d+ other cache variables, module StreamingGlobalAttention has 1 and 0"):
+        jaxkv.flax.restore_caches(path, layer)
