@@ -41,18 +41,6 @@ def test_presets_and_bytes_per_token():
     assert H.bytes_per_token(per_entry) == pytest.approx(n_csa * (580 + 76) / 4 + n_hca * 580 / 128)
 
 
-def test_storage_renamed_from_seed():
-    """The per_entry family was called "seed" before 0.2: the old name still works, with a warning."""
-    from jaxkv.formats.storage import storage_name
-
-    with pytest.warns(DeprecationWarning, match="per_entry"):
-        c = dataclasses.replace(H.V4_FLASH, storage="seed")
-    assert c.storage == "per_entry" and H.bytes_per_token(c) == H.bytes_per_token(
-        dataclasses.replace(H.V4_FLASH, storage="per_entry"))
-    with pytest.raises(ValueError, match=r"storage: expected one of \['official', 'per_entry'\], got 'fp8'"):
-        storage_name("fp8")
-
-
 @pytest.mark.parametrize("kw, match", [
     (dict(compress_ratios=()), "compress_ratios"),
     (dict(compress_ratios=(0, 1)), "compress_ratios"),
