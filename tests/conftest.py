@@ -35,7 +35,9 @@ LONG = os.environ.get("JAXKV_LONG") == "1"
 
 def machine_settings(examples: int, steps: int):
     """Hypothesis settings of a state machine: ``examples`` sequences of up to ``steps``
-    operations by default (within CI's budget); with ``JAXKV_LONG=1``, 10,000 sequences."""
+    operations by default (within CI's budget); with ``JAXKV_LONG=1``, 10,000 sequences, or
+    ``JAXKV_EXAMPLES`` if set."""
     from hypothesis import settings
 
-    return settings(max_examples=10_000 if LONG else examples, stateful_step_count=steps, deadline=None)
+    n = int(os.environ.get("JAXKV_EXAMPLES", 10_000)) if LONG else examples
+    return settings(max_examples=n, stateful_step_count=steps, deadline=None)
