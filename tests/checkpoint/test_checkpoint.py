@@ -117,3 +117,45 @@ def test_corrupted_checkpoints_are_refused(tmp_path, rng):
     (path / C.META).write_text(meta)
     with pytest.raises(C.CheckpointError, match="format version 99"):
         jaxkv.restore(path)
+
+
+MESH_SCRIPT = r"""
+import sys, numpy as np, jax, jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import jaxkv
+from jaxkv import frame
+assert len(jax.devices()) == 4, jax.devices()
+spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=5, num_special=2, num_streams=4)
+rng = np.random.default_rng(0)
+st = frame.init(spec)
+for t in range(3):
+    k = jnp.asarray(rng.normal(size=(2, 4, spec.tokens_per_frame, 2, 8)), jnp.bfloat16)
+    st = frame.append(st, k, k, defer=t == 2)
+path = jaxkv.save(sys.argv[1] + "/one_device", st)  # saved from one device
+mesh = Mesh(np.array(jax.devices()), ("data",))
+# onto a mesh, replicated
+rep = jaxkv.restore(path, mesh=mesh)
+# onto streams sharded over the mesh: like's shardings place every array
+place = lambda x: jax.device_put(x, NamedSharding(mesh, P("data") if x.ndim and x.shape[0] == 4 else P()))
+like = jax.tree.map(place, st)
+shard = jaxkv.restore(path, like=like)
+for a, b, c in zip(jax.tree.leaves(st), jax.tree.leaves(rep), jax.tree.leaves(shard)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+assert shard.k[0].sharding == NamedSharding(mesh, P("data")), shard.k[0].sharding
+assert rep.k[0].sharding.is_fully_replicated and len(rep.k[0].sharding.device_set) == 4
+# and back: a sharded state saves, and restores onto one device
+back = jaxkv.restore(jaxkv.save(sys.argv[1] + "/sharded", shard))
+for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+print("ok")
+"""
+
+
+def test_restore_across_meshes(tmp_path):
+    """A state saved from one device restores replicated over a 4-device mesh, or sharded by
+    stream as ``like`` is; a sharded state saves and restores onto one device (4 CPU devices)."""
+    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+           "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
