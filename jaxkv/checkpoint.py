@@ -24,6 +24,7 @@ device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -124,11 +125,26 @@ def _as_tree(arrays: dict) -> dict:
     return {f"a{i:04d}": x for i, x in enumerate(arrays.values())}
 
 
+@contextlib.contextmanager
+def new_directory(path):
+    """Yield a temporary sibling of the new directory ``path`` to fill; it becomes ``path``
+    when the block completes, and is removed if it raises: ``path`` is whole or absent."""
+    path = Path(path).absolute()
+    if path.exists():
+        raise FileExistsError(f"path: {path} exists; a save writes a new directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
     """The checkpoint directory ``path`` (new) holding ``arrays`` ({name: array}) and metadata."""
     path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"path: {path} exists; save writes a new checkpoint directory")
     sums = _sums(arrays)
     meta = {
         "format": FORMAT,
@@ -137,17 +153,11 @@ def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
         "spec": spec,
         "arrays": {k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()},
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
-        import orbax.checkpoint as ocp
+    import orbax.checkpoint as ocp
 
+    with new_directory(path) as tmp:
         _checkpointer().save(tmp / ARRAYS, args=ocp.args.PyTreeSave(_as_tree(arrays)))
         (tmp / META).write_text(json.dumps(meta, indent=1))
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 
@@ -258,5 +268,5 @@ def restore(path, like=None, mesh=None):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), values)
 
 
-__all__ = ["CheckpointError", "kind_of", "leaves", "read_meta", "restore", "restore_arrays", "save", "save_arrays",
+__all__ = ["CheckpointError", "kind_of", "leaves", "new_directory", "read_meta", "restore", "restore_arrays", "save", "save_arrays",
            "spec_from_json", "spec_of", "spec_to_json"]

@@ -8,12 +8,17 @@ import pytest
 pytest.importorskip("flax")
 
 
-def test_readme_flax_example_runs():
+def _run_example(heading: str) -> dict:
+    """Run the first python block after README's ``## heading``; its globals."""
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = text.split("## Flax NNX", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", text.split(f"## {heading}", 1)[1], re.S).group(1)
     scope = {}
-    exec(compile(code, "README.md (Flax NNX)", "exec"), scope)  # noqa: S102 - our own README
+    exec(compile(code, f"README.md ({heading})", "exec"), scope)  # noqa: S102 - our own README
+    return scope
+
+
+def test_readme_flax_example_runs():
+    scope = _run_example("Flax NNX")
     out = scope["out"]
     assert out["camera"].shape == (1, 9) and out["depth"].shape == (1, 42, 56)
     kept = int(scope["caches"](scope["step"].sync())[0].num_frames[0])
@@ -21,9 +26,5 @@ def test_readme_flax_example_runs():
 
 
 def test_readme_checkpoint_example_runs():
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    section = text.split("## Durable state", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    scope = {}
-    exec(compile(code, "README.md (Durable state)", "exec"), scope)  # noqa: S102 - our own README
+    scope = _run_example("Durable state")
     assert scope["state"].spec.num_layers == 2 and (scope["path"] / "jaxkv.json").is_file()

@@ -450,11 +450,15 @@ class FlashInferKVCacheManager:
                 raise ValueError(f"state_dict: state{k} is {x.dtype}{list(x.shape)}, expected "
                                  f"{like[k].dtype}{list(like[k].shape)}")
             arrays.append(x)
+        self._adopt(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self._state), arrays), counts)
+
+    def _adopt(self, state: frame.FrameCacheState, counts: List[int]) -> None:
+        """Continue from ``state`` (checked) with per-block frame counts ``counts``."""
         self._queued = []
-        self.state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self._state), arrays)
+        self.state = state
         self._take_views()
-        st = self._state  # the host mirror from the device counters: a load, not a step
-        self._pages.c = plan.Counters(*(int(getattr(st, f)[0]) for f in plan.Counters._fields))
+        # the host mirror from the device counters: a load, not a step
+        self._pages.c = plan.Counters(*(int(x[0]) for x in plan.counters(state)))
         self._pages.version += 1
         self.frame_count = counts
         self._frame_open = False
@@ -467,12 +471,12 @@ class FlashInferKVCacheManager:
 
     def restore(self, path) -> None:
         """Continue from ``save``'s directory (a checkpoint of a manager of the same spec)."""
-        state = checkpoint.restore(path, like=self._state)
-        sd = {f"state{k}": to_torch(x) for k, x in checkpoint.leaves(state).items()}
-        counts = json.loads((Path(path) / "frame_count.json").read_text())
-        self.load_state_dict({**sd, "frame_count": torch.tensor(counts), "spec": json.dumps(
-            checkpoint.spec_to_json(state.spec))})
+        counts = [int(c) for c in json.loads((Path(path) / "frame_count.json").read_text())]
+        if len(counts) != self.num_blocks:
+            raise ValueError(f"path: frame counts for {len(counts)} blocks, this manager has {self.num_blocks}")
+        self._adopt(checkpoint.restore(path, like=self._state), counts)
 
+    # ---------------------------------------------------------------- views
     def build_visible_page_table(self, block_idx: int) -> List[int]:
         """Visible page ids in scale -> window -> special order (reads the device: for
         inspection, not for the per-frame step)."""

@@ -3,9 +3,6 @@ save and restore them (``jaxkv.checkpoint``, one checkpoint per cache state)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -49,22 +46,14 @@ def save_caches(path, module: nnx.Module) -> Path:
     and the other cache variables (a model's frame counter, say) as ``others``. Whole or
     nothing; ``restore_caches`` puts it back."""
     path = Path(path).absolute()
-    if path.exists():
-        raise FileExistsError(f"path: {path} exists; save_caches writes a new directory")
     leaves, _ = _split(module)
     found = [x for x in leaves if _is_cache(x)]
     if not found:
         raise ValueError(f"module: no jaxkv cache state in the nnx.Cache variables of {type(module).__name__}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    try:
+    with checkpoint.new_directory(path) as tmp:
         for i, state in enumerate(found):
             checkpoint.save(tmp / f"cache{i}", state)
         checkpoint.save_arrays(tmp / "others", {f"v{i}": x for i, x in enumerate(leaves) if not _is_cache(x)})
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

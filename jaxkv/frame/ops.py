@@ -76,11 +76,6 @@ def _as_streams(x, B, name, dtype=jnp.bool_):
 
 
 # ---------------------------------------------------------------- append
-def _counters(state: FrameCacheState) -> plan.Counters:
-    return plan.Counters(state.num_frames, state.num_scale, state.num_window, state.window_head, state.num_special,
-                         state.pending)
-
-
 def begin_frame_moves(state: FrameCacheState, defer):
     """``begin_frame``, not jitted, also returning the row moves it made: -> (state,
     i32[B, 3] ``row_moves``). The rules are ``frame.plan.begin``'s; here faults skip the
@@ -94,7 +89,7 @@ def begin_frame_moves(state: FrameCacheState, defer):
     ok = ~pending_fault & ~capacity_fault
     error = record(record(state.error, pending_fault, Fault.APPEND_WHILE_PENDING), capacity_fault, Fault.SPECIAL_CAPACITY)
 
-    new = plan.begin(s, _counters(state), defer)
+    new = plan.begin(s, plan.counters(state), defer)
     patch_row = jnp.where(ok, new.patch_row, s.trash_row)  # where this frame goes (trash rows: skipped)
     special_row = jnp.where(ok, new.special_row, s.trash_row)
     moves = [(b, new.move.src[b], new.move.dst[b], ok[b] & new.move.ok[b]) for b in range(B)]
@@ -109,7 +104,7 @@ def begin_frame_moves(state: FrameCacheState, defer):
         if NS:
             token_id = _write(token_id, b, special_row[b], (base[b] + jnp.arange(NS, dtype=jnp.int32))[None])
 
-    after = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new.after, _counters(state))
+    after = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new.after, plan.counters(state))
     return state.replace(
         k=moved["k"],
         v=moved["v"],
@@ -173,7 +168,7 @@ def resolve_moves(state: FrameCacheState, keep):
     s = state.spec
     B = s.num_streams
     keep = _as_streams(keep, B, "keep")
-    new = plan.resolve(s, _counters(state), keep)
+    new = plan.resolve(s, plan.counters(state), keep)
     moves = [(b, m.src[b], m.dst[b], m.ok[b]) for m in new.moves for b in range(B)]
     moved = _move_rows(state, moves, s.page_size)
     return state.replace(

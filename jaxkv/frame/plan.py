@@ -66,6 +66,11 @@ class Resolve(NamedTuple):
     after: Counters
 
 
+def counters(state) -> Counters:
+    """A ``FrameCacheState``'s counters (i32[B] each)."""
+    return Counters(*(getattr(state, f) for f in Counters._fields))
+
+
 def slots(c: Counters):
     return c.num_scale + c.num_window
 
@@ -147,5 +152,5 @@ def page_id(spec, c: Counters, j, xp: Xp = DEVICE):
     return xp.where(j < ns, j, xp.where(j < ns + nw, window, slots(c) + (j - ns - nw)))
 
 
-__all__ = ["DEVICE", "HOST", "Begin", "Counters", "Move", "Resolve", "Xp", "begin", "last_page_len", "num_pages",
+__all__ = ["DEVICE", "HOST", "Begin", "Counters", "Move", "Resolve", "Xp", "begin", "counters", "last_page_len", "num_pages",
            "page_id", "resolve", "slots", "tail_rows"]

@@ -33,8 +33,7 @@ class PageTable:
 @jax.jit
 def page_table(state: FrameCacheState) -> PageTable:
     s = state.spec
-    c = plan.Counters(state.num_frames, state.num_scale, state.num_window, state.window_head, state.num_special,
-                      state.pending)
+    c = plan.counters(state)
     num_pages = plan.num_pages(s, c)
     col = lambda x: x[:, None]  # noqa: E731 - [B] -> [B, 1] against the page axis
     j = jnp.arange(s.max_pages, dtype=jnp.int32)[None]
