@@ -17,7 +17,7 @@ PACKAGES = ("jaxkv", "torch_bridge")
 # first match here (longest prefix first).
 LAYERS = {
     "jaxkv.errors": 0, "jaxkv._pytree": 0, "jaxkv._backend": 0,
-    "jaxkv.formats": 1, "jaxkv.stacked": 1,
+    "jaxkv.formats": 1, "jaxkv.stacked": 1, "jaxkv.sharding": 1,
     "jaxkv.math": 2,
     "jaxkv.kernels": 3, "jaxkv.cuda": 3,
     "jaxkv.frame": 4, "jaxkv.hybrid": 4,

@@ -31,7 +31,7 @@ from jax import lax
 
 from jaxkv import _backend
 from jaxkv.frame import tuning
-from jaxkv.frame.state import FrameCacheState
+from jaxkv.frame.state import FrameCacheState, on_devices
 from jaxkv.frame.views import visible_mask
 from jaxkv.kernels.prefix_attention import prefix_attention
 from jaxkv.math.attention import HIGHEST, merge_partials, ref_attention
@@ -194,10 +194,19 @@ def attention(state: FrameCacheState, layer, q, *, impl: str = "auto", scale=Non
     return _attention_traced(state, q, layer, impl=impl, scale=scale)
 
 
+Q = ("streams", None, "heads", None)  # logical axes (``jaxkv.sharding``) of q and the output
+
+
 def _attention(state: FrameCacheState, q, layer, impl: str, scale):
+    if isinstance(layer, int):
+        return on_devices(lambda st, q: _local(st, q, layer, impl, scale), state, q, axes=(Q,), out=Q)
+    return on_devices(lambda st, q, l: _local(st, q, l, impl, scale), state, q, layer, axes=(Q, ()), out=Q)
+
+
+def _local(state: FrameCacheState, q, layer, impl: str, scale):
     if not isinstance(layer, int):  # a traced index picks the layer's branch: no copy of its buffer
         layer = jnp.clip(jnp.asarray(layer, jnp.int32), 0, state.spec.num_layers - 1)
-        branches = [lambda st, q, l=l: _attention(st, q, l, impl, scale) for l in range(state.spec.num_layers)]
+        branches = [lambda st, q, l=l: _local(st, q, l, impl, scale) for l in range(state.spec.num_layers)]
         return lax.switch(layer, branches, state, q)
     k, v = state.k[layer], state.v[layer]
     if impl == "reference":

@@ -17,7 +17,7 @@ from jaxkv import _backend
 from jaxkv._backend import interpret
 from jaxkv.errors import Fault, record
 from jaxkv.frame import plan
-from jaxkv.frame.state import NONE, FrameCacheState
+from jaxkv.frame.state import NONE, FrameCacheState, on_devices
 from jaxkv.kernels.frame_append import write_frame, write_rows
 
 
@@ -193,17 +193,26 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
     ``commit``; ``rollback`` removes the new frame instead. Faults (special capacity
     exhausted, a deferred frame still pending) skip the frame and set an error bit.
     """
-    return begin_frame_moves(state, defer)[0]
+    return on_devices(lambda st, d: begin_frame_moves(st, d)[0], state, _streams(state, defer, "defer"),
+                      axes=(STREAMS,))
+
+
+# Logical axes (``jaxkv.sharding``) of the ops' arguments: a layer's K/V, every layer's, a per-stream flag.
+KV, LAYERS_KV, STREAMS = ("streams", None, "heads", None), (None, "streams", None, "heads", None), ("streams",)
+
+
+def _streams(state, x, name):
+    return _as_streams(x, state.spec.num_streams, name)
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
 def _write_layer_static(state, k, v, layer):
-    return _write_kv(state, layer, k, v)
+    return on_devices(lambda st, k, v: _write_kv(st, layer, k, v), state, k, v, axes=(KV, KV))
 
 
 @_donate
 def _write_layer_traced(state, layer, k, v):
-    return _write_kv(state, layer, k, v)
+    return on_devices(lambda st, l, k, v: _write_kv(st, l, k, v), state, layer, k, v, axes=((), KV, KV))
 
 
 def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
@@ -243,10 +252,13 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
 def _append(state, k, v, defer, impl):
-    state = begin_frame_moves(state, defer)[0]
-    if impl == "pallas":
-        return _write_all_pallas(state, k, v)
-    return _write_kv(state, None, k, v)
+    def local(state, k, v, defer):
+        state = begin_frame_moves(state, defer)[0]
+        if impl == "pallas":
+            return _write_all_pallas(state, k, v)
+        return _write_kv(state, None, k, v)
+
+    return on_devices(local, state, k, v, _streams(state, defer, "defer"), axes=(LAYERS_KV, LAYERS_KV, STREAMS))
 
 
 def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> FrameCacheState:
@@ -269,7 +281,7 @@ def resolve(state: FrameCacheState, keep) -> FrameCacheState:
     nothing is pending). Rollback removes the pending frame's patches, specials and count;
     with nothing pending it sets ROLLBACK_NOTHING_PENDING and changes nothing else.
     """
-    return resolve_moves(state, keep)[0]
+    return on_devices(lambda st, keep: resolve_moves(st, keep)[0], state, _streams(state, keep, "keep"), axes=(STREAMS,))
 
 
 def commit(state: FrameCacheState) -> FrameCacheState:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from jaxkv import sharding
 from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.frame.spec import FrameSpec
+from jaxkv.sharding import Layout
 
 # ``pending`` values: which kind of deferred frame awaits commit or rollback.
 NONE, IN_SLOT, STAGED = 0, 1, 2
@@ -29,6 +33,8 @@ class FrameCacheState:
       ``spec.trash_row`` when they are not to be stored: a fault, or W == 0)
     write_special_row: i32[B]  where the current frame's specials go (likewise)
     error: u32[B]  sticky fault bits (``jaxkv.errors.Fault``)
+    layout: where the arrays live (``jaxkv.sharding.Layout``: streams over a data axis,
+      heads over a model axis), or None for one device
     """
 
     k: tuple
@@ -44,6 +50,7 @@ class FrameCacheState:
     write_special_row: jax.Array
     error: jax.Array
     spec: FrameSpec = static_field()
+    layout: Layout | None = static_field(default=None)
 
     @property
     def num_slots_used(self):
@@ -62,10 +69,57 @@ def _zeros(b, dtype=jnp.int32):
     return jnp.zeros((b,), dtype)
 
 
-def init(spec: FrameSpec) -> FrameCacheState:
-    """An empty cache. K/V rows start as zeros and are never visible until written."""
+def init(spec: FrameSpec, *, mesh=None, rules=None) -> FrameCacheState:
+    """An empty cache. K/V rows start as zeros and are never visible until written.
+
+    mesh: a ``jax.sharding.Mesh`` to lay the cache out on (streams over its ``data`` axis,
+      heads over ``model``; ``rules`` overrides, see ``jaxkv.sharding``): each device
+      holds, and each step computes, only its streams' and heads' part. None: one device.
+    """
     if not isinstance(spec, FrameSpec):
         raise TypeError(f"spec: expected a jaxkv.frame.FrameSpec, got {type(spec).__name__}")
+    lay = sharding.layout(mesh, rules)
+    if lay is None:
+        return _empty(spec)
+    lay.check_divides("streams", spec.num_streams, "FrameSpec.num_streams")
+    lay.check_divides("heads", spec.num_heads, "FrameSpec.num_heads")
+    return sharding.build(lambda: _empty(spec).replace(layout=lay), specs(spec, lay), lay)
+
+
+def specs(spec: FrameSpec, lay: Layout) -> FrameCacheState:
+    """The PartitionSpec of every array of a cache laid out by ``lay`` (a state of specs)."""
+    kv = lay.spec("streams", None, "heads", None)
+    per_stream = lay.spec("streams")
+    return FrameCacheState(
+        k=(kv,) * spec.num_layers, v=(kv,) * spec.num_layers, token_id=lay.spec("streams", None),
+        **{f: per_stream for f in ("num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
+                                   "write_patch_row", "write_special_row", "error")},
+        spec=spec, layout=lay)
+
+
+def on_devices(fn, state: FrameCacheState, *args, axes=(), out=None):
+    """``fn(state, *args)`` run by each device on its streams and heads (``jax.shard_map``),
+    or directly for a state on one device. ``axes``: each arg's logical axes (a tuple of
+    names, None for a replicated array); ``out``: the result's, the state's by default."""
+    lay = state.layout
+    if lay is None:
+        return fn(state, *args)
+    lay.check_placed(state)
+    spec = state.spec
+    local = dataclasses.replace(spec, num_streams=spec.num_streams // lay.shards("streams"),
+                                num_heads=spec.num_heads // lay.shards("heads"))
+
+    def body(st, *a):
+        res = fn(st.replace(spec=local, layout=None), *a)
+        return jax.tree_util.tree_map(lambda x: x.replace(spec=spec, layout=lay) if isinstance(x, FrameCacheState) else x,
+                                      res, is_leaf=lambda x: isinstance(x, FrameCacheState))
+
+    arg_specs = tuple(lay.spec(*(n or ())) for n in axes)
+    out_specs = specs(spec, lay) if out is None else lay.spec(*out)
+    return sharding.per_device(lay, body, (specs(spec, lay),) + arg_specs, out_specs)(state, *args)
+
+
+def _empty(spec: FrameSpec) -> FrameCacheState:
     B = spec.num_streams
     shape = (B, spec.capacity, spec.num_heads, spec.head_dim)
     return FrameCacheState(
