@@ -18,11 +18,12 @@ class CachedStep:
 
     fn: ``fn(module, *args, **kwargs) -> out`` (default: call the module). The module
       may change its ``nnx.Cache`` variables and nothing else.
+    static_argnames: keyword arguments that select a different trace (a model's phase, say)
     The module itself goes stale while the step runs (its cache buffers are donated);
     ``sync()`` writes the step's caches back into it and returns it.
     """
 
-    def __init__(self, module: nnx.Module, fn=None):
+    def __init__(self, module: nnx.Module, fn=None, static_argnames=()):
         self.module = module
         self.fn = fn or (lambda m, *a, **k: m(*a, **k))
         self.graphdef, self.caches, self.rest = nnx.split(module, nnx.Cache, ...)
@@ -32,7 +33,7 @@ class CachedStep:
             out = self.fn(m, *args, **kwargs)
             return out, nnx.state(m, nnx.Cache)
 
-        self._step = jax.jit(pure, donate_argnums=0)
+        self._step = jax.jit(pure, donate_argnums=0, static_argnames=static_argnames)
 
     def __call__(self, *args, **kwargs):
         out, self.caches = self._step(self.caches, self.rest, *args, **kwargs)

@@ -1,0 +1,223 @@
+"""Upstream lingbot-map weights into ``LingbotMap``, by name, all or nothing.
+
+Reads upstream's torch pickle (``{"model": state_dict}`` or a bare state dict; torch is
+needed only for this) or a safetensors file (upstream names; what ``convert`` writes,
+with the config in its metadata, readable without torch).
+
+Names: a parameter's path in the NNX model, joined by dots, is upstream's key, except
+* Linear ``kernel`` / LayerNorm ``scale`` -> ``weight`` (Linear kernels transposed, conv
+  kernels HWIO <-> OIHW);
+* ``aggregator.patch_embed.patch_embed`` -> ``...patch_embed.proj``;
+  ``camera_head.poseLN_modulation`` -> ``...poseLN_modulation.1`` (after a SiLU in a
+  Sequential upstream); ``depth_head.resize_{0,1,3}`` -> ``...resize_layers.{0,1,3}``;
+  ``scratch.output_conv2_{0,2}`` -> ``scratch.output_conv2.{0,2}``;
+* tokens and embeddings drop upstream's leading singleton axes.
+
+Keys upstream itself ignores (it loads non-strictly) are skipped, not errors:
+``IGNORED`` (DINOv2's ``mask_token``: masked-image training only) and the weights of
+heads the config does not build (upstream builds only enabled heads, so a checkpoint
+trained with a point head loads into a model without one).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxkv.models.lingbot.config import BACKBONES, LingbotConfig
+from jaxkv.models.lingbot.model import LingbotMap
+
+IGNORED = ("aggregator.patch_embed.mask_token",)
+HEADS = {"camera_head": "enable_camera", "depth_head": "enable_depth", "point_head": "enable_point",
+         "local_point_head": None, "track_head": None}
+RENAMES = (
+    (r"^aggregator\.patch_embed\.patch_embed\.", "aggregator.patch_embed.patch_embed.proj."),
+    (r"^camera_head\.poseLN_modulation\.", "camera_head.poseLN_modulation.1."),
+    (r"\.resize_(\d)\.", r".resize_layers.\1."),
+    (r"\.output_conv2_(\d)\.", r".output_conv2.\1."),
+)
+FORMAT = "jaxkv-lingbot"
+
+
+def upstream_key(path: tuple) -> str:
+    """The upstream state-dict key of the NNX parameter at ``path``."""
+    *head, last = (str(p) for p in path)
+    name = ".".join(head) + "." + {"kernel": "weight", "scale": "weight"}.get(last, last)
+    for pat, rep in RENAMES:
+        name = re.sub(pat, rep, name)
+    return name
+
+
+def to_upstream(path: tuple, x: np.ndarray) -> np.ndarray:
+    """An NNX parameter in upstream's layout (the inverse of ``from_upstream``)."""
+    if path[-1] == "kernel":
+        return x.T if x.ndim == 2 else np.transpose(x, (3, 2, 0, 1))
+    return x
+
+
+def from_upstream(path: tuple, x: np.ndarray, shape: tuple) -> np.ndarray | None:
+    """Upstream's tensor in the NNX layout of ``shape``, or None when it cannot fit."""
+    if path[-1] == "kernel":
+        x = x.T if x.ndim == 2 else (np.transpose(x, (2, 3, 1, 0)) if x.ndim == 4 else x)
+    elif x.shape != shape and x.size == int(np.prod(shape)) and tuple(d for d in x.shape if d != 1) == \
+            tuple(d for d in shape if d != 1):
+        x = x.reshape(shape)  # tokens: upstream keeps leading singleton axes
+    return x if x.shape == shape else None
+
+
+def read_state_dict(path, *, unsafe_pickle: bool = False) -> tuple[dict, dict]:
+    """(``{key: f32 ndarray}``, safetensors metadata or {}) from a ``.pt`` / ``.pth`` / ``.bin``
+    torch pickle or a ``.safetensors`` file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"path: no checkpoint file at {path}")
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="flax") as f:
+            meta = f.metadata() or {}
+            sd = {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+        return sd, meta
+    try:
+        import torch
+    except ImportError:
+        raise ValueError(f"path: {path.name} is a torch pickle; reading it needs torch (pip install torch), "
+                         "or convert it once where torch is installed: python -m jaxkv convert-lingbot") from None
+    try:
+        obj = torch.load(str(path), map_location="cpu", weights_only=not unsafe_pickle)
+    except Exception as e:  # noqa: BLE001 - torch raises several types for a pickle it will not load
+        raise ValueError(f"path: torch.load({path.name}, weights_only=True) failed ({type(e).__name__}: {e}); "
+                         "if you trust the file, pass unsafe_pickle=True") from None
+    sd = obj.get("model", obj) if isinstance(obj, dict) else None
+    if not isinstance(sd, dict) or not all(hasattr(v, "shape") for v in sd.values()):
+        raise ValueError(f"path: {path.name} holds neither a state dict nor {{'model': state dict}}")
+    if sd and all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}, {}
+
+
+def config_from_state_dict(sd: dict, **overrides) -> LingbotConfig:
+    """The architecture a state dict holds (backbone, patch and trained image size, depth,
+    registers), with ``overrides`` for everything else (frame size, cache policy, dtype)."""
+    def need(key):
+        if key not in sd:
+            raise ValueError(f"state dict: missing {key!r}: not a lingbot-map GCTStream checkpoint")
+        return sd[key]
+
+    proj = need("aggregator.patch_embed.patch_embed.proj.weight")
+    dim, patch = proj.shape[0], proj.shape[-1]
+    backbone = next((n for n, (d, *_) in BACKBONES.items() if d == dim), None)
+    if backbone is None:
+        raise ValueError(f"state dict: a {dim}-wide backbone; this port has {sorted(BACKBONES)}")
+    side = int(round((need("aggregator.patch_embed.pos_embed").shape[1] - 1) ** 0.5))
+    depth = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("aggregator.frame_blocks."))
+    found = dict(patch_embed=backbone, patch_size=int(patch), img_size=side * int(patch), depth=depth,
+                 num_register_tokens=int(need("aggregator.register_token").shape[2]))
+    if "height" not in overrides and "width" not in overrides:
+        found.update(height=side * int(patch), width=side * int(patch))
+    return LingbotConfig(**{**found, **overrides})
+
+
+def load_state_dict(model: LingbotMap, sd: dict) -> list[str]:
+    """Put ``sd`` (upstream keys) into ``model``'s parameters: all of them or none.
+
+    Returns the keys skipped because upstream ignores them too (see the module doc).
+    Raises ValueError listing every missing, unexpected and mis-shaped key.
+    """
+    c = model.config
+    params = nnx.state(model, nnx.Param)
+    flat = dict(nnx.to_flat_state(params))
+    want = {upstream_key(p): p for p in flat}
+    ignored = [k for k in sd if k in IGNORED or
+               (k.split(".")[0] in HEADS and k not in want and not getattr(c, HEADS[k.split(".")[0]] or "", False))]
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want) - set(ignored))
+    new, misshaped = {}, []
+    for key, path in want.items():
+        if key in sd:
+            shape = tuple(flat[path].get_value().shape)
+            x = from_upstream(path, sd[key], shape)
+            if x is None:
+                misshaped.append(f"{key}: checkpoint {tuple(sd[key].shape)}, model {shape}")
+            else:
+                new[path] = x
+    if missing or unexpected or misshaped:
+        lines = [f"{len(missing)} missing: {missing}" if missing else "",
+                 f"{len(unexpected)} unexpected: {unexpected}" if unexpected else "",
+                 f"{len(misshaped)} mis-shaped: {misshaped}" if misshaped else ""]
+        raise ValueError("state dict does not fit LingbotMap(" + _arch(c) + "); nothing was loaded. "
+                         + "; ".join(x for x in lines if x)
+                         + f". (Skipped as upstream does: {IGNORED[0]} and disabled heads' weights.)")
+    for path, x in new.items():
+        flat[path].set_value(jnp.asarray(x, flat[path].get_value().dtype))
+    nnx.update(model, nnx.from_flat_state(flat))
+    return sorted(ignored)
+
+
+def _arch(c: LingbotConfig) -> str:
+    return (f"patch_embed={c.patch_embed}, patch_size={c.patch_size}, img_size={c.img_size}, depth={c.depth}, "
+            f"point head={'on' if c.enable_point else 'off'}")
+
+
+def load_lingbot_checkpoint(path, config: LingbotConfig | None = None, *, unsafe_pickle: bool = False,
+                            **overrides) -> LingbotMap:
+    """A ``LingbotMap`` with upstream's weights from ``path`` (``.pt`` / ``.safetensors``).
+
+    config: the model to build; None infers the architecture from the checkpoint (and
+      takes the config saved by ``convert``), ``overrides`` set the rest (height, width,
+      cache policy, dtype, ...).
+    """
+    sd, meta = read_state_dict(path, unsafe_pickle=unsafe_pickle)
+    if config is None:
+        saved = json.loads(meta["config"]) if meta.get("format") == FORMAT else {}
+        saved["selected_idx"] = tuple(saved.get("selected_idx", LingbotConfig.selected_idx))
+        config = config_from_state_dict(sd, **{**saved, **overrides})
+    elif overrides:
+        config = config.replace(**overrides)
+    model = nnx.eval_shape(lambda: LingbotMap(config, rngs=nnx.Rngs(0)))
+    model = _materialize(model)
+    skipped = load_state_dict(model, sd)
+    if skipped:
+        warnings.warn(f"{len(skipped)} checkpoint keys skipped, as upstream skips them: {skipped[:6]}"
+                      + (" ..." if len(skipped) > 6 else ""), stacklevel=2)
+    return model
+
+
+def _materialize(abstract: LingbotMap) -> LingbotMap:
+    """Zero arrays for an ``nnx.eval_shape`` model (parameters are overwritten by the load)."""
+    gdef, state = nnx.split(abstract)
+    state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
+    real = nnx.merge(gdef, state)
+    real.reset()  # the caches' token ids and trash rows are not zeros
+    return real
+
+
+def save_converted(model: LingbotMap, out) -> Path:
+    """Write ``model``'s parameters as safetensors (upstream names, float32) with its config:
+    ``load_lingbot_checkpoint(out)`` reads it back without torch."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    tensors = {upstream_key(p): np.ascontiguousarray(to_upstream(p, np.asarray(v.get_value(), np.float32)))
+               for p, v in flat.items()}
+    import dataclasses
+
+    cfg = {k: v for k, v in dataclasses.asdict(model.config).items()}
+    tmp = out.with_name(out.name + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, "config": json.dumps(cfg)})
+    tmp.replace(out)
+    return out
+
+
+def convert(src, out, **overrides) -> Path:
+    """``python -m jaxkv convert-lingbot SRC OUT``: upstream's checkpoint as a torch-free safetensors file."""
+    model = load_lingbot_checkpoint(src, **overrides)
+    return save_converted(model, out)

@@ -1,0 +1,70 @@
+"""LingbotStream: a video through ``LingbotMap``, one jitted call per frame, caches donated.
+
+Upstream's ``inference_streaming`` order: the first ``num_scale_frames`` frames together,
+then one frame per call; with ``keyframe_interval`` N > 1 only every N-th frame after the
+scale frames stays in the caches. Which frames are keyframes is known on the host, so the
+driver also bounds the frame count before a cache could overflow, without a device read.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.flax import CachedStep
+from jaxkv.models.lingbot.model import LingbotMap
+
+
+class LingbotStream:
+    """``stream = LingbotStream(model); for out in stream.run(frames): ...``
+
+    frames: arrays f32[H, W, 3] (one stream) or f32[B, H, W, 3], values in [0, 1].
+    Each yielded dict holds one frame's predictions (device arrays, not synced):
+    pose_enc [B, 9], depth [B, H, W, 1], depth_conf [B, H, W] (and the point head's).
+    """
+
+    def __init__(self, model: LingbotMap, keyframe_interval: int = 1):
+        if keyframe_interval < 1:
+            raise ValueError(f"keyframe_interval: expected an int >= 1, got {keyframe_interval}")
+        self.model = model
+        self.config = model.config
+        self.keyframe_interval = keyframe_interval
+        self.step = CachedStep(model, static_argnames=("phase",))
+
+    def is_keyframe(self, index: int) -> bool:
+        """Frame ``index`` (0-based, counting the scale frames) stays in the caches."""
+        s = self.config.num_scale_frames
+        return index < s or (index - s) % self.keyframe_interval == 0
+
+    def _batch(self, frames: list) -> jnp.ndarray:
+        x = np.stack([np.asarray(f, np.float32) for f in frames], axis=-4)  # [..., S, H, W, 3]
+        if x.ndim == 4:
+            x = x[None]
+        return jnp.asarray(x)
+
+    def run(self, frames: Iterable) -> Iterator[dict]:
+        c = self.config
+        it = iter(frames)
+        first = [f for _, f in zip(range(c.num_scale_frames), it)]
+        if not first:
+            return
+        out = self.step(self._batch(first), phase="scale")
+        for s in range(len(first)):
+            yield {k: v[:, s] for k, v in out.items()}
+        keyframes, seen = len(first), len(first)
+        for index, f in enumerate(it, start=len(first)):
+            key = self.is_keyframe(index)
+            if keyframes + 1 > c.max_frame_num or seen + 1 > c.max_frame_num:
+                raise ValueError(f"frames: frame {index} would exceed max_frame_num={c.max_frame_num} "
+                                 f"({keyframes} keyframes, {seen} frames so far); build the model with a "
+                                 "larger LingbotConfig.max_frame_num")
+            out = self.step(self._batch([f]), jnp.asarray(key), phase="stream")
+            keyframes += key
+            seen += 1
+            yield {k: v[:, 0] for k, v in out.items()}
+
+    def sync(self) -> LingbotMap:
+        """The model with the stream's current caches (``CachedStep.sync``)."""
+        return self.step.sync()
