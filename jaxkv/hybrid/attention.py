@@ -16,7 +16,7 @@ from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, index_keys
 from jaxkv.math.rotation import hadamard
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step
+from jaxkv.hybrid.step import Step, on_devices
 from jaxkv.formats.storage import as_bytes
 
 _HI = jax.lax.Precision.HIGHEST
@@ -30,10 +30,18 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
     impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "pallas" (the
     ``kernels.fp4_pack`` kernels; same bytes), "auto" (pallas on a GPU, else xla)."""
+    impl = _backend.resolve("hybrid.index_query", impl)
+    if state.layout is None:
+        return _index_query(state, q, impl)
+    state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
+    return on_devices(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
+
+
+def _index_query(state, q, impl):
     c = state.config
     codec = c.storage_format.index_key(c.index_dim)
     x = hadamard(q).astype(jnp.bfloat16)
-    if _backend.resolve("hybrid.index_query", impl) == "xla":
+    if impl == "xla":
         return codec.decode(codec.encode(x))
     rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
     if c.storage == "official":
@@ -57,12 +65,23 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights):
     Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
     are -inf.
     """
+    _check_scores(state, step, layer, q, weights)
+    return on_devices(lambda st, step, q, w: _index_scores(st, step, layer, q, w), state, step, q, weights,
+                      axes=("batch",) * 3, out="batch")
+
+
+def _check_scores(state, step, layer, q, weights):
     check_layer(state, layer, (CSA,))
     c = state.config
     B, T, H, D = q.shape
     if (B, D) != (step.slot.shape[0], c.index_dim) or weights.shape != (B, T, H):
         raise ValueError(f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
                          f"got {tuple(q.shape)} and {tuple(weights.shape)}")
+
+
+def _index_scores(state, step, layer, q, weights):
+    c = state.config
+    T = q.shape[1]
     keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]
     dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HI)
     s = jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HI)
@@ -73,10 +92,14 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights):
 def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None):
     """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
     best first. ``k = min(top_k or config.top_k, max_entries)``."""
-    s = index_scores(state, step, layer, q, weights)
-    k = min(top_k or state.config.top_k, s.shape[-1])
-    val, idx = jax.lax.top_k(s, k)
-    return jnp.where(jnp.isfinite(val), idx, -1)
+    _check_scores(state, step, layer, q, weights)
+
+    def local(st, step, q, w):
+        s = _index_scores(st, step, layer, q, w)
+        val, idx = jax.lax.top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
+        return jnp.where(jnp.isfinite(val), idx, -1)
+
+    return on_devices(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
 
 
 def window_mask(key_pos, step: Step, T: int, window: int):

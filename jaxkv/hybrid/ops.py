@@ -25,7 +25,7 @@ from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.math.rotation import rope_freqs
 from jaxkv.stacked import check_stacked, map_stack, row
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step
+from jaxkv.hybrid.step import Step, on_devices
 from jaxkv.formats.storage import read_items
 
 
@@ -77,10 +77,15 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     storage's entry format, so the flush-writers quantize and scatter it: impl as in
     ``compress`` ("xla", "cuda", "pallas", "auto"); same bytes.
     """
-    c = state.config
     impl = check_impl(impl)
     check_layer(state, layer)
-    check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
+    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+    return on_devices(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
+                      axes=("batch", "batch"))
+
+
+def _write_window(state, step, layer, kv, impl):
+    c = state.config
     B, T, _ = kv.shape
     t = jnp.arange(T)[None, :]
     n = step.num_tokens[:, None]
@@ -150,13 +155,26 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
         raise ValueError(f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
                          f"{kind.upper()} and index is {'None' if index is None else 'given'}")
     ratio = c.compress_ratios[layer]
-    g, j = state.group(layer)
-    al = state.alloc[g]
     _check_inputs(step, kv, score, params, ratio, csa, c.head_dim, "")
-    B, T, _ = kv.shape
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
+        return on_devices(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
+            st, step, layer, kv, score, p, (ikv, iscore, ip), impl), state, step, kv, score, params, ikv, iscore,
+            iparams, axes=("batch", "batch", "batch", None, "batch", "batch", None))
+    return on_devices(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
+                      state, step, kv, score, params, axes=("batch", "batch", "batch", None))
+
+
+def _compress(state, step, layer, kv, score, params, index, impl):
+    c = state.config
+    csa = index is not None
+    ratio = c.compress_ratios[layer]
+    g, j = state.group(layer)
+    al = state.alloc[g]
+    B, T, _ = kv.shape
+    if csa:
+        ikv, iscore, iparams = index
     if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
         return _compress_decode(state, step, layer, kv, score, params, index)
     kv, score, params = row(kv), row(score), _row_params(params)
@@ -242,9 +260,14 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     Call before ``write_window`` of the same step. impl: how the ring is read, as in
     ``gather_entries``.
     """
-    c = state.config
     check_layer(state, layer)
-    check_tokens("kv", kv, step, c.head_dim, (jnp.bfloat16,))
+    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+    return on_devices(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
+                      axes=("batch", "batch"), out=("batch", "batch"))
+
+
+def _window_keys(state, step, layer, kv, impl):
+    c = state.config
     fmt = c.storage_format
     B, T, _ = kv.shape
     j = jnp.arange(c.window)[None, :]
@@ -299,10 +322,15 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     check_layer(state, layer, (CSA, HCA))
     if not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(f"idx: expected an integer array of entry indices (-1: none), got dtype {jnp.result_type(idx)}")
-    c = state.config
-    g, j = state.group(layer)
-    return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
-                   c.storage, _gather_impl(impl))
+    impl = _gather_impl(impl)
+
+    def local(state, step, idx):
+        c = state.config
+        g, j = state.group(layer)
+        return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
+                       c.storage, impl)
+
+    return on_devices(local, state, step, idx, axes=("batch", "batch"), out="batch")
 
 
 def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = "auto"):
@@ -318,15 +346,19 @@ def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = 
 def index_keys(state: HybridCacheState, step: Step, layer: int):
     """Every indexer key of a CSA layer, dequantized: (bf16[B, max_entries, index_dim], count i32[B])."""
     check_layer(state, layer, (CSA,))
-    c = state.config
-    ratio = c.compress_ratios[layer]
-    cnt = entry_count(step, ratio)
-    e = jnp.arange(c.max_entries(ratio))[None, :]
-    idx = jnp.where(e < cnt[:, None], e, -1)
-    g, j = state.group(layer)
-    keys = _gather(state.index_keys, j, state.alloc[g].table, step.slot, idx, c.storage_format.index_key(c.index_dim),
-                   c.block_size, c.storage)
-    return keys, cnt
+
+    def local(state, step):
+        c = state.config
+        ratio = c.compress_ratios[layer]
+        cnt = entry_count(step, ratio)
+        e = jnp.arange(c.max_entries(ratio))[None, :]
+        idx = jnp.where(e < cnt[:, None], e, -1)
+        g, j = state.group(layer)
+        keys = _gather(state.index_keys, j, state.alloc[g].table, step.slot, idx,
+                       c.storage_format.index_key(c.index_dim), c.block_size, c.storage)
+        return keys, cnt
+
+    return on_devices(local, state, step, axes=("batch",), out=("batch", "batch"))
 
 
 __all__ = ["CompressorParams", "all_entries", "compress", "entry_count", "gather_entries", "index_keys",

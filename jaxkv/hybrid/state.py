@@ -21,15 +21,27 @@ physical block ``b`` of a request's table is block ``b`` of each of those layers
 
 ``error: u32[R + 1]`` sticky fault bits per slot; the last entry collects faults of a
 batch row whose slot is out of range or repeated.
+
+Laid out on a mesh (``init(config, mesh=...)``, ``jaxkv.sharding``), the request slots are
+split over the data axis into ``S`` shards of ``R / S`` consecutive slots, and each shard
+has the whole structure above for its slots: its own pools (``num_blocks`` of a
+``local_config`` each, concatenated along the block axis), free stacks and block tables
+holding *its own* block ids (``0 ..`` its blocks: what a kernel on that device indexes),
+``num_free: i32[S]``, and ``error: u32[S * (R / S + 1)]``. Allocation never leaves the
+shard, so a step needs no collective.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv import sharding
 from jaxkv._pytree import cache_dataclass, static_field
+from jaxkv.sharding import Layout
 from jaxkv.math.compressor import empty_tail
 from jaxkv.hybrid.config import HybridConfig
 
@@ -69,9 +81,17 @@ class HybridCacheState:
     index_keys: jnp.ndarray
     alloc: tuple
     config: HybridConfig = static_field()
+    layout: Layout | None = static_field(default=None)
 
     def fault_owner(self, i: int) -> str:
-        return "batch row with a bad slot" if i == self.config.max_requests else f"request slot {i}"
+        R = self.config.max_requests
+        if self.layout is None:
+            return "batch row with a bad slot" if i == R else f"request slot {i}"
+        n = R // self.layout.shards("requests")
+        shard, j = divmod(i, n + 1)
+        if j == n:
+            return f"batch row with a bad slot on data shard {shard} (out of range, repeated, or owned by another shard)"
+        return f"request slot {shard * n + j}"
 
     def group(self, layer: int) -> tuple[int, int]:
         """(ratio group g, index of the layer among that ratio's layers)."""
@@ -87,10 +107,63 @@ def _layers_of(c: HybridConfig, ratio: int) -> int:
     return c.compress_ratios.count(ratio)
 
 
-def init(config: HybridConfig) -> HybridCacheState:
-    """An empty cache: every slot at position 0, every block free."""
+def init(config: HybridConfig, *, mesh=None, rules=None) -> HybridCacheState:
+    """An empty cache: every slot at position 0, every block free.
+
+    mesh: a ``jax.sharding.Mesh``: request slots (and their pools, block tables and free
+      stacks) are split over its ``data`` axis (``rules``: see ``jaxkv.sharding``); each
+      device holds and steps its own requests. None: one device.
+    """
     if not isinstance(config, HybridConfig):
         raise TypeError(f"config: expected a jaxkv.hybrid.HybridConfig, got {type(config).__name__}")
+    lay = sharding.layout(mesh, rules)
+    if lay is None:
+        return _empty(config)
+    lay.check_divides("requests", config.max_requests, "HybridConfig.max_requests")
+    n = lay.shards("requests")
+    local = local_config(config, n)
+    names, tree = jax.tree_util.tree_flatten(logical_axes(config, lay), is_leaf=_is_spec)
+
+    def make():
+        parts = [jax.tree_util.tree_leaves(_empty(local)) for _ in range(n)]
+
+        def join(axes, *xs):  # the shards' arrays side by side along the requests axis; num_free: stacked
+            return jnp.stack(xs) if xs[0].ndim < len(axes) else jnp.concatenate(xs, axis=list(axes).index("requests"))
+
+        return jax.tree_util.tree_unflatten(tree, [join(a, *xs) for a, *xs in zip(names, *parts)])
+
+    return sharding.build(make, specs(config, lay), lay).replace(config=config)
+
+
+def local_config(config: HybridConfig, shards: int) -> HybridConfig:
+    """The config of one of ``shards`` request shards: ``max_requests / shards`` slots and
+    ``pool_tokens / shards`` (rounded up) of pool."""
+    pool = None if config.pool_tokens is None else -(-config.pool_tokens // shards)
+    return dataclasses.replace(config, max_requests=config.max_requests // shards, pool_tokens=pool)
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def logical_axes(config: HybridConfig, lay: Layout | None = None) -> HybridCacheState:
+    """The logical axes (``jaxkv.sharding``) of every array, as a state of PartitionSpecs."""
+    def req(ndim, axis=0):
+        return jax.sharding.PartitionSpec(*("requests" if i == axis else None for i in range(ndim)))
+
+    return HybridCacheState(
+        position=req(1), error=req(1), window=req(3, 1), tails=tuple(req(5, 1) for _ in config.ratios),
+        entries=tuple(req(3, 1) for _ in config.ratios), index_keys=req(3, 1),
+        alloc=tuple(BlockAllocator(free=req(1), num_free=req(1), table=req(2), owned=req(1)) for _ in config.ratios),
+        config=config, layout=lay)
+
+
+def specs(config: HybridConfig, lay: Layout) -> HybridCacheState:
+    """The PartitionSpec of every array of a cache laid out by ``lay`` (a state of specs)."""
+    return jax.tree_util.tree_map(lambda axes: lay.spec(*axes), logical_axes(config, lay), is_leaf=_is_spec)
+
+
+def _empty(config: HybridConfig) -> HybridCacheState:
     c = config
     fmt = c.storage_format
     R = c.max_requests

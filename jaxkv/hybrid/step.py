@@ -4,6 +4,12 @@
 flushes will need (for every ratio, from the device-side free stacks, with no Python loop
 over requests) and returns a ``Step``; each layer then calls the layer operations with
 that ``Step``. ``finish`` returns a request's blocks and empties its slot.
+
+On a state laid out on a mesh (``jaxkv.sharding``), every op runs per device on that
+device's request shard (``on_devices``). A batch is laid out like the slots: its rows are
+split over the data axis in equal parts, and the rows of part ``s`` must be requests of
+shard ``s`` (slots ``s * R/S .. (s+1) * R/S - 1``); a row whose slot another shard owns
+is refused like an out-of-range slot. A ``Step``'s slots stay global slot ids.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import jax.numpy as jnp
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
 from jaxkv.math.compressor import empty_tail
-from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
+from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, local_config, specs
+from jaxkv.sharding import per_device
+from jaxkv.stacked import Stacked
 
 
 @cache_dataclass
@@ -44,6 +52,60 @@ class Step:
     start: jnp.ndarray
     num_tokens: jnp.ndarray
     active: jnp.ndarray
+
+
+def on_devices(fn, state: HybridCacheState, *args, axes=(), out="state"):
+    """``fn(state, *args)`` run by each device on its request shard (``jax.shard_map``), or
+    directly for a state on one device. Inside, the state is one shard's (a ``local_config``,
+    its own block ids) and a ``Step``'s slots are the shard's own.
+
+    axes: per arg, "batch" (leading axis: the batch rows, split like the requests; a
+      ``Stacked`` array's second axis; every field of a ``Step``) or None (replicated).
+    out: the same for the result ("state" for a state), or a tuple of them.
+    """
+    lay = state.layout
+    if lay is None:
+        return fn(state, *args)
+    lay.check_placed(state)
+    c = state.config
+    n = lay.shards("requests")
+    local, R = local_config(c, n), c.max_requests
+    Rl = local.max_requests
+
+    def convert(x, base, to_local):
+        if isinstance(x, HybridCacheState):
+            alloc = tuple(a.replace(num_free=a.num_free[0] if to_local else a.num_free[None]) for a in x.alloc)
+            return x.replace(config=local if to_local else c, layout=None if to_local else lay, alloc=alloc)
+        if isinstance(x, Step):
+            if to_local:
+                return x.replace(slot=x.slot - base, write_slot=jnp.where(x.write_slot >= R, Rl, x.write_slot - base))
+            return x.replace(slot=x.slot + base, write_slot=jnp.where(x.write_slot >= Rl, R, x.write_slot + base))
+        return x
+
+    def body(*a):
+        base = lay.index("requests") * Rl
+        node = lambda x: isinstance(x, (HybridCacheState, Step))  # noqa: E731
+        a = jax.tree_util.tree_map(lambda x: convert(x, base, True), a, is_leaf=node)
+        res = fn(*a)
+        return jax.tree_util.tree_map(lambda x: convert(x, base, False), res, is_leaf=node)
+
+    def spec(kind, x=None):
+        if kind == "state":
+            return specs(c, lay)
+        if kind is None:
+            return lay.spec()
+        if isinstance(x, Stacked):
+            return Stacked(lay.spec(None, "requests"), x.index)
+        return lay.spec("requests")
+
+    in_specs = (spec("state"),) + tuple(spec(k, x) for k, x in zip(axes, args))
+    out_specs = tuple(map(spec, out)) if isinstance(out, tuple) else spec(out)
+    return per_device(lay, body, in_specs, out_specs)(state, *args)
+
+
+def _check_batch(state, B: int):
+    if state.layout is not None:
+        state.layout.check_divides("requests", B, "the batch's rows (slots)")
 
 
 def _as_i32(name, x, shape=None):
@@ -75,8 +137,6 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
       token count out of range, or blocks the pools cannot supply are refused: a fault
       bit is recorded, the request is left as it was, other rows proceed.
     """
-    c = state.config
-    R = c.max_requests
     slots = _as_i32("slots", slots)
     if slots.ndim != 1:
         raise ValueError(f"slots: expected shape [B], got {tuple(slots.shape)}")
@@ -85,7 +145,20 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
     if chunk < 1:
         raise ValueError(f"chunk: expected a positive int, got {chunk}")
     n = jnp.full((B,), chunk, jnp.int32) if num_tokens is None else _as_i32("num_tokens", num_tokens, (B,))
+    _check_batch(state, B)
+    lay = state.layout
 
+    def local(st, slots, positions, n):  # a shard's own slots count from 0
+        base = 0 if lay is None else lay.index("requests") * st.config.max_requests
+        return _prepare(st, slots - base, positions, n, chunk=chunk)
+
+    return on_devices(local, state, slots, positions, n, axes=("batch",) * 3, out=("state", "batch"))
+
+
+def _prepare(state, slots, positions, n, *, chunk):
+    c = state.config
+    R = c.max_requests
+    B = slots.shape[0]
     in_range = (slots >= 0) & (slots < R)
     slot = jnp.where(in_range, slots, 0)
     count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
@@ -145,17 +218,35 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
 def finish(state: HybridCacheState, slots):
     """Release requests: return their blocks to the free stacks and empty their slots.
 
-    slots: i32[F]. Out-of-range or repeated slots record a fault and are skipped.
+    slots: i32[F]. Out-of-range or repeated slots record a fault and are skipped. On a
+    mesh, each shard finishes the slots it owns (the slots need no layout).
     """
-    c = state.config
-    R = c.max_requests
     slots = _as_i32("slots", slots)
     if slots.ndim != 1:
         raise ValueError(f"slots: expected shape [F], got {tuple(slots.shape)}")
+    if state.layout is None:
+        return _finish(state, slots, jnp.ones(slots.shape, jnp.bool_))
+    R, lay = state.config.max_requests, state.layout
+
+    def local(st, slots):
+        Rl = st.config.max_requests
+        shard = lay.index("requests")
+        base = shard * Rl
+        mine = (slots >= base) & (slots < base + Rl)  # an out-of-range slot is shard 0's fault
+        mine |= ((slots < 0) | (slots >= R)) & (shard == 0)
+        return _finish(st, jnp.where(slots < 0, slots, slots - base), mine)
+
+    return on_devices(local, state, slots, axes=(None,))
+
+
+def _finish(state, slots, mine):
+    """``finish`` of the rows where ``mine`` holds; the others are not looked at."""
+    c = state.config
+    R = c.max_requests
     in_range = (slots >= 0) & (slots < R)
-    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
+    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range & mine, slots, R)].add(1, mode="drop")
     slot = jnp.where(in_range, slots, 0)
-    ok = in_range & (count[slot] == 1)
+    ok = mine & in_range & (count[slot] == 1)
     ws = jnp.where(ok, slot, R)
 
     new_alloc = []
@@ -174,8 +265,8 @@ def finish(state: HybridCacheState, slots):
             )
         )
     err = state.error.at[R].set(
-        record(record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(in_range & ~ok),
-               Fault.SLOT_REPEATED)
+        record(record(state.error[R], jnp.any(mine & ~in_range), Fault.SLOT_OUT_OF_RANGE),
+               jnp.any(mine & in_range & ~ok), Fault.SLOT_REPEATED)
     )
 
     def reset(t):  # f32[Lg, R, streams, 3, w]
