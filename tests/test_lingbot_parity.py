@@ -1,0 +1,129 @@
+"""The port against upstream lingbot-map's own GCTStream, frame by frame.
+
+Upstream's checkout comes from ``$LINGBOT_MAP_SRC`` (skipped without it; CI has none);
+its random weights go through ``load_state_dict`` (the converter), the same frames through
+both, and camera encodings, depth and depth confidence are compared per frame — through
+the scale phase, past the sliding window's eviction, and (against FlashInfer) through
+non-keyframe rollbacks.
+
+Upstream's CPU backend is SDPA. Its global attention (``SDPAAttention``) ignores the
+non-keyframe flag and appends every frame, while its 3D-RoPE frame counter and its camera
+head honour it, so with ``keyframe_interval > 1`` the SDPA path is not the model upstream
+serves; keyframe parity is checked against the FlashInfer backend (GPU) only.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+pytest.importorskip("flax")
+
+from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream  # noqa: E402
+from jaxkv.models.lingbot import upstream  # noqa: E402
+from jaxkv.models.lingbot.convert import load_state_dict  # noqa: E402
+
+SRC = upstream.source()
+pytestmark = pytest.mark.skipif(SRC is None, reason="needs an upstream lingbot-map checkout in $LINGBOT_MAP_SRC")
+ON_GPU = jax.default_backend() == "gpu"
+KEYS = ("pose_enc", "depth", "depth_conf")
+
+
+@pytest.fixture
+def no_tf32():
+    """Upstream in true float32 (TF32 off), the port at HIGHEST matmul precision."""
+    old = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.set_float32_matmul_precision(old[0])
+    torch.backends.cudnn.allow_tf32 = old[1]
+
+
+def _stream_both(config, frames, *, use_sdpa, interval, dtype=torch.float32, force_fp32=True):
+    ref_model = upstream.build(config, SRC, use_sdpa=use_sdpa).to("cuda" if ON_GPU else "cpu")
+    if not use_sdpa:
+        ref_model.aggregator.kv_cache_force_fp32 = force_fp32
+    port = LingbotMap(config)
+    load_state_dict(port, upstream.state_dict(ref_model))
+    imgs = upstream.images_nchw(frames).to(next(ref_model.parameters()).device)
+    ctx = torch.autocast("cuda", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
+    with torch.no_grad(), ctx:
+        ref = ref_model.inference_streaming(imgs, num_scale_frames=config.num_scale_frames,
+                                            keyframe_interval=interval)
+    ref = {k: ref[k][0].float().cpu().numpy() for k in KEYS}
+    with jax.default_matmul_precision("highest"):
+        outs = list(LingbotStream(port, keyframe_interval=interval).run(list(frames)))
+    ours = {k: np.stack([np.asarray(o[k][0], np.float32) for o in outs]) for k in KEYS}
+    return ours, ref
+
+
+def _rel_err(ours, ref):
+    """Per frame: max |ours - ref| / max |ref|."""
+    axes = tuple(range(1, ref.ndim))
+    return np.abs(ours - ref).max(axis=axes) / np.abs(ref).max(axis=axes)
+
+
+def _frames(config, n, seed=0):
+    return np.random.default_rng(seed).random((n, config.height, config.width, 3), np.float32)
+
+
+def test_small_config_matches_upstream_sdpa_float32(no_tf32):
+    """ViT-S, 2D RoPE everywhere, window 3 + 2 scale frames, 10 frames: eviction from frame 6."""
+    config = LingbotConfig.small(kv_cache_sliding_window=3, kv_cache_scale_frames=2, num_scale_frames=2)
+    ours, ref = _stream_both(config, _frames(config, 10), use_sdpa=True, interval=1)
+    for k in KEYS:
+        assert ours[k].shape == ref[k].shape, k
+        err = _rel_err(ours[k], ref[k])
+        assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
+
+
+@pytest.mark.skipif(not (ON_GPU or os.environ.get("JAXKV_LONG")),
+                    reason="the released 1.16 B-parameter config: on a GPU, or on CPU with JAXKV_LONG=1")
+def test_released_config_matches_upstream_float32(no_tf32):
+    """ViT-L, 3D RoPE, 518 backbone at 378x518 frames, 8 scale frames, window 4, 16 frames."""
+    config = LingbotConfig(dtype="float32", kv_cache_sliding_window=4, max_frame_num=64)
+    ours, ref = _stream_both(config, _frames(config, 16), use_sdpa=True, interval=1)
+    for k in KEYS:
+        err = _rel_err(ours[k], ref[k])
+        assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
+
+
+def _flashinfer():
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return ON_GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flashinfer(), reason="needs a GPU and flashinfer (upstream's default backend)")
+def test_keyframes_match_upstream_flashinfer_float32(no_tf32):
+    """keyframe_interval 3 against upstream's FlashInfer path (its fp32 gather mode): non-keyframes
+    appended deferred, attended and rolled back, the 3D RoPE counting keyframes, past eviction."""
+    config = LingbotConfig(dtype="float32", kv_cache_sliding_window=4, max_frame_num=64)
+    ours, ref = _stream_both(config, _frames(config, 24, seed=1), use_sdpa=False, interval=3)
+    for k in KEYS:
+        err = _rel_err(ours[k], ref[k])
+        assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
+
+
+BF16_BOUND = {"pose_enc": 0.1, "depth": 0.1, "depth_conf": 0.1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _flashinfer(), reason="needs a GPU and flashinfer (upstream's default backend)")
+def test_bf16_matches_upstream_flashinfer_within_bound():
+    """bf16 (upstream: autocast; the port: bf16 matmuls and caches, float32 norms, residuals and
+    heads). Two bf16 pipelines that round differently drift apart through 48 blocks; the bound
+    is on the per-frame relative error and is stated in BF16_BOUND."""
+    config = LingbotConfig(dtype="bfloat16", kv_cache_sliding_window=4, max_frame_num=64)
+    ours, ref = _stream_both(config, _frames(config, 16, seed=2), use_sdpa=False, interval=2,
+                             dtype=torch.bfloat16, force_fp32=False)
+    errs = {k: _rel_err(ours[k], ref[k]) for k in KEYS}
+    print({k: np.array2string(v, precision=3) for k, v in errs.items()})
+    for k in KEYS:
+        assert errs[k].max() <= BF16_BOUND[k], f"{k}: per-frame relative error {errs[k]}"
