@@ -57,8 +57,13 @@ def upstream_key(path: tuple) -> str:
 
 def to_upstream(path: tuple, x: np.ndarray) -> np.ndarray:
     """An NNX parameter in upstream's layout (the inverse of ``from_upstream``)."""
-    if path[-1] == "kernel":
+    name = str(path[-1])
+    if name == "kernel":
         return x.T if x.ndim == 2 else np.transpose(x, (3, 2, 0, 1))
+    if name in ("cls_token", "empty_pose_tokens"):
+        return x.reshape(1, 1, -1)
+    if name.endswith(("token", "tokens")) or name == "pos_embed":
+        return x[None]
     return x
 
 
@@ -119,7 +124,8 @@ def config_from_state_dict(sd: dict, **overrides) -> LingbotConfig:
     side = int(round((need("aggregator.patch_embed.pos_embed").shape[1] - 1) ** 0.5))
     depth = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("aggregator.frame_blocks."))
     found = dict(patch_embed=backbone, patch_size=int(patch), img_size=side * int(patch), depth=depth,
-                 num_register_tokens=int(need("aggregator.register_token").shape[2]))
+                 num_register_tokens=int(need("aggregator.register_token").shape[2]),
+                 enable_3d_rope=dim // LingbotConfig.num_heads == 64)  # upstream's 3D RoPE needs 64-dim heads
     if "height" not in overrides and "width" not in overrides:
         found.update(height=side * int(patch), width=side * int(patch))
     return LingbotConfig(**{**found, **overrides})

@@ -12,6 +12,7 @@ from typing import Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from jaxkv.flax import CachedStep
 from jaxkv.models.lingbot.model import LingbotMap
@@ -33,10 +34,10 @@ class LingbotStream:
         self.keyframe_interval = keyframe_interval
         self.step = CachedStep(model, static_argnames=("phase",))
 
-    def is_keyframe(self, index: int) -> bool:
+    def is_keyframe(self, index: int, interval: int | None = None) -> bool:
         """Frame ``index`` (0-based, counting the scale frames) stays in the caches."""
         s = self.config.num_scale_frames
-        return index < s or (index - s) % self.keyframe_interval == 0
+        return index < s or (index - s) % (interval or self.keyframe_interval) == 0
 
     def _batch(self, frames: list) -> jnp.ndarray:
         x = np.stack([np.asarray(f, np.float32) for f in frames], axis=-4)  # [..., S, H, W, 3]
@@ -44,7 +45,18 @@ class LingbotStream:
             x = x[None]
         return jnp.asarray(x)
 
-    def run(self, frames: Iterable) -> Iterator[dict]:
+    def run(self, frames: Iterable, keyframe_interval: int | None = None) -> Iterator[dict]:
+        """A new video (the caches start empty); ``keyframe_interval`` overrides the stream's.
+
+        When the generator finishes, the model holds the caches of the video's end."""
+        if keyframe_interval is not None and keyframe_interval < 1:
+            raise ValueError(f"keyframe_interval: expected an int >= 1, got {keyframe_interval}")
+        try:
+            yield from self._run(frames, keyframe_interval)
+        finally:
+            nnx.update(self.model, self.step.caches)
+
+    def _run(self, frames, interval):
         c = self.config
         it = iter(frames)
         first = [f for _, f in zip(range(c.num_scale_frames), it)]
@@ -55,7 +67,7 @@ class LingbotStream:
             yield {k: v[:, s] for k, v in out.items()}
         keyframes, seen = len(first), len(first)
         for index, f in enumerate(it, start=len(first)):
-            key = self.is_keyframe(index)
+            key = self.is_keyframe(index, interval)
             if keyframes + 1 > c.max_frame_num or seen + 1 > c.max_frame_num:
                 raise ValueError(f"frames: frame {index} would exceed max_frame_num={c.max_frame_num} "
                                  f"({keyframes} keyframes, {seen} frames so far); build the model with a "
