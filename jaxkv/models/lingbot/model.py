@@ -130,12 +130,12 @@ class Aggregator(nnx.Module):
             return run
 
         out = self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
-        T = c.tokens_per_frame
+        T, dt = c.tokens_per_frame, jnp.dtype(c.dtype)
         for s in range(S):
             self.cache.begin_frame()
             for layer in range(c.depth):
                 k, v = kv[layer]
-                self.cache.write(layer, k[:, s * T:(s + 1) * T], v[:, s * T:(s + 1) * T])
+                self.cache.write(layer, k[:, s * T:(s + 1) * T].astype(dt), v[:, s * T:(s + 1) * T].astype(dt))
         return out
 
     def stream_frame(self, image, keyframe):
