@@ -41,6 +41,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default="jaxkv_model_demo.png",
                    help="with --model: where to write the camera-trajectory and latency plot "
                         "(default jaxkv_model_demo.png; '' for none)")
+    g = p.add_argument_group("lingbot-map (--lingbot)")
+    g.add_argument("--lingbot", action="store_true",
+                   help="stream a folder of frames (--images) through the lingbot-map port (jaxkv.models.lingbot) "
+                        "and plot its camera trajectory and last depth map (needs flax, matplotlib, pillow)")
+    g.add_argument("--images", default=None,
+                   help="with --lingbot: folder of .png/.jpg frames, sorted by name, one size, multiples of 14")
+    g.add_argument("--checkpoint", default=None,
+                   help="with --lingbot: upstream's weights (.pt) or a convert-lingbot .safetensors; "
+                        "without it the weights are random and the outputs meaningless")
+    g.add_argument("--small", action="store_true",
+                   help="with --lingbot and no --checkpoint: the ViT-S test config (fast on CPU)")
+    g.add_argument("--keyframe-interval", type=int, default=1,
+                   help="with --lingbot: keep every N-th frame after the scale frames in the caches (default 1)")
+    g.add_argument("--out", default="lingbot_demo",
+                   help="with --lingbot: folder for trajectory.png and depth.png (default lingbot_demo)")
+    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="with --lingbot: a LingbotConfig field (JSON value), e.g. --set depth=4 "
+                        "--set selected_idx=[0,1,2,3]; repeatable")
 
 
 def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
@@ -72,10 +90,29 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')}: expected an int >= {low}, got {getattr(args, flag)}")
     if args.keyframe_threshold is not None and not args.model:
         raise ValueError("--keyframe-threshold: used only with --model (without it, use --keyframe-every)")
+    if args.lingbot:
+        if args.model:
+            raise ValueError("--lingbot: not used with --model (pick one)")
+        if not args.images:
+            raise ValueError("--images: required with --lingbot (a folder of .png/.jpg frames)")
+        if args.keyframe_interval < 1:
+            raise ValueError(f"--keyframe-interval: expected an int >= 1, got {args.keyframe_interval}")
+        if args.small and args.checkpoint:
+            raise ValueError("--small: used only without --checkpoint (the checkpoint sets the architecture)")
+    else:
+        for flag in ("images", "checkpoint", "small", "set"):
+            if getattr(args, flag):
+                raise ValueError(f"--{flag}: used only with --lingbot")
+        if args.keyframe_interval != 1:
+            raise ValueError("--keyframe-interval: used only with --lingbot")
 
 
 def run(args) -> dict:
     check_args(args)
+    if args.lingbot:
+        from jaxkv.models import lingbot_demo
+
+        return lingbot_demo.run(args)
     if args.model:
         if args.keyframe_every:
             raise ValueError("--keyframe-every: not used with --model (use --keyframe-threshold)")

@@ -29,7 +29,8 @@ LAYERS = {
 }
 # Function-local imports of the package: only where the imported part needs an optional
 # dependency that the importing module must not (the CLI works without flax).
-LAZY_OK = {("jaxkv.demo", "jaxkv.models.demo")}
+LAZY_OK = {("jaxkv.demo", "jaxkv.models.demo"), ("jaxkv.demo", "jaxkv.models.lingbot_demo"),
+           ("jaxkv.__main__", "jaxkv.models.lingbot.convert"), ("jaxkv.__main__", "jaxkv.models.lingbot_demo")}
 
 
 def _modules():
