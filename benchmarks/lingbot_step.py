@@ -4,12 +4,18 @@ Random weights, bf16 (upstream: autocast; the port: bf16 matmuls and caches), on
 the released config (ViT-L, 3D RoPE, 8 scale frames, 64-frame window). Each contender
 streams ``--warm`` frames, then ``--frames`` more are timed one by one (each synced, as
 upstream's ``gct_profile.py`` does); ms/frame is their median, peak memory the
-framework's peak allocation over the whole run.
+framework's peak allocation over the whole run (the port: XLA's allocator; upstream:
+torch's), weights included.
 
 Contenders: ``port`` (``LingbotStream``), ``upstream-flashinfer`` (its default backend,
 eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 "reduce-overhead" targets on the FlashInfer path). Upstream comes from
-``$LINGBOT_MAP_SRC``; FlashInfer must be importable.
+``$LINGBOT_MAP_SRC``; without FlashInfer upstream runs its SDPA backend (said in the table).
+
+``--long N``: instead, stream N frames through the port (and ``--long-upstream M`` frames
+through upstream's FlashInfer path), recording memory in use and the peak every 1,000
+frames; prints the growth per 1,000 frames. ``--small``: ViT-S on whatever device JAX and
+torch have (a smoke test of this script on CPU).
 
     LINGBOT_MAP_SRC=... XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/lingbot_step.py --size 518x378
 """
@@ -17,38 +23,75 @@ eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import jax
 import numpy as np
 
-from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream, upstream
-from jaxkv.models.lingbot.convert import load_state_dict
+from jaxkv.models.lingbot import LingbotConfig, LingbotStream, upstream
+from jaxkv.models.lingbot.convert import from_state_dict
 
 
-def run_port(config, frames, warm, sd):
-    model = LingbotMap(config)
-    load_state_dict(model, sd)
-    stream = LingbotStream(model)
-    times = []
-    t0 = None
-    for i, out in enumerate(stream.run(frames)):
-        jax.block_until_ready(out)
-        t = time.perf_counter()
-        if t0 is not None and i >= warm:
-            times.append(t - t0)
-        t0 = t
-    dev = jax.devices()[0]
-    peak = (dev.memory_stats() or {}).get("peak_bytes_in_use", 0)
-    last = {k: np.asarray(v, np.float32) for k, v in out.items()}
-    del stream, model
-    return np.array(times) * 1e3, peak, last
+def _jax_mem():
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
 
 
-def run_upstream(model, frames, warm, compile_=False):
+def _torch_mem():
     import torch
 
-    dev = "cuda"
+    if not torch.cuda.is_available():
+        return 0, 0
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+
+
+def _torch_sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def video(frames: np.ndarray, n: int):
+    """``n`` frames cycling through ``frames`` (a long video without its host memory)."""
+    return itertools.islice(itertools.cycle(frames), n)
+
+
+def run_port(config, frames, warm, sd, n=None, every=None):
+    """ms per frame (synced each frame; with ``every``: wall time per block) and memory marks."""
+    t = time.perf_counter()
+    model, _ = from_state_dict(config, sd)
+    print(f"port: built and loaded in {time.perf_counter() - t:.1f} s", flush=True)
+    stream = LingbotStream(model)
+    n = len(frames) if n is None else n
+    times, marks = [], []
+    t0 = start = time.perf_counter()
+    for i, out in enumerate(stream.run(video(frames, n)), start=1):
+        if i == config.num_scale_frames + 1:
+            jax.block_until_ready(out)
+            print(f"port: first {i} frames (both phases compiled) in {time.perf_counter() - start:.1f} s", flush=True)
+        if every is None or i % every == 0 or i == n:
+            jax.block_until_ready(out)
+            t = time.perf_counter()
+            if every is None:
+                if i > warm:
+                    times.append(t - t0)
+            else:
+                times.append((t - t0) / every)
+                marks.append((i, *_jax_mem()))
+            t0 = t
+    peak = _jax_mem()[1]
+    last = {k: np.asarray(v, np.float32) for k, v in out.items()}
+    del stream, model
+    return np.array(times) * 1e3, peak, last, marks
+
+
+def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
+    """As ``run_port``; ``s`` scale frames first."""
+    import torch
+
+    dev = next(model.parameters()).device
     imgs = upstream.images_nchw(frames)[None]
     if compile_:
         agg = model.aggregator
@@ -60,24 +103,45 @@ def run_upstream(model, frames, warm, compile_=False):
             b.attn_pre = torch.compile(b.attn_pre, mode="reduce-overhead")
             b.ffn_residual = torch.compile(b.ffn_residual, mode="reduce-overhead")
             b.attn.proj = torch.compile(b.attn.proj, mode="reduce-overhead")
-    torch.cuda.reset_peak_memory_stats()
-    s = 8
-    times = []
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        ctx = torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        ctx = torch.autocast("cpu", enabled=False)
+    n = len(frames) if n is None else n
+    times, marks = [], []
+    with torch.no_grad(), ctx:
         model.clean_kv_cache()
         torch.compiler.cudagraph_mark_step_begin()
         model.forward(imgs[:, :s].to(dev), num_frame_for_scale=s, num_frame_per_block=s, causal_inference=True)
-        torch.cuda.synchronize()
-        for i in range(s, imgs.shape[1]):
-            x = imgs[:, i:i + 1].to(dev)
-            t0 = time.perf_counter()
+        _torch_sync()
+        t0 = time.perf_counter()
+        for i in range(s, n):
+            x = imgs[:, i % imgs.shape[1]:i % imgs.shape[1] + 1].to(dev)
+            if every is None:
+                t0 = time.perf_counter()
             torch.compiler.cudagraph_mark_step_begin()
             out = model.forward(x, num_frame_for_scale=s, num_frame_per_block=1, causal_inference=True)
-            torch.cuda.synchronize()
-            if i >= warm:
-                times.append(time.perf_counter() - t0)
+            if every is None:
+                _torch_sync()
+                if i >= warm:
+                    times.append(time.perf_counter() - t0)
+            elif (i + 1) % every == 0 or i + 1 == n:
+                _torch_sync()
+                t = time.perf_counter()
+                times.append((t - t0) / every)
+                marks.append((i + 1, *_torch_mem()))
+                t0 = t
     last = {k: out[k][0, 0].float().cpu().numpy() for k in ("pose_enc", "depth", "depth_conf")}
-    return np.array(times) * 1e3, torch.cuda.max_memory_allocated(), last
+    return np.array(times) * 1e3, _torch_mem()[1], last, marks
+
+
+def _growth(marks):
+    """Bytes in use per 1,000 frames between the first and the last mark."""
+    if len(marks) < 2:
+        return float("nan")
+    (f0, b0, _), (f1, b1, _) = marks[0], marks[-1]
+    return (b1 - b0) / (f1 - f0) * 1000
 
 
 def main():
@@ -86,6 +150,10 @@ def main():
     p.add_argument("--warm", type=int, default=80)
     p.add_argument("--frames", type=int, default=40)
     p.add_argument("--compile", action="store_true", help="also upstream's torch.compile path (slow to build)")
+    p.add_argument("--long", type=int, default=0, help="stream this many frames through the port (memory run)")
+    p.add_argument("--long-upstream", type=int, default=0, help="and this many through upstream")
+    p.add_argument("--every", type=int, default=1000, help="frames between memory marks in --long")
+    p.add_argument("--small", action="store_true", help="ViT-S config (smoke test)")
     args = p.parse_args()
     w, h = map(int, args.size.split("x"))
     src = upstream.source()
@@ -94,30 +162,49 @@ def main():
     import torch
 
     n = args.warm + args.frames
-    config = LingbotConfig(height=h, width=w, max_frame_num=n + 100, dtype="bfloat16")
-    frames = np.random.default_rng(0).random((n, h, w, 3), np.float32)
+    total = max(n, args.long, args.long_upstream)
+    base = LingbotConfig.small() if args.small else LingbotConfig()
+    config = base.replace(height=h, width=w, max_frame_num=total + 100,
+                          dtype="float32" if args.small else "bfloat16")
+    frames = np.random.default_rng(0).random((min(n, 160), h, w, 3), np.float32)
     try:
         import flashinfer  # noqa: F401
-        backend = "flashinfer"
+        backend = "flashinfer" if torch.cuda.is_available() else "sdpa"
     except ImportError as e:  # the offline machine without its wheel: upstream's SDPA backend instead
         print(f"flashinfer not importable ({e}); upstream runs its SDPA backend")
         backend = "sdpa"
-    ref = upstream.build(config, src, use_sdpa=backend == "sdpa", perturb=0.0).cuda()
+    ref = upstream.build(config, src, use_sdpa=backend == "sdpa", perturb=0.0)
+    if torch.cuda.is_available():
+        ref = ref.cuda()
     sd = upstream.state_dict(ref)
-    rows = {}
-    rows["port (jaxkv)"] = run_port(config, frames, args.warm, sd)
-    rows[f"upstream {backend}"] = run_upstream(ref, frames, args.warm)
+    device = jax.devices()[0].device_kind
+    if args.long:
+        rows = {"port (jaxkv)": run_port(config, frames, 0, sd, n=args.long, every=args.every)}
+        if args.long_upstream:
+            rows[f"upstream {backend}"] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream,
+                                                       every=args.every)
+        print(f"\nlingbot-map long video, {w}x{h}, {config.dtype}, {device}: memory in use every {args.every} frames")
+        print(f"{'contender':<22}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
+        for name, (t, _, _, marks) in rows.items():
+            for (f, used, peak), ms in zip(marks, t):
+                print(f"{name:<22}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
+        for name, (_, peak, _, marks) in rows.items():
+            print(f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
+                  f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames")
+        return
+    rows = {"port (jaxkv)": run_port(config, frames, args.warm, sd)}
+    rows[f"upstream {backend}"] = run_upstream(ref, frames, args.warm, config.num_scale_frames)
     if args.compile:
-        rows["upstream compiled"] = run_upstream(ref, frames, args.warm, compile_=True)
-    base = np.median(rows[f"upstream {backend}"][0])
+        rows["upstream compiled"] = run_upstream(ref, frames, args.warm, config.num_scale_frames, compile_=True)
+    ref_ms = np.median(rows[f"upstream {backend}"][0])
     port_last = rows["port (jaxkv)"][2]
-    print(f"\nlingbot-map frame step, {w}x{h}, bf16, {jax.devices()[0].device_kind}, "
+    print(f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, "
           f"median of {args.frames} frames after {args.warm}")
     print(f"{'contender':<22}{'ms/frame':>10}{'p90':>8}{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}")
-    for name, (t, peak, last) in rows.items():
+    for name, (t, peak, last, _) in rows.items():
         err = max(float(np.abs(port_last[k][0] - last[k]).max() / np.abs(last[k]).max())
                   for k in ("pose_enc", "depth_conf")) if name != "port (jaxkv)" else 0.0
-        print(f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / base:>12.2f}"
+        print(f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
               f"{peak / 2**30:>10.2f}{err:>20.3g}")
 
 

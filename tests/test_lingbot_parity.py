@@ -21,9 +21,9 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream  # noqa: E402
+from jaxkv.models.lingbot import LingbotConfig, LingbotStream  # noqa: E402
 from jaxkv.models.lingbot import upstream  # noqa: E402
-from jaxkv.models.lingbot.convert import load_state_dict  # noqa: E402
+from jaxkv.models.lingbot.convert import from_state_dict  # noqa: E402
 
 SRC = upstream.source()
 pytestmark = pytest.mark.skipif(SRC is None, reason="needs an upstream lingbot-map checkout in $LINGBOT_MAP_SRC")
@@ -46,8 +46,7 @@ def _stream_both(config, frames, *, use_sdpa, interval, dtype=torch.float32, for
     ref_model = upstream.build(config, SRC, use_sdpa=use_sdpa).to("cuda" if ON_GPU else "cpu")
     if not use_sdpa:
         ref_model.aggregator.kv_cache_force_fp32 = force_fp32
-    port = LingbotMap(config)
-    load_state_dict(port, upstream.state_dict(ref_model))
+    port, _ = from_state_dict(config, upstream.state_dict(ref_model))
     imgs = upstream.images_nchw(frames).to(next(ref_model.parameters()).device)
     ctx = torch.autocast("cuda", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
     with torch.no_grad(), ctx:
