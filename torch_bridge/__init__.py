@@ -6,6 +6,6 @@ See ``torch_bridge.dlpack``, ``torch_bridge.manager``, ``torch_bridge.kernels``.
 """
 
 from torch_bridge.dlpack import from_torch, to_torch
-from torch_bridge.manager import FlashInferKVCacheManager
+from torch_bridge.manager import FlashInferKVCacheManager, use_in_lingbot_map
 
-__all__ = ["FlashInferKVCacheManager", "from_torch", "to_torch"]
+__all__ = ["FlashInferKVCacheManager", "from_torch", "to_torch", "use_in_lingbot_map"]

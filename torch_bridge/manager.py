@@ -1,40 +1,52 @@
 """A drop-in for lingbot-map's ``FlashInferKVCacheManager`` whose buffers are jaxkv's.
 
 Same constructor arguments, methods and attributes as the seed's manager, so an
-aggregator switches by changing an import. Underneath:
+aggregator switches by changing an import (``use_in_lingbot_map()`` does it for
+upstream's model). Underneath:
 
 * The K/V buffers are a ``jaxkv.frame.FrameCacheState``'s (one page structure for every
-  block). jaxkv's bookkeeping of the page structure (``begin_frame`` / ``resolve`` over the
-  state's small arrays, once per frame for all blocks) is queued and replayed on the
-  device 64 frames per dispatch (``_replay``), or when ``state`` is read.
-* torch writes the K/V: the manager holds zero-copy torch views of every buffer for the
-  buffers' lifetime and each ``append_frame`` is one ``index_copy_`` per K and V; row
-  moves of the layout (specials relocated while slots fill, a staged frame committed, a
-  rollback) are slice copies. The rows come from a host mirror of the page structure
-  (``_Pages``: the same rules as jaxkv's device bookkeeping, which follow from the calls
-  alone; a test holds the two equal), so torch never waits for JAX and nothing is read
-  from the device. JAX never writes the K/V buffers, so no donation ever meets a live
-  view, and the per-block step crosses DLPack not at all.
-* Attention is FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper`` over views of those
-  buffers (``[max_pages, page_size, H, D]`` each for K and V), planned once per frame
-  step and run per block. Without FlashInfer (or on CPU) it is jaxkv's own attention;
-  ``force_fp32`` uses jaxkv's float32 reference, as the seed's fp32 path does.
-* ``plan()`` gets the visible page ids and ``last_page_len`` from the same mirror (the
-  ids cross to the device by an asynchronous pinned copy: no sync).
+  block). jaxkv's bookkeeping of the page structure is queued and replayed on the device
+  64 frames per dispatch (``_replay``), or when ``state`` is read.
+* torch writes the K/V through zero-copy views of every buffer, taken once for the
+  buffers' lifetime (``_take_views``): each ``append_frame`` is one ``index_copy_`` per K
+  and V, layout row moves are slice copies. The rows come from a host mirror of the page
+  structure (``_Pages``, jaxkv's ``frame.plan`` rules on Python ints; a test holds it
+  equal to the device's), so nothing is read from the device and JAX never writes K/V.
+* With exact pages the visible keys of every block are ONE contiguous prefix, rows
+  ``[0, n)`` of each ``[T, H, D]`` buffer, ``n`` known on the host (``_Pages.visible_rows``,
+  = ``FrameCacheState.num_valid``). Attention (``backend=``):
+
+  - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` over the views
+    ``k[:n]``, ``v[:n]`` (no copy; torch picks its kernel). CPU and CUDA, any dtype;
+    ``force_fp32`` runs it in float32 as the seed's fp32 path (gather + fp32 SDPA) does.
+  - ``"flashinfer"``: ``flashinfer.single_prefill_with_kv_cache`` over the same views: no
+    plan, no page table. CUDA.
+  - ``"flashinfer-paged-fa2"`` / ``"flashinfer-paged-fa3"``: the seed's paged prefill
+    (``BatchPrefillWithPagedKVCacheWrapper``, planned once per frame, run per block); FA3
+    uses power-of-two pages whose zero padding rows it attends, as the seed does. Before
+    each plan the previous plan's event is waited on (one host sync per frame at most):
+    ``plan()`` refills a pinned host buffer that the previous plan's asynchronous copy may
+    not have read yet.
+  - ``"auto"``: ``choose_backend`` (CPU: sdpa; CUDA: the first of ``CUDA_PREFIX_ORDER``
+    that is importable, or paged FA3 when ``fa3=True`` as the seed).
+
+  Pages are power-of-two only under ``"flashinfer-paged-fa3"``; every other backend gets
+  exact pages, so a prefix backend never sees padding.
 
 Differences from the seed, all deliberate:
-* Blocks share one page structure. A block that falls behind (the seed's
-  ``_sanity_check`` appends 100 frames to block 0 before block 1) writes each frame into
-  the rows where that frame's tokens are now, and drops what was already evicted; a
-  block's attention reads the shared structure.
-* Eviction happens inside ``append_frame`` (``evict_frames`` only checks its arguments).
-  So ``rollback_last_frame`` needs the frame to have been appended with
-  ``_defer_eviction = True`` (keyframe selection does exactly that); otherwise it raises.
+* Blocks share one page structure. A block that falls behind (the scale phase appends
+  every frame to block 0 before block 1) writes each frame into the rows where that
+  frame's tokens are now; a block's attention reads the shared structure.
+* Eviction happens inside ``append_frame`` (``evict_frames`` only checks its arguments,
+  and refuses flags it does not implement). So ``rollback_last_frame`` needs the frame to
+  have been appended with ``_defer_eviction = True`` (keyframe selection does exactly
+  that); otherwise it raises.
 * Special capacity grows on demand (``max_total_frames`` is the initial size), instead
   of an ``assert`` when it runs out.
-* With ``fa3=True`` pages are rounded up to a power of two and, as in the seed, the zero
-  padding rows of each patch page are part of the keys FlashInfer attends to (jaxkv's
-  own attention masks them).
+* Bad input (a tensor on another device, of an integer dtype or of the wrong shape, a
+  block index out of range, an unsupported flag) is a ``ValueError`` naming the argument,
+  and leaves the cache unchanged. k, v and q of another float dtype are cast to the
+  storage dtype (upstream appends float32 k under autocast).
 
 Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes K/V through
 views (work on torch's current stream; jaxkv reads them only after importing a torch
@@ -57,18 +69,63 @@ import torch
 from jaxkv import checkpoint, frame
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
-from jaxkv.frame.state import NONE
+from jaxkv.frame.state import NONE, STAGED
 from torch_bridge.dlpack import from_torch, to_torch
 
 try:
     import flashinfer
 
     FLASHINFER_AVAILABLE = True
-except ImportError:  # jaxkv's own attention is used instead
+except ImportError:  # the prefix backend "sdpa" is used instead
     flashinfer = None
     FLASHINFER_AVAILABLE = False
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
+PREFIX_BACKENDS = ("sdpa", "flashinfer")  # attend the prefix views k[:n], v[:n]
+CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
+# "auto"'s preference on CUDA between the prefix backends (fa3=False): the first one that
+# can run is taken. NOT YET MEASURED: to be set from a GPU run of benchmarks/bridge.py
+# (its "sdpa" and "flashinfer" rows, and --model).
+CUDA_PREFIX_ORDER = ("flashinfer", "sdpa")
+# ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
+FLASHINFER_PREFIX_KERNEL = "auto"
+
+
+def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
+                   flashinfer_available: bool = FLASHINFER_AVAILABLE) -> str:
+    """The backend ``backend="auto"`` resolves to.
+
+    * ``force_fp32``: ``"sdpa"`` in float32 (the seed's fp32 path is a gather + fp32 SDPA;
+      FlashInfer has no float32 kernels);
+    * CPU: ``"sdpa"``;
+    * CUDA with FlashInfer importable: ``"flashinfer-paged-fa3"`` if ``fa3`` (the seed's
+      choice: power-of-two pages), else the first of ``CUDA_PREFIX_ORDER``;
+    * CUDA without FlashInfer: ``"sdpa"``.
+    """
+    if force_fp32 or torch.device(device).type != "cuda":
+        return "sdpa"
+    if not flashinfer_available:
+        return "sdpa"
+    if fa3:
+        return "flashinfer-paged-fa3"
+    return CUDA_PREFIX_ORDER[0]
+
+
+def _check_backend(backend, device, force_fp32: bool) -> None:
+    """ValueError naming ``backend`` unless it can run here."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    why = None
+    if backend in CUDA_ONLY and device.type != "cuda":
+        why = f"it needs a CUDA device, and device is {device}"
+    elif backend.startswith("flashinfer") and not FLASHINFER_AVAILABLE:
+        why = "flashinfer is not importable"
+    elif backend.startswith("flashinfer") and force_fp32:
+        why = "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
+    if why:
+        raise ValueError(f"backend: expected one of {BACKENDS} that can run here, got {backend!r}: {why}")
 
 
 REPLAY = 64  # bookkeeping calls queued before one batched replay on the device
@@ -146,6 +203,13 @@ class _Pages:
     def last_page_len(self) -> int:
         return plan.last_page_len(self.spec, self.c, plan.HOST)
 
+    def visible_rows(self) -> int:
+        """n: with exact pages the visible keys are rows ``[0, n)`` of every buffer (with
+        power-of-two pages the prefix holds each slot's padding rows too). The host twin of
+        ``FrameCacheState.num_valid``: ``slots * page_size + tail_rows``, which is
+        ``(num_pages - 1) * page_size + last_page_len`` whenever a page is visible."""
+        return plan.slots(self.c) * self.spec.page_size + plan.tail_rows(self.spec, self.c, plan.HOST)
+
     def page_ids(self) -> List[int]:
         """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""
         return [plan.page_id(self.spec, self.c, j, plan.HOST) for j in range(self.num_pages())]
@@ -163,13 +227,18 @@ class FlashInferKVCacheManager:
     device: where the buffers live (a CUDA device for FlashInfer).
     num_special_tokens, scale_frames, sliding_window: the cache's policy.
     max_total_frames: initial special capacity in frames (grows on demand).
-    force_fp32: float32 storage and jaxkv's float32 reference attention.
-    fa3: FlashInfer's FA3 backend (power-of-two pages).
+    force_fp32: float32 storage and float32 attention ("sdpa").
+    fa3: with ``backend="auto"`` on CUDA with FlashInfer, the seed's paged FA3 path
+      (power-of-two pages); an explicit ``backend`` overrides it.
+    backend: keyword only; ``"auto"`` (``choose_backend``), ``"sdpa"``, ``"flashinfer"``,
+      ``"flashinfer-paged-fa2"`` or ``"flashinfer-paged-fa3"`` (module docstring).
+      ``self.backend`` is the one in use.
     """
 
     def __init__(self, num_blocks: int, max_num_frames: int, tokens_per_frame: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device, num_special_tokens: int = 6, scale_frames: int = 8,
-                 sliding_window: int = 64, max_total_frames: int = 2048, force_fp32: bool = False, fa3: bool = False):
+                 sliding_window: int = 64, max_total_frames: int = 2048, force_fp32: bool = False, fa3: bool = False,
+                 *, backend: str = "auto"):
         patches = tokens_per_frame - num_special_tokens
         if patches <= 0:
             raise ValueError(f"tokens_per_frame: expected more than num_special_tokens={num_special_tokens}, "
@@ -183,6 +252,8 @@ class FlashInferKVCacheManager:
         if device.type == "cuda" and device.index is None:  # "cuda" means the current CUDA device
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
+        _check_backend(backend, device, force_fp32)
+        self.backend = choose_backend(device, fa3, force_fp32) if backend == "auto" else backend
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
@@ -194,7 +265,7 @@ class FlashInferKVCacheManager:
         spec = frame.FrameSpec(num_layers=num_blocks, num_heads=num_heads, head_dim=head_dim,
                                patches_per_frame=patches, num_special=num_special_tokens, scale_frames=scale_frames,
                                sliding_window=sliding_window, max_frames=max(1, max_total_frames),
-                               dtype=_DTYPES[dtype], pow2_pages=fa3)
+                               dtype=_DTYPES[dtype], pow2_pages=self.backend == "flashinfer-paged-fa3")
         self.page_size = spec.page_size
         self.max_patch_pages = spec.num_slots
         self._jax_device = self._jax_device_for(self.device)
@@ -209,13 +280,13 @@ class FlashInferKVCacheManager:
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
         self._planned = None
-        self.backend = "jaxkv-reference" if force_fp32 else (
-            ("flashinfer-fa3" if fa3 else "flashinfer-fa2") if FLASHINFER_AVAILABLE and self.device.type == "cuda"
-            else "jaxkv")
-        if self.backend.startswith("flashinfer"):
+        self._plan_done = None  # CUDA event recorded after the last plan() (paged backends)
+        self._attend = {"sdpa": self._attend_sdpa, "flashinfer": self._attend_flashinfer}.get(
+            self.backend, self._attend_paged)
+        if self.backend.startswith("flashinfer-paged"):
             self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
             self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace_buffer, kv_layout="NHD", backend="fa3" if fa3 else "fa2")
+                self.workspace_buffer, kv_layout="NHD", backend=self.backend.rsplit("-", 1)[1])
             self._qo_indptr = torch.tensor([0, tokens_per_frame], dtype=torch.int32)  # host: plan needs no sync
 
     @staticmethod
@@ -243,19 +314,27 @@ class FlashInferKVCacheManager:
 
     # ---------------------------------------------------------------- checks
     def _block(self, block_idx) -> int:
-        if not isinstance(block_idx, (int, np.integer)) or not 0 <= block_idx < self.num_blocks:
+        if isinstance(block_idx, bool) or not isinstance(block_idx, (int, np.integer)) \
+                or not 0 <= block_idx < self.num_blocks:
             raise ValueError(f"block_idx: expected an int in [0, {self.num_blocks}), got {block_idx!r}")
         return int(block_idx)
 
-    def _frame_tensor(self, name, x):
-        want = (self.tokens_per_frame, self.num_heads, self.head_dim)
-        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name}: expected a tensor of shape {want} ([tokens_per_frame, H, D], specials "
-                             f"first), got {got}")
+    def _tensor(self, name, x, want):
+        """``x`` checked (shape ``want``, a None entry: any; this device; a float dtype) and
+        cast to the storage dtype."""
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else None
+        if shape is None or len(shape) != len(want) or any(w is not None and w != g for w, g in zip(want, shape)):
+            got = shape if isinstance(x, torch.Tensor) else type(x).__name__
+            dims = ", ".join("q_len" if w is None else str(w) for w in want)
+            raise ValueError(f"{name}: expected a tensor of shape [{dims}] ([tokens, H, D], specials first), got {got}")
         if x.device != self.device:
             raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
-        x = x.to(self.dtype)
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point tensor (cast to {self.dtype}), got {x.dtype}")
+        return x.to(self.dtype)
+
+    def _frame_tensor(self, name, x):
+        x = self._tensor(name, x, (self.tokens_per_frame, self.num_heads, self.head_dim))
         pad = self.page_size - self.patches_per_frame
         if pad:  # a power-of-two page's padding rows are written as zeros
             x = torch.cat([x, x.new_zeros(pad, self.num_heads, self.head_dim)])
@@ -340,18 +419,43 @@ class FlashInferKVCacheManager:
 
     def evict_frames(self, block_idx: int, scale_frames: int, sliding_window: int, cross_frame_special: bool = True,
                      include_scale_frames: bool = True, camera_only: bool = False,
-                     num_register_tokens: int = 4) -> None:
+                     num_register_tokens=None) -> None:
         """Eviction already happened in ``append_frame`` (or waits for the deferred
-        decision); this checks that the policy is the cache's."""
+        decision); this checks that the policy is the cache's.
+
+        Upstream's SDPA path implements ``cross_frame_special=False``,
+        ``include_scale_frames=False`` and ``camera_only=True`` (its FlashInfer manager
+        ignores them); this cache keeps every frame's specials and the scale frames, so
+        those values are a ``ValueError``, as is a ``num_register_tokens`` other than the
+        cache's (``num_special_tokens - 2``: camera + registers + scale; None: the cache's).
+        """
         self._block(block_idx)
+        self._check_policy(scale_frames, sliding_window, cross_frame_special=cross_frame_special,
+                           include_scale_frames=include_scale_frames, camera_only=camera_only,
+                           num_register_tokens=num_register_tokens)
+
+    def _check_policy(self, scale_frames, sliding_window, **flags):
         if (scale_frames, sliding_window) != (self.scale_frames, self.sliding_window):
             raise ValueError(f"scale_frames, sliding_window: the cache was built with ({self.scale_frames}, "
                              f"{self.sliding_window}), got ({scale_frames}, {sliding_window})")
+        supported = dict(cross_frame_special=True, include_scale_frames=True, camera_only=False,
+                         num_register_tokens=self.num_special_tokens - 2)
+        for name, value in flags.items():
+            if name == "num_register_tokens" and value is None:
+                continue
+            if name not in supported:
+                raise ValueError(f"{name}: not an eviction flag of this manager (known: {sorted(supported)})")
+            if value != supported[name]:
+                raise ValueError(f"{name}: this manager implements only {name}={supported[name]!r} "
+                                 f"(every frame's {self.num_special_tokens} specials and the scale frames are "
+                                 f"kept), got {value!r}")
 
     def execute_deferred_eviction(self, block_idx: int, scale_frames: int, sliding_window: int, **kwargs) -> None:
         """Keep the deferred frame (evict the oldest window frame if over the window);
-        done once for all blocks, at the first block's call."""
-        self.evict_frames(block_idx, scale_frames, sliding_window)
+        done once for all blocks, at the first block's call. ``kwargs``: ``evict_frames``'s
+        flags, checked the same way."""
+        self._block(block_idx)
+        self._check_policy(scale_frames, sliding_window, **kwargs)
         if self._pages.pending != NONE:
             self._resolve_frame(True)
 
@@ -380,22 +484,39 @@ class FlashInferKVCacheManager:
 
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
-        cache shows -> [q_len, H, D]."""
+        cache shows -> [q_len, H, D] in the storage dtype (``force_fp32``: q's dtype, as the
+        seed). No host sync, no DLPack: the backends read the views ``_take_views`` made."""
         b = self._block(block_idx)
-        if q.ndim != 3 or tuple(q.shape[1:]) != (self.num_heads, self.head_dim):
-            raise ValueError(f"q: expected [q_len, {self.num_heads}, {self.head_dim}], got {tuple(q.shape)}")
+        x = self._tensor("q", q, (None, self.num_heads, self.head_dim))
         if self.frame_count[b] == 0:
             return torch.zeros_like(q)
-        if not self.backend.startswith("flashinfer"):
-            impl = "reference" if self.force_fp32 else "auto"
-            out = frame.attention(self.state, b, from_torch(q.to(self.dtype).contiguous()[None]), impl=impl)
-            return to_torch(out)[0].to(q.dtype)
+        out = self._attend(b, x)
+        return out.to(q.dtype) if self.force_fp32 else out
+
+    def _attend_sdpa(self, b: int, q: torch.Tensor) -> torch.Tensor:
+        n = self._pages.visible_rows()
+        k, v = self._k[b][:n].transpose(0, 1)[None], self._v[b][:n].transpose(0, 1)[None]  # [1, H, n, D] views
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v)
+        return out[0].transpose(0, 1).contiguous()
+
+    def _attend_flashinfer(self, b: int, q: torch.Tensor) -> torch.Tensor:
+        n = self._pages.visible_rows()
+        return flashinfer.single_prefill_with_kv_cache(q.contiguous(), self._k[b][:n], self._v[b][:n], causal=False,
+                                                       kv_layout="NHD", backend=FLASHINFER_PREFIX_KERNEL)
+
+    def _attend_paged(self, b: int, q: torch.Tensor) -> torch.Tensor:
         if self._planned != self._pages.version:  # once per frame step
             self._plan()
-        return self.prefill_wrapper.run(q.to(self.dtype).contiguous(), self._paged[b])
+        return self.prefill_wrapper.run(q.contiguous(), self._paged[b])
 
     def _plan(self):
         p = self._pages
+        # plan() fills a pinned host buffer of FlashInfer's and enqueues an asynchronous copy
+        # from it; the next plan() overwrites that buffer. The seed's plan() syncs anyway (its
+        # .to("cpu") of CUDA tensors); this one does not, so wait until the previous plan's
+        # copy has run: the one host sync of a frame, and by then the GPU is long past it.
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
         # Pinned host -> device without a stream sync (plan() would copy pageable host ids
         # synchronously); torch's host allocator keeps the pinned block until the copy ran.
         indices = torch.tensor(p.page_ids(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -405,6 +526,8 @@ class FlashInferKVCacheManager:
             torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
             num_kv_heads=self.num_heads, head_dim_qk=self.head_dim, page_size=self.page_size, causal=False,
             pos_encoding_mode="NONE", q_data_type=self.dtype)
+        self._plan_done = torch.cuda.Event()
+        self._plan_done.record(torch.cuda.current_stream(self.device))
         self._planned = p.version
 
     def reset(self) -> None:
@@ -483,6 +606,25 @@ class FlashInferKVCacheManager:
         self._block(block_idx)
         return np.asarray(frame.page_table(self.state).indices[0, : self._pages.num_pages()]).tolist()
 
+    def get_cache_stats(self, block_idx: int = 0) -> dict:
+        """Occupancy for one block from the host mirror (no device read), upstream's keys:
+
+        frame_count: frames appended to the block (minus rollbacks)
+        scale_pages: scale patch pages held
+        live_pages: window patch pages held (W + 1 while a deferred frame waits, as upstream)
+        free_pages: free patch slots (S + W in all; upstream's pool has 16 pages more)
+        special_tokens: special tokens written for the block
+
+        Pages are shared by all blocks: a block still appending the scale phase's frames
+        reports the shared scale/window counts.
+        """
+        b = self._block(block_idx)
+        p = self._pages
+        return {"frame_count": self.frame_count[b], "scale_pages": p.num_scale,
+                "live_pages": p.num_window + int(p.pending == STAGED),
+                "free_pages": self.spec.num_slots - p.num_scale - p.num_window,
+                "special_tokens": self.frame_count[b] * self.num_special_tokens}
+
     def compute_last_page_len(self, block_idx: int) -> int:
         """Valid rows of the last visible page (host bookkeeping, no sync)."""
         self._block(block_idx)
@@ -516,4 +658,64 @@ class FlashInferKVCacheManager:
         _check(self.state)
 
 
-__all__ = ["FLASHINFER_AVAILABLE", "FlashInferKVCacheManager"]
+class _Installed:
+    """What ``use_in_lingbot_map`` changed; ``undo()`` (or leaving a ``with`` block) puts it back."""
+
+    def __init__(self, changes):
+        self._changes = changes  # (module, attribute, previous value)
+
+    def undo(self) -> None:
+        for module, name, old in reversed(self._changes):
+            setattr(module, name, old)
+        self._changes = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+def use_in_lingbot_map(backend: str = "auto") -> _Installed:
+    """Make lingbot-map's model use this manager: the one-import change, done in place.
+
+    Replaces ``lingbot_map.layers.flashinfer_cache.FlashInferKVCacheManager`` with this
+    class (with ``backend`` other than ``"auto"``: a subclass whose default ``backend`` is
+    that). Upstream imports that name at call time in both places that matter, so both
+    pick this class up: the lazy construction in ``aggregator/stream.py``
+    (``_get_flashinfer_manager``) and the ``isinstance`` check in
+    ``FlashInferAttention.forward``, which otherwise takes the batch-SDPA branch in the
+    scale phase and never appends (silently wrong output).
+
+    Where ``flashinfer`` is not importable it also sets
+    ``lingbot_map.layers.attention.FLASHINFER_AVAILABLE = True``, so that upstream's
+    FlashInfer model path (``use_sdpa=False``) can be built, on CPU too, and runs with this
+    manager (``"sdpa"`` backend). Call it before building the model and before its first
+    forward; ``lingbot_map`` must be importable (its checkout on ``sys.path``). Returns a
+    handle whose ``undo()`` restores both (also a context manager).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    try:
+        from lingbot_map.layers import attention as upstream_attention
+        from lingbot_map.layers import flashinfer_cache as upstream_cache
+    except ImportError as exc:
+        raise ImportError("use_in_lingbot_map: lingbot_map is not importable; put a lingbot-map checkout on "
+                          f"sys.path ({exc})") from exc
+    cls = FlashInferKVCacheManager
+    if backend != "auto":
+        def __init__(self, *args, backend=backend, **kwargs):
+            FlashInferKVCacheManager.__init__(self, *args, backend=backend, **kwargs)
+
+        cls = type("FlashInferKVCacheManager", (FlashInferKVCacheManager,),
+                   {"__init__": __init__, "__module__": __name__, "__doc__": f"backend={backend!r} by default."})
+    changes = [(upstream_cache, "FlashInferKVCacheManager", upstream_cache.FlashInferKVCacheManager)]
+    upstream_cache.FlashInferKVCacheManager = cls
+    if not FLASHINFER_AVAILABLE:
+        changes.append((upstream_attention, "FLASHINFER_AVAILABLE", upstream_attention.FLASHINFER_AVAILABLE))
+        upstream_attention.FLASHINFER_AVAILABLE = True
+    return _Installed(changes)
+
+
+__all__ = ["BACKENDS", "CUDA_PREFIX_ORDER", "FLASHINFER_AVAILABLE", "FlashInferKVCacheManager", "choose_backend",
+           "use_in_lingbot_map"]

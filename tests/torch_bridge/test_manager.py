@@ -1,6 +1,7 @@
 """torch_bridge.FlashInferKVCacheManager: the seed's _sanity_check scenario, attention equal
-to dense attention over exactly the visible tokens, and clear errors. CPU (jaxkv attention)
-here; with FlashInfer on a GPU the same tests run its paged attention."""
+to dense attention over exactly the visible tokens, the contiguous visible prefix, and clear
+errors. Every backend that can run here: "sdpa" on CPU; on a GPU with FlashInfer also
+"flashinfer" and the paged ones (GPU-marked tests compare them with "sdpa")."""
 
 from __future__ import annotations
 
@@ -17,7 +18,20 @@ from torch_bridge import manager as M  # noqa: E402
 from frame_model import FrameModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-on_gpu = pytest.mark.skipif(DEVICE != "cuda" or not M.FLASHINFER_AVAILABLE, reason="needs CUDA torch and FlashInfer")
+HAS_FLASHINFER_GPU = DEVICE == "cuda" and M.FLASHINFER_AVAILABLE
+on_gpu = pytest.mark.skipif(not HAS_FLASHINFER_GPU, reason="needs CUDA torch and FlashInfer")
+
+
+def _backends_here():
+    out = ["sdpa"]
+    if HAS_FLASHINFER_GPU:
+        out += ["flashinfer", "flashinfer-paged-fa2"]
+        if torch.cuda.get_device_capability()[0] >= 9:  # FlashInfer's FA3 kernels are sm90+
+            out.append("flashinfer-paged-fa3")
+    return out
+
+
+BACKENDS_HERE = _backends_here()
 
 
 def _dense(q, k, v):
@@ -32,15 +46,15 @@ def _np(t):
     return t.detach().float().cpu().numpy().astype(np.float64)
 
 
-def _sanity_check_scenario(tokens_per_frame, fa3=False):
+def _sanity_check_scenario(tokens_per_frame, backend="auto"):
     """The seed's _sanity_check: 2 blocks, block 0 gets 100 frames, then block 1 does."""
     num_special = 6
     page_size = tokens_per_frame - num_special
-    if fa3:
+    if backend == "flashinfer-paged-fa3":
         page_size = 1 << (page_size - 1).bit_length()
     mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=88, tokens_per_frame=tokens_per_frame, num_heads=16,
                                    head_dim=64, dtype=torch.bfloat16, device=DEVICE, num_special_tokens=num_special,
-                                   scale_frames=8, sliding_window=64, max_total_frames=200, fa3=fa3)
+                                   scale_frames=8, sliding_window=64, max_total_frames=200, backend=backend)
     gen = torch.Generator(device=DEVICE).manual_seed(tokens_per_frame)
     kv = {}
 
@@ -67,21 +81,29 @@ def _sanity_check_scenario(tokens_per_frame, fa3=False):
     return mgr, kv, rand
 
 
-def _visible_kv(kv, block, model):
-    tpf = model.tpf
-    ks, vs = [], []
-    for tid in model.visible_ids():
-        k, v = kv[block, tid // tpf]
-        ks.append(_np(k[tid % tpf]))
-        vs.append(_np(v[tid % tpf]))
-    return np.stack(ks), np.stack(vs)
+def _visible_kv(kv, block, model, mgr=None):
+    """The K/V of exactly the visible tokens (the FrameModel oracle), in token-id order; for
+    the paged FA3 backend also the zero padding rows of each patch page, which it attends as
+    the seed's does (a staged frame sits in the tail, unpadded)."""
+    ids = np.asarray(model.visible_ids())
+    frames = sorted(set((ids // model.tpf).tolist()))
+    host = {f: (_np(kv[block, f][0]), _np(kv[block, f][1])) for f in frames}  # one copy per frame
+    k = np.stack([host[i // model.tpf][0][i % model.tpf] for i in ids])
+    v = np.stack([host[i // model.tpf][1][i % model.tpf] for i in ids])
+    if mgr is not None and mgr.backend == "flashinfer-paged-fa3":
+        slots = min(len(model.scale) + len(model.window), model.S + model.W)
+        pad = np.zeros((slots * (mgr.page_size - model.P),) + k.shape[1:])
+        k, v = np.concatenate([k, pad]), np.concatenate([v, pad])
+    return k, v
 
 
 @pytest.mark.slow
-def test_seed_sanity_check_scenario():
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_seed_sanity_check_scenario(backend):
     tpf = 262
-    mgr, kv, rand = _sanity_check_scenario(tpf)
-    assert mgr.compute_last_page_len(0) == 88
+    mgr, kv, rand = _sanity_check_scenario(tpf, backend)
+    assert mgr.backend == backend
+    assert mgr.compute_last_page_len(0) == (88 if backend != "flashinfer-paged-fa3" else 600 - 2 * 256)
     model = FrameModel(8, 64, tpf - 6, 6, 200)
     for _ in range(100):
         model.append(False)
@@ -89,26 +111,40 @@ def test_seed_sanity_check_scenario():
         q = rand(tpf, 16, 64)
         out = mgr.compute_attention(block, q)
         assert out.shape == (tpf, 16, 64)
-        k, v = _visible_kv(kv, block, model)
+        k, v = _visible_kv(kv, block, model, mgr)
         np.testing.assert_allclose(_np(out), _dense(_np(q), k, v), atol=2e-2, rtol=2e-2)
+    assert mgr.get_cache_stats(1) == dict(frame_count=100, scale_pages=8, live_pages=64, free_pages=0,
+                                          special_tokens=600)
     mgr.reset()
     assert mgr.frame_count[0] == 0 and mgr.num_frames == 0 and mgr.compute_last_page_len(0) == tpf - 6
+    assert mgr.get_cache_stats() == dict(frame_count=0, scale_pages=0, live_pages=0, free_pages=72, special_tokens=0)
 
 
-@pytest.mark.parametrize("force_fp32, fa3", [(False, False), (True, False), (True, True)])
-def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
-    """Lockstep blocks with deferred frames committed or rolled back, like keyframe selection.
-    (fa3 pads pages to 16 rows; FlashInfer's FA3 would attend the padding as the seed's does,
-    so that case runs on jaxkv's masked reference attention.)"""
+# (backend, storage dtype, force_fp32): bf16 and fp16 on every backend, float32 (the seed's
+# force_fp32 path) on "sdpa", the only float32 one.
+CASES = [(b, dt, False) for b in BACKENDS_HERE for dt in (torch.bfloat16, torch.float16)] + \
+        [("sdpa", torch.float32, True)]
+
+
+@pytest.mark.parametrize("backend, dtype, force_fp32", CASES)
+def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32):
+    """Lockstep blocks through the scale frames, window eviction and deferred frames committed
+    (execute_deferred_eviction) or rolled back, like keyframe selection; inputs arrive in float32
+    (upstream appends float32 k under autocast) and are cast to the storage dtype."""
     L, H, D, P, NS, S, W = 3, 2, 64, 12, 2, 2, 3  # head_dim 64: FlashInfer has no FA2 kernel for 16
     tpf = P + NS
     mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
-                                   dtype=torch.bfloat16, device=DEVICE, num_special_tokens=NS, scale_frames=S,
-                                   sliding_window=W, max_total_frames=4, force_fp32=force_fp32, fa3=fa3)
+                                   dtype=dtype, device=DEVICE, num_special_tokens=NS, scale_frames=S,
+                                   sliding_window=W, max_total_frames=4, force_fp32=force_fp32, backend=backend)
+    assert mgr.dtype == dtype and mgr.backend == backend
     model = FrameModel(S, W, P, NS, 10 ** 6)
     rs = np.random.default_rng(7 + force_fp32)
-    dtype = torch.float32 if force_fp32 else torch.bfloat16
     kv = {}
+    tol = 1e-5 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 4e-3)
+
+    def rand():  # float32 in, rounded to the storage dtype as the manager stores it
+        return torch.tensor(rs.normal(size=(tpf, H, D)), dtype=torch.float32, device=DEVICE)
+
     for step in range(24):  # more frames than max_total_frames: the special capacity grows
         defer = bool(rs.random() < 0.4)
         mgr._defer_eviction = defer
@@ -116,17 +152,20 @@ def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
         model.append(defer)
         outs = []
         for b in range(L):
-            k = torch.tensor(rs.normal(size=(tpf, H, D)), dtype=dtype, device=DEVICE)
-            v = torch.tensor(rs.normal(size=(tpf, H, D)), dtype=dtype, device=DEVICE)
-            kv[b, f] = (k, v)
+            k, v = rand(), rand()
+            kv[b, f] = (k.to(dtype), v.to(dtype))
             mgr.append_frame(b, k, v)
-            mgr.evict_frames(b, scale_frames=S, sliding_window=W)
-            q = torch.tensor(rs.normal(size=(tpf, H, D)), dtype=dtype, device=DEVICE)
-            outs.append((q, mgr.compute_attention(b, q)))
+            mgr.evict_frames(b, scale_frames=S, sliding_window=W, num_register_tokens=NS - 2)
+            q = rand()
+            out = mgr.compute_attention(b, q)
+            assert out.dtype == (torch.float32 if force_fp32 else dtype) and out.shape == (tpf, H, D)
+            outs.append((q.to(dtype), out))
         for b, (q, out) in enumerate(outs):
-            k, v = _visible_kv(kv, b, model)
-            tol = 1e-5 if force_fp32 else 2e-2
+            k, v = _visible_kv(kv, b, model, mgr)
             np.testing.assert_allclose(_np(out), _dense(_np(q), k, v), atol=tol, rtol=tol)
+        stats = mgr.get_cache_stats(L - 1)
+        assert stats["frame_count"] == model.count and stats["scale_pages"] == len(model.scale)
+        assert stats["live_pages"] == len(model.window) and stats["special_tokens"] == model.count * NS
         if defer:
             keep = bool(rs.random() < 0.5)
             for b in range(L):
@@ -139,6 +178,62 @@ def test_attention_equals_dense_over_visible_tokens(force_fp32, fa3):
         assert mgr.num_frames == model.count
         assert mgr.special_token_count == [model.count * NS] * L
     mgr.check()
+
+
+def test_visible_keys_are_one_prefix():
+    """With exact pages the visible keys are rows [0, n) of every buffer, n from the host mirror
+    alone: through the scale frames, window eviction, deferred frames kept or rolled back and the
+    special capacity growing, the device's visible token ids (``frame.visible_token_ids``,
+    ``frame.page_table``) are exactly rows [0, n), every row of it visible, they are the tokens the
+    oracle says are visible, and the K/V rows hold those tokens' K/V."""
+    from jaxkv import frame
+
+    L, H, D, P, NS, S, W = 2, 1, 8, 5, 3, 2, 3
+    tpf = P + NS
+    mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
+                                   dtype=torch.float32, device=DEVICE, num_special_tokens=NS, scale_frames=S,
+                                   sliding_window=W, max_total_frames=4, force_fp32=True)
+    model = FrameModel(S, W, P, NS, 10 ** 6)
+    rs = np.random.default_rng(3)
+    kv = {}
+
+    def check():
+        p, st = mgr._pages, mgr.state
+        n = p.visible_rows()
+        assert n == int(st.num_valid[0])
+        if p.num_pages():
+            assert n == (p.num_pages() - 1) * mgr.page_size + p.last_page_len()
+        ids = np.asarray(frame.visible_token_ids(st))[0]
+        assert (ids[:n] >= 0).all() and (ids[n:] < 0).all()  # the prefix, all of it
+        assert sorted(ids[:n].tolist()) == model.visible_ids()
+        table = frame.page_table(st)
+        pages = np.asarray(table.indices[0, : int(table.num_pages[0])])
+        assert sorted(pages.tolist()) == list(range(len(pages)))  # the visible pages tile [0, n)
+        for b in range(L):
+            for kind in (0, 1):  # K, V
+                got = _np((mgr._k, mgr._v)[kind][b][:n])
+                want = np.stack([_np(kv[b, i // tpf][kind][i % tpf]) for i in ids[:n]] or [got[:0]])
+                np.testing.assert_array_equal(got, want.reshape(got.shape))
+
+    for step in range(30):
+        defer = bool(rs.random() < 0.4)
+        mgr._defer_eviction = defer
+        f = model.count
+        model.append(defer)
+        for b in range(L):
+            k, v = (torch.tensor(rs.normal(size=(tpf, H, D)), dtype=torch.float32, device=DEVICE) for _ in range(2))
+            kv[b, f] = (k, v)
+            mgr.append_frame(b, k, v)
+            mgr.evict_frames(b, scale_frames=S, sliding_window=W)
+        check()
+        if defer:
+            keep = bool(rs.random() < 0.5)
+            for b in range(L):
+                (mgr.execute_deferred_eviction(b, scale_frames=S, sliding_window=W) if keep
+                 else mgr.rollback_last_frame(b))
+            model.resolve(keep)
+            mgr._defer_eviction = False
+            check()
 
 
 @pytest.mark.parametrize("S, W, pow2", [(2, 3, False), (1, 0, False), (0, 2, True), (2, 3, True)])
@@ -179,6 +274,13 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         assert pages.page_ids() == np.asarray(table.indices[0, : pages.num_pages()]).tolist()
         assert pages.last_page_len() == int(table.last_page_len[0])
         assert tuple(pages.c) == tuple(int(getattr(meta, name)[0]) for name in pages.c._fields)
+        # the visible rows: one prefix [0, n) (power-of-two pages: less each slot's padding)
+        n = pages.visible_rows()
+        assert n == int(meta.num_valid[0])
+        tid = np.asarray(meta.token_id[0, :n])
+        pad = (np.arange(n) < frame.plan.slots(pages.c) * spec.page_size) & \
+            (np.arange(n) % spec.page_size >= spec.patches_per_frame)
+        np.testing.assert_array_equal(tid >= 0, ~pad)
     assert int(jnp.max(meta.error)) == 0
     # The manager replays its queued bookkeeping in one batched call: the same state.
     padded = np.zeros((M.REPLAY, 2), np.int32)
@@ -189,33 +291,185 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)), err_msg=name)
 
 
-def test_errors():
-    mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=8,
-                                   dtype=torch.bfloat16, device=DEVICE, num_special_tokens=2, scale_frames=1,
-                                   sliding_window=2)
-    k = torch.randn(10, 2, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="block_idx"):
-        mgr.append_frame(2, k, k)
-    with pytest.raises(ValueError, match="k: expected a tensor of shape"):
-        mgr.append_frame(0, k[:9], k)
+def _snapshot(mgr):
+    """Everything a failed call must leave alone: host counters, jaxkv's state, K/V."""
+    st = mgr.state_dict()
+    return (tuple(mgr._pages.c), mgr._pages.version, list(mgr.frame_count), mgr._defer_eviction,
+            {k: v.clone() for k, v in st.items() if k != "spec"})
+
+
+def _same(a, b):
+    return a[:4] == b[:4] and a[4].keys() == b[4].keys() and all(torch.equal(a[4][k], b[4][k]) for k in a[4])
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_bad_input_raises_and_leaves_the_cache_unchanged(backend):
+    mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
+                                   dtype=torch.bfloat16, device=DEVICE, num_special_tokens=3, scale_frames=1,
+                                   sliding_window=2, backend=backend)
+    k = torch.randn(10, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="rollback"):
         mgr.rollback_last_frame(0)
-    mgr.append_frame(0, k, k)
+    for t in range(4):  # past the window: eviction has happened
+        for b in range(2):
+            mgr.append_frame(b, k + t, k - t)
+    other = "cpu" if DEVICE == "cuda" else "meta"
+    bad = [
+        (lambda: mgr.append_frame(2, k, k), "block_idx"),
+        (lambda: mgr.append_frame(-1, k, k), "block_idx"),
+        (lambda: mgr.append_frame(True, k, k), "block_idx"),
+        (lambda: mgr.append_frame(0.0, k, k), "block_idx"),
+        (lambda: mgr.append_frame(0, k[:9], k), r"k: expected a tensor of shape \[10, 2, 64\]"),
+        (lambda: mgr.append_frame(0, k, k[:, :1]), "v: expected a tensor of shape"),
+        (lambda: mgr.append_frame(0, k.numpy() if DEVICE == "cpu" else k.cpu().numpy(), k), "k: expected a tensor"),
+        (lambda: mgr.append_frame(0, k, k.to(torch.int32)), "v: expected a floating-point tensor"),
+        (lambda: mgr.append_frame(0, k.to(other), k), f"k: expected device {mgr.device}"),
+        (lambda: mgr.compute_attention(0, k.to(torch.int64)), "q: expected a floating-point tensor"),
+        (lambda: mgr.compute_attention(0, k.to(other)), f"q: expected device {mgr.device}"),
+        (lambda: mgr.compute_attention(0, k[:, :, :8]), "q: expected a tensor of shape"),
+        (lambda: mgr.compute_attention(5, k), "block_idx"),
+        (lambda: mgr.evict_frames(0, scale_frames=1, sliding_window=64), "sliding_window"),
+        (lambda: mgr.evict_frames(0, 1, 2, cross_frame_special=False), "cross_frame_special"),
+        (lambda: mgr.evict_frames(0, 1, 2, include_scale_frames=False), "include_scale_frames"),
+        (lambda: mgr.evict_frames(0, 1, 2, camera_only=True), "camera_only"),
+        (lambda: mgr.evict_frames(0, 1, 2, num_register_tokens=4), "num_register_tokens"),
+        (lambda: mgr.evict_frames(3, 1, 2), "block_idx"),
+        (lambda: mgr.execute_deferred_eviction(0, 1, 2, camera_only=True), "camera_only"),
+        (lambda: mgr.execute_deferred_eviction(0, 1, 2, cross_frames=True), "cross_frames"),
+        (lambda: mgr.get_cache_stats(2), "block_idx"),
+    ]
+    before = _snapshot(mgr)
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match):
+            call()
+        assert _same(_snapshot(mgr), before), match  # the failed call changed nothing
     with pytest.raises(RuntimeError, match="_defer_eviction"):
         mgr.rollback_last_frame(0)
-    with pytest.raises(ValueError, match="sliding_window"):
-        mgr.evict_frames(0, scale_frames=1, sliding_window=64)
+    assert _same(_snapshot(mgr), before)
+    mgr.evict_frames(0, 1, 2, True, True, False, 1)  # the cache's own flags are fine
+    mgr._defer_eviction = True
+    mgr.append_frame(0, k, k)
+    with pytest.raises(RuntimeError, match="deferred"):  # block 1 first, then a new frame
+        mgr.append_frame(1, k, k) or mgr.append_frame(1, k, k)
+    fresh = FlashInferKVCacheManager(2, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, 1, 2, backend=backend)
+    assert torch.equal(fresh.compute_attention(1, k), torch.zeros_like(k))  # no frame yet
+    q16 = fresh.compute_attention(0, k.half())  # another float dtype is cast
+    assert q16.dtype == torch.float16 and not q16.any()
     with pytest.raises(ValueError, match="tokens_per_frame"):
         FlashInferKVCacheManager(1, 8, 6, 2, 8, torch.bfloat16, DEVICE)
-    assert mgr.num_frames == 1  # the failed calls changed nothing
-    assert torch.equal(mgr.compute_attention(1, k), torch.zeros_like(k))  # block 1 has no frame yet
+
+
+def test_backend_errors_and_choice():
+    for bad in ("jaxkv", "fa2", "SDPA", None):
+        with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'sdpa', 'flashinfer'.*got " +
+                           repr(bad).replace("(", r"\(")):
+            FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 2, backend=bad)
+    for fi in M.CUDA_ONLY:
+        with pytest.raises(ValueError, match="backend: .*needs a CUDA device"):
+            M._check_backend(fi, torch.device("cpu"), False)
+        with pytest.raises(ValueError, match="backend: .*force_fp32" if M.FLASHINFER_AVAILABLE else "not importable"):
+            M._check_backend(fi, torch.device("cuda", 0), True)
+        if not M.FLASHINFER_AVAILABLE:
+            with pytest.raises(ValueError, match=f"backend: .*got '{fi}': flashinfer is not importable"):
+                M._check_backend(fi, torch.device("cuda", 0), False)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, "cpu", 2, backend="flashinfer")
+    choose = M.choose_backend
+    assert choose("cpu") == choose("cpu", fa3=True) == choose("cpu", force_fp32=True) == "sdpa"
+    assert choose("cuda", flashinfer_available=False) == choose("cuda", fa3=True, flashinfer_available=False) == "sdpa"
+    assert choose("cuda", force_fp32=True, flashinfer_available=True) == "sdpa"
+    assert choose("cuda", fa3=True, flashinfer_available=True) == "flashinfer-paged-fa3"
+    assert choose("cuda", flashinfer_available=True) == M.CUDA_PREFIX_ORDER[0]
+    assert set(M.CUDA_PREFIX_ORDER) == set(M.PREFIX_BACKENDS)
+    # fa3 keeps its power-of-two pages only on the paged FA3 backend
+    mgr = FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, fa3=True, backend="sdpa")
+    assert mgr.page_size == 7 and mgr.fa3
 
 
 @on_gpu
 @pytest.mark.gpu
-def test_flashinfer_backend_selected():
-    mgr = FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda")
-    assert mgr.backend == "flashinfer-fa2"
+def test_auto_backend_on_gpu():
+    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == M.CUDA_PREFIX_ORDER[0]
+    fa3 = FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda", fa3=True)
+    assert fa3.backend == "flashinfer-paged-fa3" and fa3.page_size == 1024
+
+
+def _frames(n, L, tpf, H, D, seed=0):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return [tuple(torch.randn(L, tpf, H, D, generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+            for _ in range(n)]
+
+
+def _run(mgr, frames, defer_every=0):
+    """Stream ``frames`` (every ``defer_every``-th deferred, then rolled back on odd frames,
+    kept on even ones) with no sync; -> every block's output of every frame."""
+    outs = []
+    for t, (k, v, q) in enumerate(frames):
+        defer = bool(defer_every) and t % defer_every == defer_every - 1
+        mgr._defer_eviction = defer
+        for b in range(mgr.num_blocks):
+            mgr.append_frame(b, k[b], v[b])
+            mgr.evict_frames(b, mgr.scale_frames, mgr.sliding_window)
+            outs.append(mgr.compute_attention(b, q[b]))
+        if defer:
+            for b in range(mgr.num_blocks):
+                if t % 2:
+                    mgr.rollback_last_frame(b)
+                else:
+                    mgr.execute_deferred_eviction(b, mgr.scale_frames, mgr.sliding_window)
+            mgr._defer_eviction = False
+    return outs
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b != "sdpa"])
+def test_gpu_backends_equal_sdpa(backend):
+    """FlashInfer's prefix and paged kernels against torch's SDPA over the same cache, at the
+    released model's frame size (1005 tokens: FA3 pages of 1024 hold 25 zero rows, which it attends
+    as the seed does, so that backend is held to dense attention over the visible tokens plus those
+    rows), 40 frames streamed with no sync: the host runs ahead of the GPU, which is where the
+    paged plan's pinned buffer would be overwritten before its copy ran without the event."""
+    L, H, D, tpf, S, W = 2, 16, 64, 1005, 2, 6
+    frames = _frames(40, L, tpf, H, D)
+    make = lambda b: FlashInferKVCacheManager(L, 16, tpf, H, D, torch.bfloat16, "cuda", 6, S, W, 64, backend=b)  # noqa
+    got = _run(make(backend), frames, defer_every=3)
+    if backend != "flashinfer-paged-fa3":
+        want = _run(make("sdpa"), frames, defer_every=3)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+        return
+    model, kv = FrameModel(S, W, tpf - 6, 6, 10 ** 6), {}
+    mgr = make(backend)
+    for t, (k, v, q) in enumerate(frames[:12]):
+        model.append(False)
+        for b in range(L):
+            kv[b, t] = (k[b], v[b])
+            mgr.append_frame(b, k[b], v[b])
+        for b in range(L):
+            kk, vv = _visible_kv(kv, b, model, mgr)
+            np.testing.assert_allclose(_np(mgr.compute_attention(b, q[b])), _dense(_np(q[b]), kk, vv),
+                                       atol=2e-2, rtol=2e-2)
+
+
+@on_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "flashinfer"])
+def test_gpu_prefix_backends_never_sync(backend):
+    """Steady-state frames (window full, keyframes and non-keyframes) under torch's sync debug
+    mode "error": the append, the bookkeeping and the prefix attention make no host sync."""
+    L, H, D, tpf = 2, 16, 64, 262
+    mgr = FlashInferKVCacheManager(L, 16, tpf, H, D, torch.bfloat16, "cuda", 6, 2, 3, 4096, backend=backend)
+    frames = _frames(12, L, tpf, H, D)
+    _run(mgr, frames, defer_every=2)  # warm: kernels loaded, window full
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _run(mgr, frames, defer_every=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 def _stream(mgr, steps, seed0):
@@ -239,21 +493,23 @@ def _stream(mgr, steps, seed0):
     return outs
 
 
-def _manager():
+def _manager(backend):
     return FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
                                     dtype=torch.bfloat16, device=DEVICE, num_special_tokens=2, scale_frames=1,
-                                    sliding_window=3, max_total_frames=16)
+                                    sliding_window=3, max_total_frames=16, backend=backend)
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b != "flashinfer-paged-fa3"])
 @pytest.mark.parametrize("via", ["state_dict", "files"])
-def test_save_and_continue_bit_identically(tmp_path, via):
+def test_save_and_continue_bit_identically(tmp_path, via, backend):
     """Stream, save (state_dict or jaxkv checkpoint files), load into a fresh manager, stream
-    on: every output equals the uninterrupted manager's."""
-    whole = _manager()
+    on: every output equals the uninterrupted manager's. (FA3 needs 8 patches at least for
+    its power-of-two pages; the page structure is the same.)"""
+    whole = _manager(backend)
     want = _stream(whole, 12, 0)
-    first = _manager()
+    first = _manager(backend)
     got = _stream(first, 7, 0)
-    second = _manager()
+    second = _manager(backend)
     if via == "state_dict":
         second.load_state_dict(first.state_dict())
     else:
