@@ -48,9 +48,9 @@ Differences from the seed, all deliberate:
   and leaves the cache unchanged. k, v and q of another float dtype are cast to the
   storage dtype (upstream appends float32 k under autocast).
 
-Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes K/V through
-views (work on torch's current stream; jaxkv reads them only after importing a torch
-tensor made after those writes, e.g. the query, which orders the streams).
+Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes and
+reads K/V through views, on torch's current stream. JAX reads them only in ``save`` and
+when the special capacity grows, each after a stream sync.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class _Pages:
 
     def reset(self):
         self.c = plan.Counters(num_frames=0, num_scale=0, num_window=0, window_head=0, num_special=0, pending=NONE)
-        self.version = 0  # bumps on every change: a new plan is needed
+        self.version = 0  # bumps on every change
 
     @property
     def frames(self) -> int:
@@ -505,7 +505,9 @@ class FlashInferKVCacheManager:
                                                        kv_layout="NHD", backend=FLASHINFER_PREFIX_KERNEL)
 
     def _attend_paged(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        if self._planned != self._pages.version:  # once per frame step
+        # The plan is a function of the page counters alone: once per frame step, also on a
+        # non-keyframe, whose per-block append + rollback brings the same counters back.
+        if self._planned != self._pages.c:
             self._plan()
         return self.prefill_wrapper.run(q.contiguous(), self._paged[b])
 
@@ -517,6 +519,7 @@ class FlashInferKVCacheManager:
         # copy has run: the one host sync of a frame, and by then the GPU is long past it.
         if self._plan_done is not None:
             self._plan_done.synchronize()
+            self._plan_done = None
         # Pinned host -> device without a stream sync (plan() would copy pageable host ids
         # synchronously); torch's host allocator keeps the pinned block until the copy ran.
         indices = torch.tensor(p.page_ids(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -526,9 +529,10 @@ class FlashInferKVCacheManager:
             torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
             num_kv_heads=self.num_heads, head_dim_qk=self.head_dim, page_size=self.page_size, causal=False,
             pos_encoding_mode="NONE", q_data_type=self.dtype)
-        self._plan_done = torch.cuda.Event()
-        self._plan_done.record(torch.cuda.current_stream(self.device))
-        self._planned = p.version
+        if self.device.type == "cuda":
+            self._plan_done = torch.cuda.Event()
+            self._plan_done.record(torch.cuda.current_stream(self.device))
+        self._planned = p.c
 
     def reset(self) -> None:
         """Empty the cache for a new sequence."""
@@ -589,6 +593,8 @@ class FlashInferKVCacheManager:
 
     def save(self, path) -> None:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""
+        if self.device.type == "cuda":  # JAX reads the buffers: torch's writes land first
+            torch.cuda.current_stream(self.device).synchronize()
         path = checkpoint.save(path, self.state)
         (path / "frame_count.json").write_text(json.dumps(self.frame_count))
 

@@ -120,17 +120,68 @@ def test_seed_sanity_check_scenario(backend):
     assert mgr.get_cache_stats() == dict(frame_count=0, scale_pages=0, live_pages=0, free_pages=72, special_tokens=0)
 
 
+class StandIn:
+    """FlashInfer's two entry points the manager calls, as dense torch attention over what
+    they are given (the kernels' semantics: the paged one attends the planned pages in order,
+    all rows of each but the last, padding included); counts plans. Lets the FlashInfer code
+    paths (prefix views, plan inputs, page geometry, plan reuse) run on CPU."""
+
+    plans = 0
+
+    @staticmethod
+    def single_prefill_with_kv_cache(q, k, v, *, causal, kv_layout, backend):
+        assert not causal and kv_layout == "NHD" and backend in ("auto", "fa2", "fa3")
+        assert k._is_view() and v._is_view() and k.is_contiguous() and v.is_contiguous()  # prefix views, no copy
+        return _sdpa(q, k, v)
+
+    class BatchPrefillWithPagedKVCacheWrapper:
+        def __init__(self, workspace, kv_layout, backend):
+            assert kv_layout == "NHD" and backend in ("fa2", "fa3")
+
+        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim_qk,
+                 page_size, causal, pos_encoding_mode, q_data_type):
+            assert not causal and pos_encoding_mode == "NONE" and qo_indptr.device.type == "cpu"
+            StandIn.plans += 1
+            self.pages = kv_indices[int(kv_indptr[0]): int(kv_indptr[1])].tolist()
+            self.rows = (len(self.pages) - 1) * page_size + int(last_page_len[0])
+
+        def run(self, q, paged_kv):
+            k, v = (torch.cat([x[i] for i in self.pages])[: self.rows] for x in paged_kv)
+            return _sdpa(q, k, v)
+
+
+def _sdpa(q, k, v):
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                           v.transpose(0, 1)[None])
+    return out[0].transpose(0, 1).contiguous()
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Pretend FlashInfer is importable and CUDA-only backends run here (with ``StandIn``)."""
+    monkeypatch.setattr(M, "flashinfer", StandIn)
+    monkeypatch.setattr(M, "FLASHINFER_AVAILABLE", True)
+    monkeypatch.setattr(M, "CUDA_ONLY", ())
+    StandIn.plans = 0
+    return StandIn
+
+
+STAND_INS = [f"stand-in:{b}" for b in M.CUDA_ONLY]
 # (backend, storage dtype, force_fp32): bf16 and fp16 on every backend, float32 (the seed's
-# force_fp32 path) on "sdpa", the only float32 one.
+# force_fp32 path) on "sdpa", the only float32 one; on CPU the FlashInfer backends' code
+# paths with stand-in kernels.
 CASES = [(b, dt, False) for b in BACKENDS_HERE for dt in (torch.bfloat16, torch.float16)] + \
-        [("sdpa", torch.float32, True)]
+        [("sdpa", torch.float32, True)] + ([] if DEVICE == "cuda" else [(b, torch.bfloat16, False) for b in STAND_INS])
 
 
 @pytest.mark.parametrize("backend, dtype, force_fp32", CASES)
-def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32):
+def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32, request):
     """Lockstep blocks through the scale frames, window eviction and deferred frames committed
     (execute_deferred_eviction) or rolled back, like keyframe selection; inputs arrive in float32
     (upstream appends float32 k under autocast) and are cast to the storage dtype."""
+    if backend.startswith("stand-in:"):
+        request.getfixturevalue("stand_in")
+        backend = backend.split(":", 1)[1]
     L, H, D, P, NS, S, W = 3, 2, 64, 12, 2, 2, 3  # head_dim 64: FlashInfer has no FA2 kernel for 16
     tpf = P + NS
     mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
@@ -178,6 +229,34 @@ def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32):
         assert mgr.num_frames == model.count
         assert mgr.special_token_count == [model.count * NS] * L
     mgr.check()
+
+
+@pytest.mark.parametrize("backend", ["flashinfer-paged-fa2", "flashinfer-paged-fa3"])
+def test_paged_plan_once_per_frame_also_on_non_keyframes(stand_in, backend):
+    """Upstream's non-keyframe step appends (deferred), attends and rolls back block by block:
+    the plan depends on the page counters alone, so it is made once per frame, not per block
+    (each plan costs the host one wait on the previous plan's event)."""
+    L, H, D, P, NS, S, W = 4, 2, 64, 12, 2, 2, 3
+    mgr = FlashInferKVCacheManager(L, 8, P + NS, H, D, torch.bfloat16, DEVICE, NS, S, W, 64, backend=backend)
+    assert mgr.page_size == (16 if backend.endswith("fa3") else 12)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    rand = lambda: torch.randn(P + NS, H, D, generator=g, device=DEVICE)  # noqa: E731
+    for t in range(12):
+        before = stand_in.plans
+        key = t < S or t % 2 == 0
+        for b in range(L):
+            if key:
+                mgr.append_frame(b, rand(), rand())
+                mgr.evict_frames(b, S, W)
+                mgr.compute_attention(b, rand())
+            else:  # FlashInferBlock.forward's skip_append branch
+                prev, mgr._defer_eviction = mgr._defer_eviction, True
+                mgr.append_frame(b, rand(), rand())
+                mgr.compute_attention(b, rand())
+                mgr.rollback_last_frame(b)
+                mgr._defer_eviction = prev
+        assert stand_in.plans - before == 1, t
+    assert mgr.num_frames == S + 5
 
 
 def test_visible_keys_are_one_prefix():
@@ -453,9 +532,9 @@ def test_gpu_backends_equal_sdpa(backend):
                                        atol=2e-2, rtol=2e-2)
 
 
-@on_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["sdpa", "flashinfer"])
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA torch")
+@pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b in M.PREFIX_BACKENDS])
 def test_gpu_prefix_backends_never_sync(backend):
     """Steady-state frames (window full, keyframes and non-keyframes) under torch's sync debug
     mode "error": the append, the bookkeeping and the prefix attention make no host sync."""
