@@ -216,13 +216,13 @@ def stream_model(model, images, scale_frames, warm, interval):
     last frame's outputs, the manager)."""
     model.aggregator.kv_cache_manager = None
     model.clean_kv_cache()
-    S = images.shape[1]
+    S, dev = images.shape[1], images.device
     times = []
-    with torch.no_grad(), torch.amp.autocast("cuda", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.amp.autocast(dev.type, dtype=torch.bfloat16):
         torch.compiler.cudagraph_mark_step_begin()
         model.forward(images[:, :scale_frames], num_frame_for_scale=scale_frames,
                       num_frame_per_block=scale_frames, causal_inference=True)
-        torch.cuda.synchronize()
+        sync(dev)
         for i in range(scale_frames, S):
             key = interval <= 1 or (i - scale_frames) % interval == 0
             if not key:
@@ -231,7 +231,7 @@ def stream_model(model, images, scale_frames, warm, interval):
             torch.compiler.cudagraph_mark_step_begin()
             out = model.forward(images[:, i:i + 1], num_frame_for_scale=scale_frames, num_frame_per_block=1,
                                 causal_inference=True)
-            torch.cuda.synchronize()
+            sync(dev)
             times.append((time.perf_counter() - t0) * 1e3)
             if not key:
                 model._set_skip_append(False)
