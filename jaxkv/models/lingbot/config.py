@@ -33,8 +33,9 @@ class LingbotConfig:
       upstream's demo runs).
     camera_num_iterations: refinement passes of the camera head; each pass has its own
       caches (one per trunk block), never evicted, sized ``max_frame_num``.
-    dtype: compute dtype of the backbone and the aggregator (upstream's autocast) and of
-      their caches; the heads run in float32 as upstream's do.
+    dtype: compute dtype (upstream's autocast) of the backbone, the aggregator, their
+      caches and the DPT convolutions; their matmul weights are stored in it. Norms,
+      residuals, the camera head and the final activations stay float32.
     impl: the frame-cache attention backend (``jaxkv.frame.attention``).
     """
 

@@ -229,9 +229,9 @@ def _materialize(abstract: LingbotMap) -> LingbotMap:
     return real
 
 
-def save_converted(model: LingbotMap, out) -> Path:
-    """Write ``model``'s parameters as safetensors (upstream names, float32) with its config:
-    ``load_lingbot_checkpoint(out)`` reads it back without torch."""
+def save_converted(model: LingbotMap, out, config: LingbotConfig | None = None) -> Path:
+    """Write ``model``'s parameters as safetensors (upstream names, float32) with its config
+    (or ``config``): ``load_lingbot_checkpoint(out)`` reads it back without torch."""
     from safetensors.numpy import save_file
 
     out = Path(out)
@@ -240,7 +240,7 @@ def save_converted(model: LingbotMap, out) -> Path:
                for p, v in flat.items()}
     import dataclasses
 
-    cfg = {k: v for k, v in dataclasses.asdict(model.config).items()}
+    cfg = dataclasses.asdict(config or model.config)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "config": json.dumps(cfg)})
     tmp.replace(out)
@@ -249,5 +249,5 @@ def save_converted(model: LingbotMap, out) -> Path:
 
 def convert(src, out, **overrides) -> Path:
     """``python -m jaxkv convert-lingbot SRC OUT``: upstream's checkpoint as a torch-free safetensors file."""
-    model = load_lingbot_checkpoint(src, **overrides)
-    return save_converted(model, out)
+    model = load_lingbot_checkpoint(src, **{**overrides, "dtype": "float32"})  # bf16 weights would round
+    return save_converted(model, out, model.config.replace(dtype=overrides.get("dtype", LingbotConfig.dtype)))

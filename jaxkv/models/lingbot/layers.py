@@ -15,7 +15,8 @@ from flax import nnx
 
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=jnp.float32,
+    """Weights stored in ``dtype`` (bf16 as upstream's autocast rounds them at every matmul)."""
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
                       kernel_init=nnx.initializers.truncated_normal(0.02), rngs=rngs)
 
 
@@ -70,7 +71,13 @@ class SelfAttention(nnx.Module):
 def dense_attention(q, k, v, dtype):
     """Softmax attention, every query over every key. q: [B, Tq, H, D]; k, v: [B, Tk, H, D]."""
     dt = jnp.dtype(dtype)
-    return jax.nn.dot_product_attention(q.astype(dt), k.astype(dt), v.astype(dt))
+    q, k, v = q.astype(dt), k.astype(dt), v.astype(dt)
+    if dt != jnp.float32 and jax.default_backend() == "gpu":  # cuDNN's fused kernel: no [Tq, Tk] logits
+        try:
+            return jax.nn.dot_product_attention(q, k, v, implementation="cudnn")
+        except (NotImplementedError, RuntimeError, ValueError):  # this cuDNN / shape: XLA's
+            pass
+    return jax.nn.dot_product_attention(q, k, v)
 
 
 class Block(nnx.Module):

@@ -18,6 +18,12 @@ from jaxkv.flax import CachedStep
 from jaxkv.models.lingbot.model import LingbotMap
 
 
+def _frame_step(model, images, keyframe=True, *, phase):
+    """The model's step; a streamed frame's outputs without the frame axis (sliced in the jit)."""
+    out = model(images, keyframe, phase=phase)
+    return out if phase == "scale" else {k: v[:, 0] for k, v in out.items()}
+
+
 class LingbotStream:
     """``stream = LingbotStream(model); for out in stream.run(frames): ...``
 
@@ -32,7 +38,7 @@ class LingbotStream:
         self.model = model
         self.config = model.config
         self.keyframe_interval = keyframe_interval
-        self.step = CachedStep(model, static_argnames=("phase",))
+        self.step = CachedStep(model, _frame_step, static_argnames=("phase",))
 
     def is_keyframe(self, index: int, interval: int | None = None) -> bool:
         """Frame ``index`` (0-based, counting the scale frames) stays in the caches."""
@@ -75,7 +81,7 @@ class LingbotStream:
             out = self.step(self._batch([f]), jnp.asarray(key), phase="stream")
             keyframes += key
             seen += 1
-            yield {k: v[:, 0] for k, v in out.items()}
+            yield out
 
     def sync(self) -> LingbotMap:
         """The model with the stream's current caches (``CachedStep.sync``)."""
