@@ -27,8 +27,9 @@ upstream's model). Underneath:
     each plan the previous plan's event is waited on (one host sync per frame at most):
     ``plan()`` refills a pinned host buffer that the previous plan's asynchronous copy may
     not have read yet.
-  - ``"auto"``: ``choose_backend`` (CPU: sdpa; CUDA: the first of ``CUDA_PREFIX_ORDER``
-    that is importable, or paged FA3 when ``fa3=True`` as the seed).
+  - ``"auto"``: ``choose_backend`` (CPU, or CUDA without FlashInfer: sdpa; CUDA: by the
+    frame's token count from the measured ``AUTO_CUDA``, or paged FA3 when ``fa3=True`` as
+    the seed).
 
   Pages are power-of-two only under ``"flashinfer-paged-fa3"``; every other backend gets
   exact pages, so a prefix backend never sees padding.
@@ -85,23 +86,26 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: 
 BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 PREFIX_BACKENDS = ("sdpa", "flashinfer")  # attend the prefix views k[:n], v[:n]
 CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
-# "auto"'s preference on CUDA between the prefix backends (fa3=False): the first one that
-# can run is taken. NOT YET MEASURED: to be set from a GPU run of benchmarks/bridge.py
-# (its "sdpa" and "flashinfer" rows, and --model).
-CUDA_PREFIX_ORDER = ("flashinfer", "sdpa")
+# "auto" on CUDA with FlashInfer (fa3=False): the first row whose tokens_per_frame bound the
+# frame reaches. Measured (benchmarks/RESULTS.md, H100, 24 blocks, 72 frames visible, ms/frame
+# vs the seed's 5.00 / 31.11): 262 tokens (224x224): paged FA2 4.57, single prefill 5.77,
+# sdpa 25.2; 1005 tokens (518x378): single prefill 21.29, paged FA3 25.82, paged FA2 31.17,
+# sdpa 40.37. One 262-query request fills too few SMs without the paged kernel's KV split;
+# the 512 bound lies between the two measured sizes.
+AUTO_CUDA = ((512, "flashinfer"), (0, "flashinfer-paged-fa2"))
 # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
 FLASHINFER_PREFIX_KERNEL = "auto"
 
 
 def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
-                   flashinfer_available: bool = FLASHINFER_AVAILABLE) -> str:
+                   flashinfer_available: bool = FLASHINFER_AVAILABLE, tokens_per_frame: int = 0) -> str:
     """The backend ``backend="auto"`` resolves to.
 
     * ``force_fp32``: ``"sdpa"`` in float32 (the seed's fp32 path is a gather + fp32 SDPA;
       FlashInfer has no float32 kernels);
     * CPU: ``"sdpa"``;
     * CUDA with FlashInfer importable: ``"flashinfer-paged-fa3"`` if ``fa3`` (the seed's
-      choice: power-of-two pages), else the first of ``CUDA_PREFIX_ORDER``;
+      choice: power-of-two pages), else ``AUTO_CUDA``'s row for ``tokens_per_frame``;
     * CUDA without FlashInfer: ``"sdpa"``.
     """
     if force_fp32 or torch.device(device).type != "cuda":
@@ -110,7 +114,7 @@ def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
         return "sdpa"
     if fa3:
         return "flashinfer-paged-fa3"
-    return CUDA_PREFIX_ORDER[0]
+    return next(b for least, b in AUTO_CUDA if tokens_per_frame >= least)
 
 
 def _check_backend(backend, device, force_fp32: bool) -> None:
@@ -253,7 +257,8 @@ class FlashInferKVCacheManager:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         _check_backend(backend, device, force_fp32)
-        self.backend = choose_backend(device, fa3, force_fp32) if backend == "auto" else backend
+        self.backend = (choose_backend(device, fa3, force_fp32, tokens_per_frame=tokens_per_frame)
+                        if backend == "auto" else backend)
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
@@ -723,5 +728,5 @@ def use_in_lingbot_map(backend: str = "auto") -> _Installed:
     return _Installed(changes)
 
 
-__all__ = ["BACKENDS", "CUDA_PREFIX_ORDER", "FLASHINFER_AVAILABLE", "FlashInferKVCacheManager", "choose_backend",
+__all__ = ["AUTO_CUDA", "BACKENDS", "FLASHINFER_AVAILABLE", "FlashInferKVCacheManager", "choose_backend",
            "use_in_lingbot_map"]

@@ -459,8 +459,8 @@ def test_backend_errors_and_choice():
     assert choose("cuda", flashinfer_available=False) == choose("cuda", fa3=True, flashinfer_available=False) == "sdpa"
     assert choose("cuda", force_fp32=True, flashinfer_available=True) == "sdpa"
     assert choose("cuda", fa3=True, flashinfer_available=True) == "flashinfer-paged-fa3"
-    assert choose("cuda", flashinfer_available=True) == M.CUDA_PREFIX_ORDER[0]
-    assert set(M.CUDA_PREFIX_ORDER) == set(M.PREFIX_BACKENDS)
+    assert choose("cuda", flashinfer_available=True, tokens_per_frame=1005) == "flashinfer"
+    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262) == "flashinfer-paged-fa2"
     # fa3 keeps its power-of-two pages only on the paged FA3 backend
     mgr = FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, fa3=True, backend="sdpa")
     assert mgr.page_size == 7 and mgr.fa3
@@ -469,7 +469,8 @@ def test_backend_errors_and_choice():
 @on_gpu
 @pytest.mark.gpu
 def test_auto_backend_on_gpu():
-    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == M.CUDA_PREFIX_ORDER[0]
+    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == "flashinfer-paged-fa2"
+    assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == "flashinfer"
     fa3 = FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda", fa3=True)
     assert fa3.backend == "flashinfer-paged-fa3" and fa3.page_size == 1024
 
