@@ -28,3 +28,11 @@ def test_readme_flax_example_runs():
 def test_readme_checkpoint_example_runs():
     scope = _run_example("Durable state")
     assert scope["state"].spec.num_layers == 2 and (scope["path"] / "jaxkv.json").is_file()
+
+
+def test_readme_lingbot_example_runs():
+    scope = _run_example("lingbot-map on jaxkv")
+    outs = scope["outs"]
+    assert len(outs) == 6 and outs[-1]["pose_enc"].shape == (1, 9)
+    assert outs[-1]["depth"].shape == (1, 42, 56, 1) and outs[-1]["depth_conf"].shape == (1, 42, 56)
+    assert all(bool((o["depth"] > 0).all()) for o in outs)  # exp activation: finite and positive
