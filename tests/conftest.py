@@ -1,9 +1,12 @@
 import os
 import zlib
 
-import jax
-import numpy as np
-import pytest
+if os.environ.get("PYTEST_XDIST_WORKER"):  # several test processes share one GPU: no preallocation
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 
 def _has_gpu() -> bool:
