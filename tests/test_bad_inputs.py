@@ -67,6 +67,28 @@ def _hybrid_step(slots=(0, 1)):
     return H.prepare_forward(st, jnp.asarray(slots, jnp.int32), jnp.zeros(len(slots), jnp.int32))
 
 
+def _lingbot(**changes):
+    pytest.importorskip("flax")
+    from jaxkv.models.lingbot import LingbotConfig
+
+    return LingbotConfig.small(**changes)
+
+
+def _manager():
+    """A small drop-in manager on CPU (rows with it skip without torch)."""
+    torch = pytest.importorskip("torch")
+    from torch_bridge import FlashInferKVCacheManager
+
+    return torch, FlashInferKVCacheManager(2, 8, 10, 2, 8, torch.bfloat16, "cpu", num_special_tokens=2,
+                                           scale_frames=1, sliding_window=2)
+
+
+def _append(k_shape=(10, 2, 8), block=0, integer=False):
+    torch, m = _manager()
+    k = torch.randint(0, 3, k_shape) if integer else torch.randn(k_shape)
+    m.append_frame(block, k, torch.randn(10, 2, 8))
+
+
 RAISES = [
     ("frame.append: a list for k", "frame", lambda st, r: frame.append(st, _kv(r).tolist(), _kv(r)),
      ValueError, r"k: expected an array bfloat16\[2, 1, 7, 2, 8\], got a list"),
@@ -162,6 +184,23 @@ RAISES = [
      lambda st, r: kernels.prefix_attention(jnp.zeros((1, 64, 2, 64)), jnp.zeros((1, 128, 2, 64)),
                                             jnp.zeros((1, 128, 2, 64)), jnp.array([3], jnp.int32)),
      ValueError, r"q, k, v: expected one dtype, bfloat16 or float16"),
+    ("models.lingbot.LingbotConfig: height 43", None, lambda st, r: _lingbot(height=43),
+     ValueError, r"height, width: expected positive multiples of patch_size=14, got 43x56"),
+    ("models.lingbot.LingbotConfig: window 0", None, lambda st, r: _lingbot(kv_cache_sliding_window=0),
+     ValueError, r"kv_cache_sliding_window: expected >= 0 and >= 1, got 2, 0"),
+    ("models.lingbot.LingbotConfig: int8", None, lambda st, r: _lingbot(dtype="int8"),
+     ValueError, r"dtype: expected 'bfloat16' or 'float32', got 'int8'"),
+    ("torch_bridge: a frame of 9 tokens", None, lambda st, r: _append(k_shape=(9, 2, 8)),
+     ValueError, r"k: expected a tensor of shape \[10, 2, 8\].*got \(9, 2, 8\)"),
+    ("torch_bridge: block 2 of 2", None, lambda st, r: _append(block=2),
+     ValueError, r"block_idx: expected an int in \[0, 2\), got 2"),
+    ("torch_bridge: integer k", None, lambda st, r: _append(integer=True),
+     ValueError, r"k: expected a floating-point tensor"),
+    ("torch_bridge: camera_only", None, lambda st, r: _manager()[1].evict_frames(0, 1, 2, camera_only=True),
+     ValueError, r"camera_only: this manager implements only camera_only=False"),
+    ("torch_bridge: backend name", None,
+     lambda st, r: type(_manager()[1])(2, 8, 10, 2, 8, _manager()[0].bfloat16, "cpu", 2, backend="flash"),
+     ValueError, r"backend: expected one of \('auto', 'sdpa'"),
     ("jaxkv.save: a dict", None, lambda st, r: jaxkv.save("/nonexistent/x", {"k": jnp.ones(3)}),
      TypeError, r"state: expected a frame.FrameCacheState or hybrid.HybridCacheState, got dict"),
 ]
