@@ -208,11 +208,9 @@ class _Pages:
         return plan.last_page_len(self.spec, self.c, plan.HOST)
 
     def visible_rows(self) -> int:
-        """n: with exact pages the visible keys are rows ``[0, n)`` of every buffer (with
-        power-of-two pages the prefix holds each slot's padding rows too). The host twin of
-        ``FrameCacheState.num_valid``: ``slots * page_size + tail_rows``, which is
-        ``(num_pages - 1) * page_size + last_page_len`` whenever a page is visible."""
-        return plan.slots(self.c) * self.spec.page_size + plan.tail_rows(self.spec, self.c, plan.HOST)
+        """n: the visible keys are rows ``[0, n)`` of every buffer (``plan.num_valid``), which
+        is ``(num_pages - 1) * page_size + last_page_len`` whenever a page is visible."""
+        return plan.num_valid(self.spec, self.c, plan.HOST)
 
     def page_ids(self) -> List[int]:
         """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""

@@ -134,6 +134,13 @@ def tail_rows(spec, c: Counters, xp: Xp = DEVICE):
     return c.num_special + xp.where(c.pending == STAGED, spec.patches_per_frame, 0)
 
 
+def num_valid(spec, c: Counters, xp: Xp = DEVICE):
+    """Visible rows: with exact pages they are the prefix ``[0, num_valid)`` of every buffer
+    (with power-of-two pages the prefix also holds each slot's padding rows);
+    ``FrameCacheState.num_valid`` on the device."""
+    return slots(c) * spec.page_size + tail_rows(spec, c, xp)
+
+
 def num_pages(spec, c: Counters, xp: Xp = DEVICE):
     return slots(c) + -(-tail_rows(spec, c, xp) // spec.page_size)
 
@@ -153,4 +160,4 @@ def page_id(spec, c: Counters, j, xp: Xp = DEVICE):
 
 
 __all__ = ["DEVICE", "HOST", "Begin", "Counters", "Move", "Resolve", "Xp", "begin", "counters", "last_page_len", "num_pages",
-           "page_id", "resolve", "slots", "tail_rows"]
+           "num_valid", "page_id", "resolve", "slots", "tail_rows"]
