@@ -195,21 +195,6 @@ def manager_table(args, seed_cls):
 MODEL_KEYS = ("pose_enc", "depth_conf")
 
 
-def compile_like_gct_profile(model):
-    """upstream gct_profile's torch.compile(mode="reduce-overhead") of the fixed-shape modules."""
-    agg = model.aggregator
-    for i, b in enumerate(agg.frame_blocks):
-        agg.frame_blocks[i] = torch.compile(b, mode="reduce-overhead")
-    for i, b in enumerate(agg.patch_embed.blocks):
-        agg.patch_embed.blocks[i] = torch.compile(b, mode="reduce-overhead")
-    for b in agg.global_blocks:
-        if hasattr(b, "attn_pre"):
-            b.attn_pre = torch.compile(b.attn_pre, mode="reduce-overhead")
-        if hasattr(b, "ffn_residual"):
-            b.ffn_residual = torch.compile(b.ffn_residual, mode="reduce-overhead")
-        b.attn.proj = torch.compile(b.attn.proj, mode="reduce-overhead")
-
-
 def stream_model(model, images, scale_frames, warm, interval):
     """A fresh manager (upstream builds it lazily at the first forward, from the class installed
     now), the scale frames at once, then frame by frame synced per frame -> (timed ms list,
@@ -254,7 +239,7 @@ def model_table(args):
                                      kv_cache_scale_frames=sf)
     model = upstream.build(config, src, use_sdpa=False, perturb=0.0).cuda()
     if args.compile:
-        compile_like_gct_profile(model)
+        upstream.compile_like_gct_profile(model)
     g = torch.Generator(device="cuda").manual_seed(0)
     images = torch.rand(1, n, 3, config.height, config.width, device="cuda", generator=g).to(torch.bfloat16)
     names = ["upstream manager"] + [f"jaxkv drop-in ({b})" for b in args.model_backends]

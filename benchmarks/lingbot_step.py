@@ -94,15 +94,7 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
     dev = next(model.parameters()).device
     imgs = upstream.images_nchw(frames)[None]
     if compile_:
-        agg = model.aggregator
-        for i, b in enumerate(agg.frame_blocks):
-            agg.frame_blocks[i] = torch.compile(b, mode="reduce-overhead")
-        for i, b in enumerate(agg.patch_embed.blocks):
-            agg.patch_embed.blocks[i] = torch.compile(b, mode="reduce-overhead")
-        for b in agg.global_blocks:
-            b.attn_pre = torch.compile(b.attn_pre, mode="reduce-overhead")
-            b.ffn_residual = torch.compile(b.ffn_residual, mode="reduce-overhead")
-            b.attn.proj = torch.compile(b.attn.proj, mode="reduce-overhead")
+        upstream.compile_like_gct_profile(model)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         ctx = torch.autocast("cuda", dtype=torch.bfloat16)

@@ -71,6 +71,24 @@ def build(config: LingbotConfig, src: Path, *, use_sdpa: bool, seed: int = 0, pe
     return m
 
 
+def compile_like_gct_profile(model):
+    """Upstream ``gct_profile.py``'s ``torch.compile(mode="reduce-overhead")`` of the fixed-shape
+    modules (frame blocks, backbone blocks, and around each global block's manager calls)."""
+    import torch
+
+    agg = model.aggregator
+    for i, b in enumerate(agg.frame_blocks):
+        agg.frame_blocks[i] = torch.compile(b, mode="reduce-overhead")
+    for i, b in enumerate(agg.patch_embed.blocks):
+        agg.patch_embed.blocks[i] = torch.compile(b, mode="reduce-overhead")
+    for b in agg.global_blocks:
+        if hasattr(b, "attn_pre"):
+            b.attn_pre = torch.compile(b.attn_pre, mode="reduce-overhead")
+        if hasattr(b, "ffn_residual"):
+            b.ffn_residual = torch.compile(b.ffn_residual, mode="reduce-overhead")
+        b.attn.proj = torch.compile(b.attn.proj, mode="reduce-overhead")
+
+
 def state_dict(model) -> dict:
     """``{key: f32 ndarray}`` of an upstream model, for ``convert.load_state_dict``."""
     return {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
