@@ -16,6 +16,7 @@ inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hoppe
 | ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
 | ``hybrid.gather`` | xla, pallas | as frame.append |
 | ``hybrid.index_query`` | xla, pallas | as frame.append |
+| ``hybrid.attention`` | xla, pallas | pallas on Hopper with heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
 """
 
 from __future__ import annotations
@@ -68,6 +69,15 @@ def _hopper_missing(*, head_dim: int = 64, **_) -> str | None:
             f"{jax.devices()[0].device_kind} and head_dim {head_dim}")
 
 
+def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
+                   **_) -> str | None:
+    if is_hopper() and heads % 64 == 0 and block_size % 32 == 0 and window % 32 == 0 and storage == "official":
+        return None
+    return (f"expected an NVIDIA Hopper GPU (sm_90), heads a multiple of 64, block_size and window multiples of 32 "
+            f"and official storage, got {jax.devices()[0].device_kind}, {heads} heads, block_size {block_size}, "
+            f"window {window}, {storage} storage")
+
+
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
@@ -103,6 +113,8 @@ OPERATIONS = {op.name: op for op in (
     _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
     _triton_op("hybrid.gather", ("xla", "pallas")),
     _triton_op("hybrid.index_query", ("xla", "pallas")),
+    Operation("hybrid.attention", ("xla", "pallas"),
+              lambda **ctx: "xla" if _heads_missing(**ctx) else "pallas", {"pallas": _heads_missing}),
 )}
 
 

@@ -6,11 +6,11 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
     state = init(config)
     state, step = prepare_forward(state, slots, positions, num_tokens, chunk=T)
     for layer in range(config.num_layers):
-        keys, key_pos = window_keys(state, step, layer, kv)       # before the ring write
-        state = write_window(state, step, layer, kv)
         if config.compress_ratios[layer]:
             state = compress(state, step, layer, ckv, cscore, params, index=...)  # CSA: index=(...)
-        ...  index_topk / gather_entries / all_entries, then sparse_attention
+        idx = index_topk(state, step, layer, qi, weights)             # CSA layers only
+        out = attention(state, step, layer, q, sink, kv, idx=idx)     # reads the ring before this step's write
+        state = write_window(state, step, layer, kv)
     state = finish(state, done_slots)
 
 ``Step`` is the boundary type between the cache and a model (its docstring defines the
@@ -18,6 +18,7 @@ batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an
 stacked over layers, without a copy; ``HybridCache`` is the eager wrapper that raises on recorded faults.
 """
 
+from jaxkv.hybrid.attend import attention
 from jaxkv.hybrid.attention import (
     causal_entry_mask,
     index_query,
@@ -47,7 +48,7 @@ from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
 
 __all__ = [
-    "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
+    "attention", "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
     "Stacked", "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
     "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
     "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",

@@ -1,0 +1,150 @@
+"""DeepSeek-V4 decode attention over the FP8 pools: the Mosaic GPU kernel
+(``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
+FlashMLA's sm90 sparse decode on the same pool bytes (when ``FLASHMLA_SRC`` is set and
+torch with CUDA is importable), per shape: one token per request, top-k entries + a
+128-item window, an attention sink. Back-to-back calls (dispatch amortized), median of
+``--reps`` rounds after warm-up; TFLOP/s counts QK and PV (4 * H * keys * 512 per token).
+
+    PYTHONPATH=$PWD python benchmarks/dsv4_attention.py [--batches 1,64] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.formats.storage import STORAGES, write_items
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention, ref_pool_attention
+
+SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
+WINDOW, BS = 128, 64
+
+
+def pool_of(key, blocks, bs):
+    codec = STORAGES["official"].entry
+    x = jax.random.normal(key, (blocks * bs, 512), jnp.bfloat16)
+    ids = jnp.arange(blocks * bs)
+    pool = jnp.zeros((1, blocks, bs * codec.bytes), jnp.uint8)
+    return write_items(pool, 0, ids // bs, ids % bs, codec.encode(x), codec.segments)[0]
+
+
+def case(B, H, K, key):
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
+    nb = max(2 * B * K // BS, 64)
+    entries, ring = pool_of(k1, nb, BS), pool_of(k2, B, WINDOW)
+    picked = jax.vmap(lambda k: jax.random.permutation(k, nb * BS)[:K])(jax.random.split(k3, B)).astype(jnp.int32)
+    window = (jnp.arange(B)[:, None] * WINDOW + jnp.arange(WINDOW)[None, :]).astype(jnp.int32)
+    rows = jnp.concatenate([picked, window], axis=1)
+    nvalid = jnp.full((B, (K + WINDOW) // BLOCK), BLOCK, jnp.int32)
+    q = jax.random.normal(k4, (B, H, 512), jnp.bfloat16)
+    sink = jax.random.normal(k5, (H,), jnp.float32)
+    return q, (entries, ring), (K // BLOCK, WINDOW // BLOCK), rows, nvalid, sink
+
+
+def splits_for(B, H):
+    return max(1, min(8, 132 // (B * (H // 64))))
+
+
+def time_jax(fn, reps, inner=20):
+    out = fn()
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t) / inner * 1e3)
+    return statistics.median(times), out
+
+
+def flashmla_contender(q, pools, rows, sink, B, H, K):
+    """A closure timing FlashMLA on the same device buffers (torch.from_dlpack), or None."""
+    if not os.environ.get("FLASHMLA_SRC"):
+        return None, "FLASHMLA_SRC not set"
+    try:
+        import torch
+        from torch_bridge import flashmla
+    except ImportError as e:
+        return None, f"no torch / torch_bridge.flashmla ({e})"
+    flashmla.load()
+    tq = torch.from_dlpack(q).reshape(B, 1, H, 512)
+    pool, ring = (torch.from_dlpack(p) for p in pools)
+    idx = torch.from_dlpack(rows[:, :K]).reshape(B, 1, K)
+    widx = torch.from_dlpack(rows[:, K:]).reshape(B, 1, WINDOW)
+    tsink = torch.from_dlpack(sink)
+    sched = flashmla.Schedule()
+
+    def run():
+        return flashmla.sparse_decode(tq, pool, idx, block_size=BS, sink=tsink, scale=512 ** -0.5, window=ring,
+                                      window_indices=widx, schedule=sched)[0]
+
+    def timed(reps, inner=20):
+        run()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(inner):
+                out = run()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) / inner)
+        return statistics.median(times), jnp.asarray(jax.dlpack.from_dlpack(out.contiguous())).reshape(B, H, 512)
+
+    return timed, None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    dev = jax.devices()[0].device_kind
+    rows_out = []
+    for name, (H, K) in SHAPES.items():
+        for B in map(int, a.batches.split(",")):
+            q, pools, pb, rows, nvalid, sink = case(B, H, K, jax.random.key(B * 7 + H))
+            keys = K + WINDOW
+            flops = 4 * B * H * keys * 512
+            bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
+            ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
+            S = splits_for(B, H)
+            kern = jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S))
+            xla = jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16))
+            res = {}
+            for cname, fn in (("pallas", kern), ("xla", xla)):
+                ms, out = time_jax(lambda: fn(q, pools, rows, nvalid, sink), a.reps)
+                res[cname] = (ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
+            timed, why = flashmla_contender(q, pools, rows, sink, B, H, K)
+            if timed is not None:
+                ms, out = timed(a.reps)
+                res["flashmla"] = (ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
+            for cname, (ms, err) in res.items():
+                rows_out.append(dict(shape=name, batch=B, heads=H, topk=K, impl=cname, ms=ms,
+                                     tflops=flops / ms / 1e9, gbs=bytes_ / ms / 1e6, max_err=err, splits=S))
+            if why:
+                print(f"flashmla skipped: {why}")
+    print(f"\n{dev}, jax {jax.__version__}; decode, top-k + {WINDOW}-item window, official storage")
+    print(f"{'shape':9} {'B':>4} {'impl':9} {'ms':>8} {'TFLOP/s':>8} {'GB/s':>7} {'max err':>8} {'vs flashmla':>11}")
+    for r in rows_out:
+        fm = [x for x in rows_out if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla"]
+        rel = f"{r['ms'] / fm[0]['ms']:.2f}x" if fm else "-"
+        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:9} {r['ms']:8.4f} {r['tflops']:8.1f} {r['gbs']:7.0f} "
+              f"{r['max_err']:8.4f} {rel:>11}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(device=dev, jax=jax.__version__, rows=rows_out), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

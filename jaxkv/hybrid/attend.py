@@ -1,0 +1,169 @@
+"""``attention``: the one call a DeepSeek-V4 layer makes to attend over the hybrid cache.
+
+A query at position p sees, in every layer, the raw tokens of its window (the SWA ring as
+it was before this step, and the step's own tokens, ``p - window < pos <= p``), and in a
+compressed layer also compressed entries: the top-k a CSA layer's indexer picked
+(``index_topk``), or every visible entry of an HCA layer (``s < (p + 1) // ratio``).
+One softmax runs over their union, with the layer's per-head attention sink in the
+denominator; K = V.
+
+``impl="xla"`` dequantizes the rows into BF16 copies (``gather_entries`` /
+``all_entries`` / ``window_keys``) and runs the float32 reference ``sparse_attention``;
+``impl="pallas"`` reads the FP8 rows where they are stored (``kernels.pool_attention``,
+Hopper): only the step's own tokens are encoded by XLA (the bytes ``write_window`` will
+store). ``"auto"``: pallas on Hopper, xla elsewhere.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxkv import _backend
+from jaxkv.formats.storage import write_items
+from jaxkv.hybrid.attention import causal_entry_mask, query_positions, sparse_attention, window_mask
+from jaxkv.hybrid.config import CSA, HCA, SWA
+from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, window_keys
+from jaxkv.hybrid.state import HybridCacheState
+from jaxkv.hybrid.step import Step, on_devices
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention
+from jaxkv.stacked import row
+
+IMPLS = _backend.choices("hybrid.attention")
+OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
+
+
+def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=None, *, scale: float | None = None,
+              impl: str = "auto"):
+    """Attention of the step's queries over layer ``layer`` of the cache.
+
+    q: bf16[B, T, H, 512] (RoPE applied to the last 64 dims)
+    sink: f32[H] the layer's attention-sink logits
+    kv: bf16[B, T, 512] the step's own tokens (what ``write_window`` stores; call before it)
+    idx: i32[B, T, k] the entries a CSA layer attends to (``index_topk``; -1: none;
+      entries a query may not see yet are skipped); None for SWA and HCA layers
+    scale: softmax scale (default ``512 ** -0.5``)
+    Returns bf16[B, T, H, 512]; rows past ``num_tokens`` are padding.
+    """
+    kind = check_layer(state, layer)
+    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+    B, T = step.slot.shape[0], row(kv).shape[1]
+    if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != state.config.head_dim or q.dtype != jnp.bfloat16:
+        raise ValueError(f"q: expected bf16[{B}, {T}, H, {state.config.head_dim}], got {q.dtype}{list(q.shape)}")
+    H = q.shape[2]
+    sink = jnp.asarray(sink)
+    if sink.shape != (H,) or not jnp.issubdtype(sink.dtype, jnp.floating):
+        raise ValueError(f"sink: expected float[{H}] (one logit per head), got {sink.dtype}{list(sink.shape)}")
+    if kind == CSA:
+        if idx is None or jnp.ndim(idx) != 3 or jnp.shape(idx)[:2] != (B, T) or not jnp.issubdtype(
+                jnp.result_type(idx), jnp.integer):
+            raise ValueError(f"idx: a CSA layer expects int[{B}, {T}, k] entry indices (index_topk), got "
+                             f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}")
+    elif idx is not None:
+        raise ValueError(f"idx: layer {layer} is {kind.upper()}, which attends to no picked entries; pass idx=None")
+    impl = _backend.resolve("hybrid.attention", impl, heads=H, block_size=state.config.block_size,
+                            window=state.config.window, storage=state.config.storage)
+    scale = float(state.config.head_dim**-0.5 if scale is None else scale)
+    sink = sink.astype(jnp.float32)
+    fn = _xla if impl == "xla" else _pallas
+    args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
+    return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
+                      state, *args, axes=("batch",) * len(args), out="batch")
+
+
+def _visible_entries(step: Step, T: int, ratio: int):
+    """i32[B, T]: entries a query may see, ``(p + 1) // ratio``."""
+    return (query_positions(step, T) + 1) // ratio
+
+
+def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
+    c = state.config
+    T = q.shape[1]
+    keys, pos = window_keys(state, step, layer, kv, impl="xla")
+    parts = [(keys, window_mask(pos, step, T, c.window))]
+    if kind == CSA:
+        ok = (idx >= 0) & (idx < _visible_entries(step, T, c.compress_ratios[layer])[..., None])
+        parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
+    elif kind == HCA:
+        entries, _ = all_entries(state, step, layer, impl="xla")
+        parts.append((entries, causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer])))
+    return sparse_attention(q, parts, sink, scale).astype(jnp.bfloat16)
+
+
+def _compact(ids, valid):
+    """Valid ids first (stable), padded to whole 64-row blocks with id 0: (i32[N, k'], count i32[N])."""
+    order = jnp.argsort(~valid, axis=-1, stable=True)
+    ids = jnp.where(jnp.take_along_axis(valid, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1), 0)
+    pad = -ids.shape[-1] % BLOCK
+    return jnp.pad(ids, ((0, 0), (0, pad))), jnp.sum(valid, axis=-1).astype(jnp.int32)
+
+
+def _block_counts(count, blocks: int):
+    """i32[N, blocks]: valid rows of each 64-row block of a list whose first ``count`` are valid."""
+    return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
+
+
+def _pallas(state, step, layer, kind, q, kv, idx, sink, scale):
+    c = state.config
+    B, T, H, D = q.shape
+    N = B * T
+    W, R = c.window, c.max_requests
+    codec = c.storage_format.entry
+    pos = query_positions(step, T)  # i32[B, T]
+    parts = []  # (pool u8[P, bs * E], ids i32[N, k], count i32[N])
+
+    if kind != SWA:
+        ratio = c.compress_ratios[layer]
+        g, j = state.group(layer)
+        pool = state.entries[g]  # u8[Lg, NB, bs * E]: rows of layer j are offset by j * NB blocks
+        Lg, NB, width = pool.shape
+        bs = c.block_size
+        vis = _visible_entries(step, T, ratio)[..., None]  # [B, T, 1]
+        if kind == CSA:
+            e = idx
+        else:
+            e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
+        table = state.alloc[g].table  # i32[R, max_blocks]
+        blk = table[step.slot[:, None, None], jnp.clip(e // bs, 0, table.shape[1] - 1)]
+        valid = (e >= 0) & (e < vis) & (blk >= 0)
+        ids = (j * NB + jnp.maximum(blk, 0)) * bs + jnp.maximum(e, 0) % bs
+        parts.append((pool.reshape(Lg * NB, width),) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
+
+    # the ring as it was before this step: item i holds the latest position < start that is i mod W
+    i = jnp.arange(W, dtype=jnp.int32)[None, :]
+    p0 = step.start[:, None]
+    ring_pos = p0 - 1 - jnp.mod(p0 - 1 - i, W)  # [B, W]
+    seen = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > pos[..., None] - W)  # [B, T, W]
+    ring_ids = jnp.broadcast_to(((layer * R + step.slot[:, None]) * W + i)[:, None, :], (B, T, W))
+    parts.append((state.window.reshape(-1, state.window.shape[-1]),)
+                 + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
+
+    # the step's own tokens t' with t - W < t' <= t, encoded as write_window will store them
+    items = codec.encode(row(kv).reshape(N, D))
+    M = -(-N // OWN_BLOCK)
+    own = write_items(jnp.zeros((1, M, OWN_BLOCK * codec.bytes), jnp.uint8), 0, jnp.arange(N) // OWN_BLOCK,
+                      jnp.arange(N) % OWN_BLOCK, items, codec.segments)[0]
+    K = min(T, W)
+    t = jnp.arange(T, dtype=jnp.int32)
+    first = jnp.maximum(t - W + 1, 0)  # [T]
+    own_ids = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * T + first[None, :, None]
+               + jnp.arange(K, dtype=jnp.int32)[None, None, :])  # [B, T, K]
+    own_count = jnp.broadcast_to(t - first + 1, (B, T)).reshape(N)
+    own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
+    parts.append((own, own_ids, own_count.astype(jnp.int32)))
+
+    pools = tuple(p for p, _, _ in parts)
+    part_blocks = tuple(ids.shape[1] // BLOCK for _, ids, _ in parts)
+    rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
+    nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
+    out = pool_attention(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
+                         splits=_splits(N, H))
+    return out.reshape(B, T, H, D)
+
+
+def _splits(rows: int, heads: int) -> int:
+    """Key splits so that the programs fill an H100's 132 SMs about once (at most 8)."""
+    programs = rows * (heads // BLOCK)
+    return max(1, min(8, 132 // max(programs, 1)))
+
+
+__all__ = ["IMPLS", "attention"]

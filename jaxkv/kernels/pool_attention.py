@@ -1,0 +1,369 @@
+"""Pool attention: DeepSeek-V4 MQA (K = V, head_dim 512) over FP8 pool rows read in place,
+with an attention sink (Hopper, Mosaic GPU lowering).
+
+A DeepSeek-V4 query attends to rows of up to three pools: a CSA / HCA layer's compressed
+entries (picked by ``index_topk``, or all visible), its SWA ring, and the step's own
+tokens. This kernel reads those rows where they are stored (FP8 codes, BF16 RoPE dims)
+and never writes BF16 copies: per block of 64 rows a producer warpgroup issues one TMA
+per row segment (Hopper's TMA has no row gather; the rows of a block are scattered over
+the pool), the two compute warpgroups dequantize the block into one swizzled BF16 tile
+in shared memory (each half the tiles), then each computes the full ``S = Q K^T`` for
+the program's 64 heads and ``P V`` for its half of the 512 output dims on the tensor
+cores (``wgmma``), with an online softmax in registers.
+
+Official (``ds_mla``) storage only: per_entry pools are refused (its GPU test failed;
+open). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
+multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
+reference's bit for bit. The sink only enters the denominator; it is applied with the
+merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
+``splits`` programs when the batch alone does not fill the GPU.
+
+    q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
+    pools: tuple of u8[P, bs * E] one pool per part, rows ``block * bs + slot``
+    rows: i32[N, NB * 64]        block b's 64 rows; rows past ``nvalid`` are ignored
+                                 (any in-range id); part p owns a static range of blocks
+    nvalid: i32[N, NB]           valid rows of each block, a prefix (0: skip the block)
+    sink: f32[H]                 per-head logit added to the denominator
+    -> bf16[N, H, 512]           zeros for a row with no valid key and sink -inf
+
+``ref_pool_attention`` is the float32 reference with the same contract. Mosaic GPU only
+(no interpret mode): the tests run it on a GPU; off Hopper the hybrid cache uses XLA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, read_items, segment_offsets
+
+STAGES = 2  # raw blocks in flight (static slots: the loops run over pairs of blocks)
+BLOCK = 64  # rows per block (a wgmma N tile); also heads per program (the M tile)
+TILES = NOPE_TILES + 1  # 64-dim tiles of an entry: 7 FP8, 1 BF16 rope
+CODE_BOXES = (128, 128, 128, NOPE - 384)  # a row's FP8 codes, one TMA box (and SMEM buffer) per 128 columns
+LOG2E = math.log2(math.e)
+i32 = jnp.int32
+
+
+def _check(q, pools, part_blocks, rows, nvalid, sink, storage):
+    if q.ndim != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % BLOCK or q.dtype != jnp.bfloat16:
+        raise ValueError(f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got "
+                         f"{q.dtype}{list(q.shape)}")
+    N, H, _ = q.shape
+    NB = sum(part_blocks)
+    if storage != "official":  # per_entry rows fail the GPU test (wrong output): not found yet
+        raise ValueError(f"storage: the kernel reads the official (ds_mla) family, got {storage!r}; "
+                         "hybrid.attention runs per_entry caches on impl='xla'")
+    if len(pools) != len(part_blocks):
+        raise ValueError(f"pools: expected one pool per part ({len(part_blocks)}), got {len(pools)}")
+    E = STORAGES[storage].entry_bytes
+    for p, pool in enumerate(pools):
+        if pool.ndim != 2 or pool.dtype != jnp.uint8 or pool.shape[1] % (32 * E):
+            raise ValueError(f"pools[{p}]: expected u8[blocks, block_size * {E}] ({storage}) with block_size a "
+                             f"multiple of 32 (TMA tiles), got {pool.dtype}{list(pool.shape)}")
+    if rows.shape != (N, NB * BLOCK) or rows.dtype != jnp.int32:
+        raise ValueError(f"rows: expected int32[{N}, {NB * BLOCK}], got {rows.dtype}{list(rows.shape)}")
+    if nvalid.shape != (N, NB) or nvalid.dtype != jnp.int32:
+        raise ValueError(f"nvalid: expected int32[{N}, {NB}], got {nvalid.dtype}{list(nvalid.shape)}")
+    if sink.shape != (H,):
+        raise ValueError(f"sink: expected f32[{H}], got {sink.dtype}{list(sink.shape)}")
+    if 2 * NB + 1 > 256:  # the block list travels in one TMA box
+        raise ValueError(f"rows: at most {127 * BLOCK} rows per query, got {NB * BLOCK}")
+
+
+def _part_of(part_blocks):
+    """Static block boundaries: part p owns blocks [bounds[p], bounds[p + 1])."""
+    bounds = [0]
+    for n in part_blocks:
+        bounds.append(bounds[-1] + n)
+    return bounds
+
+
+def _decode_rows(pools, part_blocks, rows, storage):
+    """bf16[N, NB * 64, 512]: every row of every block decoded (the storage's codec)."""
+    codec = STORAGES[storage].entry
+    bounds = _part_of(part_blocks)
+    out = []
+    for p, pool in enumerate(pools):
+        bs = pool.shape[1] // codec.bytes
+        ids = rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK]
+        items = read_items(pool[None], 0, ids // bs, ids % bs, codec.segments)
+        out.append(codec.decode(items).astype(jnp.bfloat16))
+    return jnp.concatenate(out, axis=1)
+
+
+def _valid_mask(nvalid):
+    """bool[N, NB * 64]: row r of block b is valid iff r < nvalid[b]."""
+    return (jnp.arange(BLOCK)[None, None, :] < nvalid[:, :, None]).reshape(nvalid.shape[0], -1)
+
+
+def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None):
+    """float32 reference: decode every valid row, softmax with the sink in the denominator."""
+    keys = _decode_rows(pools, part_blocks, rows, storage).astype(jnp.float32)  # [N, K, D]
+    scale = HEAD_DIM**-0.5 if scale is None else scale
+    logits = jnp.einsum("nhd,nkd->nhk", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.where(_valid_mask(nvalid)[:, None, :], logits, -jnp.inf)
+    s = jnp.asarray(sink, jnp.float32)[None, :]
+    m = jnp.maximum(jnp.max(logits, axis=-1), s)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m[..., None])
+    denom = jnp.sum(p, axis=-1) + jnp.exp(s - m)
+    out = jnp.einsum("nhk,nkd->nhd", p, keys, precision=lax.Precision.HIGHEST)
+    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+
+
+def row_scales(pools, part_blocks, rows, storage):
+    """f32[N, NB * 8, 64]: the scale of each row's 64-dim tile t (block b's at rows
+    ``b * 8 + t``; the rope tile's is 1), read from the pools (8 B per row)."""
+    st = STORAGES[storage]
+    seg = st.entry.segments
+    bounds = _part_of(part_blocks)
+    out = []
+    for p, pool in enumerate(pools):
+        bs = pool.shape[1] // st.entry_bytes
+        off = segment_offsets(seg, bs)
+        ids = rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK]
+        blk, slot = ids // bs, ids % bs
+        if storage == "official":  # UE8M0 bytes of the 7 tiles: 2^(e - 127)
+            col = off[1] + slot[..., None] * seg[1] + jnp.arange(NOPE_TILES)
+            e = pool[blk[..., None], col].astype(jnp.int32)
+            s = lax.bitcast_convert_type(jnp.clip(e, 1, 254) << 23, jnp.float32)
+        else:  # one float32 per row
+            col = off[2] + slot[..., None] * seg[2] + jnp.arange(4)
+            s = from_bytes(pool[blk[..., None], col], jnp.float32)
+            s = jnp.broadcast_to(s, (*s.shape[:-1], NOPE_TILES))
+        s = jnp.concatenate([s, jnp.ones((*s.shape[:-1], 1), jnp.float32)], axis=-1)  # [N, K_p, 8]
+        n = s.shape[0]
+        out.append(s.reshape(n, -1, BLOCK, TILES).transpose(0, 1, 3, 2).reshape(n, -1, BLOCK))
+    return jnp.concatenate(out, axis=1)
+
+
+def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, splits):
+    """-> out bf16[N * splits, H, 512] (each split normalized by its own sum), lse2
+    f32[N * splits, H] (base 2; -inf: no keys in the split)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    N, H, D = q.shape
+    NB = sum(part_blocks)
+    bounds = _part_of(part_blocks)
+    st = STORAGES[storage]
+    seg = st.entry.segments
+    E = st.entry_bytes
+    # per part: (block size, codes column of slot 0, codes bytes per slot, rope bf16 column of slot 0, per slot)
+    geo = []
+    for pool in pools:
+        bs = pool.shape[1] // E
+        off = segment_offsets(seg, bs)
+        if storage == "official":  # [bs x (448 codes + 128 rope)] [bs x 8 scales]
+            geo.append((bs, off[0], seg[0], (off[0] + NOPE) // 2, seg[0] // 2))
+        else:  # [bs x 448 codes] [bs x 128 rope] [bs x 4 scale]
+            geo.append((bs, off[0], seg[0], off[1] // 2, seg[1] // 2))
+    codes_in = [lax.bitcast_convert_type(p, jnp.float8_e4m3fn) for p in pools]
+    rope_in = [from_bytes(p, jnp.bfloat16) for p in pools]
+    order = jnp.argsort(nvalid == 0, axis=1, stable=True).astype(i32)  # i32[N, NB] non-empty blocks first
+    nblocks = jnp.sum(nvalid > 0, axis=1).astype(i32)  # i32[N]
+    meta = jnp.concatenate([order, nvalid, nblocks[:, None]], axis=1)  # i32[N, 2 NB + 1]
+    meta = jnp.pad(meta, ((0, 0), (0, -meta.shape[1] % 4)))
+    c = scale * LOG2E
+    n_parts = len(pools)
+    HALF = D // 2
+
+    def kernel(q_ref, meta_ref, rows_ref, scales_ref, *refs):
+        codes_refs, rope_refs = refs[:n_parts], refs[n_parts:2 * n_parts]
+        out_ref, lse_ref, (smem, bars) = refs[2 * n_parts], refs[2 * n_parts + 1], refs[2 * n_parts + 2]
+        q_smem, k_smem, codes_smem, rope_smem, scl_smem, idx_smem, meta_smem, lse_smem = smem
+        (q_ready, meta_ready, idx_ready, raw_ready, raw_free, k_ready, k_free) = bars
+        n, hg, s = lax.axis_index("row"), lax.axis_index("heads"), lax.axis_index("split")
+        wg = lax.axis_index("wg")
+
+        @pl.when(wg == 2)
+        def _():
+            plgpu.copy_gmem_to_smem(meta_ref.at[n], meta_smem, meta_ready.at[0])
+            plgpu.copy_gmem_to_smem(q_ref.at[n, pl.ds(hg * BLOCK, BLOCK)], q_smem, q_ready.at[0])
+
+        plgpu.barrier_wait(meta_ready.at[0])
+        total = meta_smem[2 * NB]
+        per = lax.div(total + (splits - 1), i32(splits))
+        j0 = jnp.minimum(s * per, total)
+        j1 = jnp.minimum(j0 + per, total)
+
+        def compute(w):  # compute warpgroup w: output dims [w * 256, (w + 1) * 256), its half of the tiles
+            plgpu.set_max_registers(232, action="increase")
+            plgpu.barrier_wait(q_ready.at[0])
+            m = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((BLOCK,), 0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.full((BLOCK, HALF), 0, jnp.float32), plgpu.Layout.WGMMA)
+            cols_out = pl.ds(w * HALF, HALF)
+
+            def dequant(slot, t):  # tile t of the block in raw slot ``slot`` (static) -> k_smem
+                scl = plgpu.load(scl_smem[slot].at[pl.ds(t * BLOCK, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(1),
+                                 optimized=False)
+                x = plgpu.load(codes_smem[slot][t // 2].at[:, pl.ds(t % 2 * 64, 64)], (), layout=plgpu.Layout.WGMMA,
+                               optimized=False)
+                x = x.astype(jnp.float16).astype(jnp.float32) * lax.broadcast_in_dim(scl, (BLOCK, 64), [0])
+                k_smem[:, pl.ds(t * 64, 64)] = x.astype(jnp.bfloat16)
+
+            def step(j, carry, slot):  # block j of the list, in raw slot ``slot`` = (j - j0) % 2
+                acc, m, l = carry
+                b = meta_smem[j]
+                nv = meta_smem[NB + b]
+                plgpu.barrier_wait(raw_ready.at[slot])
+                for t in range(4 * w, min(4 * w + 4, NOPE_TILES)):
+                    dequant(slot, t)
+                if w == 1:
+                    r = plgpu.load(rope_smem[slot], (), layout=plgpu.Layout.WGMMA, optimized=False)
+                    k_smem[:, pl.ds(NOPE, ROPE)] = r
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(raw_free.at[slot])
+                plgpu.barrier_arrive(k_ready)
+                plgpu.barrier_wait(k_ready)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.transpose((1, 0)))
+                    return acc_ref[...]
+
+                sc = pl.run_scoped(qk, plgpu.ACC((BLOCK, BLOCK), jnp.float32))
+                cols = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 1, layout=plgpu.Layout.WGMMA)
+                sc = jnp.where(cols < nv, sc, -jnp.inf)
+                m_new = jnp.maximum(m, sc.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(sc * c - lax.broadcast_in_dim(m_new, sc.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(jnp.bfloat16)
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, k_smem.at[:, cols_out])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(k_free)
+                plgpu.barrier_wait(k_free)
+                return acc, m_new, l
+
+            def pair(i, carry):  # two blocks: the raw slots stay static
+                carry = step(j0 + 2 * i, carry, 0)
+                return step(j0 + 2 * i + 1, carry, 1)
+
+            count = j1 - j0
+            carry = lax.fori_loop(0, lax.div(count, i32(2)), pair, (acc, m, l))
+            acc, m, l = lax.fori_loop(0, lax.rem(count, i32(2)), lambda i, c: step(j1 - 1, c, 0), carry)
+            has = l > 0
+            acc = acc / lax.broadcast_in_dim(jnp.where(has, l, 1.0), acc.shape, [0])
+            k_smem[:, cols_out] = acc.astype(jnp.bfloat16)
+            if w == 0:
+                lse_smem[...] = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(k_ready)
+            plgpu.barrier_wait(k_ready)
+            if w == 0:
+                row = n * splits + s
+                plgpu.copy_smem_to_gmem(k_smem, out_ref.at[row, pl.ds(hg * BLOCK, BLOCK)])
+                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[row, pl.ds(hg * BLOCK, BLOCK)])
+                plgpu.wait_smem_to_gmem(0)
+
+        for w in (0, 1):
+            pl.when(wg == w)(functools.partial(compute, w))
+
+        @pl.when(wg == 2)
+        def _stream():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def load(j, slot):  # block j of the list into raw slot ``slot`` (static)
+                b = meta_smem[j]
+                plgpu.copy_gmem_to_smem(rows_ref.at[n, pl.ds(b * BLOCK, BLOCK)], idx_smem[slot], idx_ready.at[slot])
+                for h in range(2):  # f32[8 * 64] in two TMA boxes of 256
+                    plgpu.copy_gmem_to_smem(scales_ref.at[n, pl.ds(b * TILES * BLOCK + 256 * h, 256)],
+                                            scl_smem[slot].at[pl.ds(256 * h, 256)], raw_ready.at[slot])
+                plgpu.barrier_wait(idx_ready.at[slot])
+                for p in range(n_parts):
+                    bs, c0, cz, r0, rz = geo[p]
+
+                    @pl.when((b >= bounds[p]) & (b < bounds[p + 1]))
+                    def _():
+                        @pl.loop(0, BLOCK)
+                        def _(r):
+                            e = idx_smem[slot][r]
+                            blk, sl = lax.div(e, i32(bs)), lax.rem(e, i32(bs))
+                            base = c0 + sl * cz
+                            one = pl.ds(blk, 1), pl.ds(r, 1)  # 2-D boxes: Mosaic's layout inference needs them
+                            for k_, w_ in enumerate(CODE_BOXES):  # one buffer per 128-byte column tile
+                                plgpu.copy_gmem_to_smem(codes_refs[p].at[one[0], pl.ds(base + 128 * k_, w_)],
+                                                        codes_smem[slot][k_].at[one[1], pl.ds(0, w_)], raw_ready.at[slot])
+                            plgpu.copy_gmem_to_smem(rope_refs[p].at[one[0], pl.ds(r0 + sl * rz, ROPE)],
+                                                    rope_smem[slot].at[one[1]], raw_ready.at[slot])
+
+            for i in range(STAGES):
+                pl.when(j0 + i < j1)(functools.partial(load, j0 + i, i))
+
+            @pl.loop(0, lax.div(jnp.maximum(j1 - j0 - STAGES, 0) + 1, i32(2)))
+            def _(i):
+                j = j0 + STAGES + 2 * i
+                plgpu.barrier_wait(raw_free.at[0])
+                load(j, 0)
+
+                @pl.when(j + 1 < j1)
+                def _():
+                    plgpu.barrier_wait(raw_free.at[1])
+                    load(j + 1, 1)
+
+    def entry(*refs):
+        tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # q
+                plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # dequantized K (then the output)
+                [[plgpu.SMEM((BLOCK, 128), jnp.float8_e4m3fn)] * len(CODE_BOXES)] * STAGES,  # raw FP8 codes by 128 columns
+                [plgpu.SMEM((BLOCK, ROPE), jnp.bfloat16)] * STAGES,  # raw rope dims
+                [plgpu.SMEM((TILES * BLOCK,), jnp.float32)] * STAGES,  # row scales, tile-major
+                [plgpu.SMEM((BLOCK,), jnp.int32)] * STAGES,  # the block's row ids
+                plgpu.SMEM((meta.shape[1],), jnp.int32),
+                plgpu.SMEM((BLOCK,), jnp.float32))
+        bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=STAGES),
+                plgpu.Barrier(num_arrivals=(len(CODE_BOXES) + 1) * BLOCK + 2, num_barriers=STAGES),
+                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+                plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, bars, collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16),
+                  jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
+        grid=(N, H // BLOCK, splits),
+        grid_names=("row", "heads", "split"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )(q, meta, rows, scales.reshape(N, -1), *codes_in, *rope_in)
+
+
+def merge_with_sink(out, lse2, sink):
+    """out bf16[N, S, H, D] per-split normalized, lse2 f32[N, S, H] (base 2), sink f32[H]
+    -> f32[N, H, D]: the attention over the splits' union with the sink in the denominator."""
+    lse = lse2 / LOG2E  # natural log
+    s = jnp.asarray(sink, jnp.float32)[None, None, :]
+    top = jnp.maximum(jnp.max(lse, axis=1, keepdims=True), s)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w = jnp.exp(lse - top)  # [N, S, H]
+    num = jnp.sum(jnp.where(w[..., None] > 0, out.astype(jnp.float32), 0.0) * w[..., None], axis=1)
+    den = jnp.sum(w, axis=1) + jnp.exp(s[:, 0] - top[:, 0])
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
+def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+    """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
+    pools = tuple(pools)
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage)
+    scale = HEAD_DIM**-0.5 if scale is None else scale
+    N, H, D = q.shape
+    scales = row_scales(pools, part_blocks, rows, storage)
+    out, lse = _partials(q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale),
+                         splits=splits)
+    out = merge_with_sink(out.reshape(N, splits, H, D), lse.reshape(N, splits, H), sink)
+    return out.astype(jnp.bfloat16)
+
+
+__all__ = ["pool_attention", "ref_pool_attention", "row_scales", "merge_with_sink"]

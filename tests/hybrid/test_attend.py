@@ -1,0 +1,151 @@
+"""hybrid.attention: the XLA path, the kernel path's row building (CPU, through the kernel's
+float32 reference) and the Mosaic GPU kernel (Hopper), on caches filled by prepare_forward /
+compress / write_window with random inputs, requests at different positions."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hybrid_driver as D
+from jaxkv import hybrid as H
+from jaxkv._backend import is_hopper
+from jaxkv.hybrid import attend
+from jaxkv.kernels.pool_attention import ref_pool_attention
+
+HEADS = 64 if is_hopper() else 2  # the kernel takes heads by 64; the CPU tests run its reference
+CFG = H.HybridConfig(compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k=24, block_size=32,
+                     max_requests=4, max_context=512)
+
+
+def _filled(rng, storage, lengths):
+    """A cache whose requests (slots 0..) hold ``lengths`` tokens, fed in ragged chunks."""
+    cfg = dataclasses.replace(CFG, storage=storage)
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
+    B, T = len(lengths), max(lengths)
+    inputs = D.make_inputs(cfg, rng, B, T)
+    state, step = H.prepare_forward(state, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.array(lengths), chunk=T)
+    state, _, _ = D.model_step(state, step, inputs, params)
+    return state, params
+
+
+def _copy(state):
+    """A copy of the state (the layer ops donate theirs)."""
+    return jax.tree.map(jnp.copy, state)
+
+
+def _layer_inputs(state, rng, step, T, params, layer):
+    """(a copy of the state after this layer's compress, q, kv, idx) for the step's tokens."""
+    state = _copy(state)
+    c = state.config
+    B = step.slot.shape[0]
+    x = D.make_inputs(c, rng, B, T)[layer]
+    q = jnp.asarray(rng.normal(size=(B, T, HEADS, c.head_dim)), jnp.bfloat16)
+    idx = None
+    if c.kind(layer) == H.CSA:
+        state = H.compress(state, step, layer, x["ckv"], x["cscore"], params[layer]["main"],
+                           index=(x["ikv"], x["iscore"], params[layer]["index"]))
+        idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
+    elif c.kind(layer) == H.HCA:
+        state = H.compress(state, step, layer, x["ckv"], x["cscore"], params[layer]["main"])
+    return state, q, x["kv"], idx
+
+
+def _steps(rng, storage):
+    """Yields (state, step, T) for a decode step and a ragged prefill chunk."""
+    filled, params = _filled(rng, storage, [40, 7, 100])
+    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37)):
+        state, step = H.prepare_forward(_copy(filled), jnp.arange(3), jnp.array([40, 7, 100]), jnp.array(counts), chunk=T)
+        yield state, step, T, params
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
+    def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
+        return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
+    monkeypatch.setattr(attend, "pool_attention", ref)
+    resolve = attend._backend.resolve
+    monkeypatch.setattr(attend._backend, "resolve",
+                        lambda op, impl, **kw: impl if op == "hybrid.attention" else resolve(op, impl, **kw))
+
+
+def _valid_rows(out, step):
+    """Only rows of real tokens carry meaning."""
+    n = np.asarray(step.num_tokens)
+    return [np.asarray(out[b, :n[b]], np.float32) for b in range(out.shape[0])]
+
+
+def test_kernel_rows_equal_the_xla_path(rng, reference_kernel):
+    """The rows the kernel path reads (ring before the step, own tokens, picked / visible
+    entries through block tables) give the XLA path's attention, every layer kind."""
+    for state, step, T, params in _steps(rng, "official"):  # the kernel reads official pools only
+        for layer in range(state.config.num_layers):
+            st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
+            sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+            x = H.attention(st, step, layer, q, sink, kv, idx, impl="xla")
+            k = H.attention(st, step, layer, q, sink, kv, idx, impl="pallas")
+            for a, b in zip(_valid_rows(x, step), _valid_rows(k, step)):
+                np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")
+
+
+def test_xla_path_is_the_driver_reference(rng):
+    """The XLA path is window_keys + gather_entries / all_entries + sparse_attention."""
+    state, params = _filled(rng, "official", [30, 60, 5])
+    state, step = H.prepare_forward(state, jnp.arange(3), jnp.array([30, 60, 5]), jnp.array([1, 1, 1]), chunk=1)
+    for layer in range(3):
+        st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, layer)
+        sink = params[layer]["sink"]
+        q2 = q[:, :, :D.Q_HEADS]
+        keys, pos = H.window_keys(st, step, layer, kv)
+        parts = [(keys, H.window_mask(pos, step, 1, st.config.window))]
+        if idx is not None:
+            parts.append((H.gather_entries(st, step, layer, idx), idx >= 0))
+        elif st.config.compress_ratios[layer]:
+            ent, _ = H.all_entries(st, step, layer)
+            parts.append((ent, H.causal_entry_mask(ent.shape[1], step, 1, st.config.compress_ratios[layer])))
+        ref = H.sparse_attention(q2, parts, sink, 512 ** -0.5)
+        out = H.attention(st, step, layer, q2, sink, kv, idx, impl="xla")
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=1e-2, rtol=1e-2)
+
+
+def test_bad_inputs(rng):
+    state, params = _filled(rng, "official", [10, 3])
+    state, step = H.prepare_forward(state, jnp.arange(2), jnp.array([10, 3]), jnp.array([1, 1]), chunk=1)
+    st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, 1)
+    sink = jnp.zeros((HEADS,), jnp.float32) + 0.5
+    with pytest.raises(ValueError, match="idx: a CSA layer expects"):
+        H.attention(st, step, 1, q, sink, kv, None, impl="xla")
+    with pytest.raises(ValueError, match="idx: layer 2 is HCA"):
+        H.attention(st, step, 2, q, sink, kv, idx, impl="xla")
+    with pytest.raises(ValueError, match="q: expected bf16"):
+        H.attention(st, step, 1, q.astype(jnp.float32), sink, kv, idx, impl="xla")
+    with pytest.raises(ValueError, match="sink: expected"):
+        H.attention(st, step, 1, q, sink[:1], kv, idx, impl="xla")
+    with pytest.raises(ValueError, match="kv: expected"):
+        H.attention(st, step, 1, q, sink, kv[:, :, :100], idx, impl="xla")
+    with pytest.raises(ValueError, match="layer: expected"):
+        H.attention(st, step, 7, q, sink, kv, None, impl="xla")
+    with pytest.raises(ValueError, match="impl"):
+        H.attention(st, step, 0, q, sink, kv, None, impl="flashmla-nope")
+    if not is_hopper():
+        with pytest.raises(ValueError, match="Hopper"):
+            H.attention(st, step, 0, q, sink, kv, None, impl="pallas")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
+def test_kernel_equals_xla_on_gpu(rng):
+    storage = "official"  # per_entry: the kernel refuses it, auto picks xla
+    for state, step, T, params in _steps(rng, storage):
+        for layer in range(state.config.num_layers):
+            st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
+            sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+            x = H.attention(st, step, layer, q, sink, kv, idx, impl="xla")
+            k = H.attention(st, step, layer, q, sink, kv, idx, impl="pallas")
+            for a, b in zip(_valid_rows(x, step), _valid_rows(k, step)):
+                np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")

@@ -1,0 +1,90 @@
+"""kernels.pool_attention (Mosaic GPU, Hopper) against its float32 reference on fresh random pools."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv._backend import is_hopper
+from jaxkv.formats.storage import STORAGES, write_items
+from jaxkv.kernels.pool_attention import BLOCK, _decode_rows, pool_attention, ref_pool_attention, row_scales
+
+hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
+
+
+def _pool(rng, storage, blocks, bs):
+    """u8[blocks, bs * E]: every slot a random entry encoded by the storage's codec."""
+    codec = STORAGES[storage].entry
+    x = jnp.asarray(rng.normal(size=(blocks * bs, 512)) * rng.uniform(0.1, 4, size=(blocks * bs, 1)), jnp.bfloat16)
+    pool = jnp.zeros((1, blocks, bs * codec.bytes), jnp.uint8)
+    ids = jnp.arange(blocks * bs)
+    return write_items(pool, 0, ids // bs, ids % bs, codec.encode(x), codec.segments)[0]
+
+
+def _case(rng, storage, N, H, parts):
+    """parts: (pool blocks, block size, key blocks) each. Rows random in range; nvalid ragged
+    (full, partial and empty blocks; the last query row has no valid key at all)."""
+    pools = tuple(_pool(rng, storage, nb, bs) for nb, bs, _ in parts)
+    part_blocks = tuple(k for _, _, k in parts)
+    rows = np.concatenate([rng.integers(0, nb * bs, size=(N, k * BLOCK)) for nb, bs, k in parts], axis=1)
+    nvalid = rng.choice([0, 1, 17, 63, 64, 64], size=(N, sum(part_blocks)))
+    nvalid[-1] = 0
+    q = jnp.asarray(rng.normal(size=(N, H, 512)), jnp.bfloat16)
+    sink = jnp.asarray(rng.normal(size=(H,)), jnp.float32)
+    return q, pools, part_blocks, jnp.asarray(rows, jnp.int32), jnp.asarray(nvalid, jnp.int32), sink
+
+
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+def test_row_scales_rebuild_the_decoded_rows(rng, storage):
+    """The scales the kernel multiplies by, times the FP8 codes, are the codec's decoded rows."""
+    q, pools, pb, rows, nvalid, _ = _case(rng, storage, 3, 64, [(5, 64, 2), (4, 8, 1)])
+    dec = _decode_rows(pools, pb, rows, storage).astype(jnp.float32)  # [N, K, 512]
+    scales = row_scales(pools, pb, rows, storage)  # [N, NB * 8, 64]
+    N, K = rows.shape
+    s = scales.reshape(N, -1, 8, BLOCK).transpose(0, 1, 3, 2).reshape(N, K, 8)
+    assert bool(jnp.all(s[..., 7] == 1)) and bool(jnp.all(s > 0))
+    codes = dec[..., :448].reshape(N, K, 7, 64) / s[..., :7, None]  # exact: scales are what the codec used
+    recoded = (codes.astype(jnp.float8_e4m3fn).astype(jnp.float32) * s[..., :7, None]).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(recoded.reshape(N, K, 448), np.float32), np.asarray(dec[..., :448]))
+
+
+def test_reference_sink_and_empty_rows(rng):
+    q, pools, pb, rows, nvalid, sink = _case(rng, "official", 4, 64, [(6, 64, 2)])
+    out = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
+    assert bool(jnp.all(out[-1] == 0))  # no valid key: zeros, whatever the sink
+    big = ref_pool_attention(q, pools, pb, rows, nvalid, jnp.full((64,), 1e4, jnp.float32))
+    assert float(jnp.max(jnp.abs(big))) < 1e-6  # a dominant sink takes all the weight
+    assert float(jnp.max(jnp.abs(out[:-1]))) > 0.01
+
+
+def test_bad_inputs(rng):
+    q, pools, pb, rows, nvalid, sink = _case(rng, "official", 2, 64, [(4, 64, 1)])
+    with pytest.raises(ValueError, match="q: expected bf16"):
+        pool_attention(q.astype(jnp.float32), pools, pb, rows, nvalid, sink)
+    with pytest.raises(ValueError, match="q: expected bf16"):
+        pool_attention(q[:, :48], pools, pb, rows, nvalid, sink[:48])
+    with pytest.raises(ValueError, match="rows: expected int32"):
+        pool_attention(q, pools, pb, rows[:, :32], nvalid, sink)
+    with pytest.raises(ValueError, match="nvalid: expected int32"):
+        pool_attention(q, pools, pb, rows, nvalid[:, :0], sink)
+    with pytest.raises(ValueError, match="sink: expected"):
+        pool_attention(q, pools, pb, rows, nvalid, sink[:8])
+    with pytest.raises(ValueError, match=r"pools\[0\]: expected u8"):
+        pool_attention(q, (pools[0][:, :100],), pb, rows, nvalid, sink)
+    with pytest.raises(ValueError, match="storage: the kernel reads the official"):
+        pool_attention(q, pools, pb, rows, nvalid, sink, storage="per_entry")
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("H,splits", [(64, 1), (128, 3)])
+def test_kernel_matches_reference(rng, H, splits):
+    storage = "official"  # per_entry is refused (test_bad_inputs)
+    # three parts as a V4 layer has them: compressed entries (64-slot blocks), a ring, own tokens
+    q, pools, pb, rows, nvalid, sink = _case(rng, storage, 5, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
+    ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
+    out = pool_attention(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+    assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
+    again = pool_attention(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
