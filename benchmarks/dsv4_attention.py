@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.formats.storage import STORAGES, write_items
+from jaxkv.formats.storage import STORAGES, pack_items
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention, ref_pool_attention
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
@@ -30,9 +30,7 @@ WINDOW, BS = 128, 64
 def pool_of(key, blocks, bs):
     codec = STORAGES["official"].entry
     x = jax.random.normal(key, (blocks * bs, 512), jnp.bfloat16)
-    ids = jnp.arange(blocks * bs)
-    pool = jnp.zeros((1, blocks, bs * codec.bytes), jnp.uint8)
-    return write_items(pool, 0, ids // bs, ids % bs, codec.encode(x), codec.segments)[0]
+    return pack_items(codec.encode(x), bs, codec.segments)
 
 
 def case(B, H, K, key):

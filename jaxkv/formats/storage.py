@@ -228,6 +228,22 @@ def write_items(pool, layer: int, block, slot, items, segments):
     return pool
 
 
+def pack_items(items, block_size: int, segments):
+    """Items as a fresh segment-major block pool, item m at (block m // block_size, slot
+    m % block_size); the last block's spare slots are zeros.
+
+    items: u8[M, E] -> u8[ceil(M / block_size), block_size * E]
+    """
+    M, E = items.shape
+    blocks = -(-M // block_size)
+    x = jnp.pad(items, ((0, blocks * block_size - M), (0, 0))).reshape(blocks, block_size, E)
+    parts, off = [], 0
+    for z in segments:
+        parts.append(x[:, :, off:off + z].reshape(blocks, block_size * z))
+        off += z
+    return jnp.concatenate(parts, axis=1)
+
+
 def read_items(pool, layer: int, block, slot, segments):
     """Gather items from layer ``layer`` of a stacked segment-major block pool.
 

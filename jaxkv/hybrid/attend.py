@@ -19,10 +19,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv.formats.storage import write_items
-from jaxkv.hybrid.attention import causal_entry_mask, query_positions, sparse_attention, window_mask
+from jaxkv.formats.storage import pack_items
+from jaxkv.hybrid.attention import causal_entry_mask, query_positions, sparse_attention, visible_entries, window_mask
 from jaxkv.hybrid.config import CSA, HCA, SWA
-from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, window_keys
+from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention
@@ -70,18 +70,13 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
                       state, *args, axes=("batch",) * len(args), out="batch")
 
 
-def _visible_entries(step: Step, T: int, ratio: int):
-    """i32[B, T]: entries a query may see, ``(p + 1) // ratio``."""
-    return (query_positions(step, T) + 1) // ratio
-
-
 def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
     c = state.config
     T = q.shape[1]
     keys, pos = window_keys(state, step, layer, kv, impl="xla")
     parts = [(keys, window_mask(pos, step, T, c.window))]
     if kind == CSA:
-        ok = (idx >= 0) & (idx < _visible_entries(step, T, c.compress_ratios[layer])[..., None])
+        ok = (idx >= 0) & (idx < visible_entries(step, T, c.compress_ratios[layer])[..., None])
         parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
     elif kind == HCA:
         entries, _ = all_entries(state, step, layer, impl="xla")
@@ -117,7 +112,7 @@ def _pallas(state, step, layer, kind, q, kv, idx, sink, scale):
         pool = state.entries[g]  # u8[Lg, NB, bs * E]: rows of layer j are offset by j * NB blocks
         Lg, NB, width = pool.shape
         bs = c.block_size
-        vis = _visible_entries(step, T, ratio)[..., None]  # [B, T, 1]
+        vis = visible_entries(step, T, ratio)[..., None]  # [B, T, 1]
         if kind == CSA:
             e = idx
         else:
@@ -128,20 +123,16 @@ def _pallas(state, step, layer, kind, q, kv, idx, sink, scale):
         ids = (j * NB + jnp.maximum(blk, 0)) * bs + jnp.maximum(e, 0) % bs
         parts.append((pool.reshape(Lg * NB, width),) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
 
-    # the ring as it was before this step: item i holds the latest position < start that is i mod W
+    # the ring as it was before this step
     i = jnp.arange(W, dtype=jnp.int32)[None, :]
-    p0 = step.start[:, None]
-    ring_pos = p0 - 1 - jnp.mod(p0 - 1 - i, W)  # [B, W]
+    ring_pos = ring_positions(step, W)  # [B, W], -1: empty
     seen = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > pos[..., None] - W)  # [B, T, W]
     ring_ids = jnp.broadcast_to(((layer * R + step.slot[:, None]) * W + i)[:, None, :], (B, T, W))
     parts.append((state.window.reshape(-1, state.window.shape[-1]),)
                  + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
     # the step's own tokens t' with t - W < t' <= t, encoded as write_window will store them
-    items = codec.encode(row(kv).reshape(N, D))
-    M = -(-N // OWN_BLOCK)
-    own = write_items(jnp.zeros((1, M, OWN_BLOCK * codec.bytes), jnp.uint8), 0, jnp.arange(N) // OWN_BLOCK,
-                      jnp.arange(N) % OWN_BLOCK, items, codec.segments)[0]
+    own = pack_items(codec.encode(row(kv).reshape(N, D)), OWN_BLOCK, codec.segments)
     K = min(T, W)
     t = jnp.arange(T, dtype=jnp.int32)
     first = jnp.maximum(t - W + 1, 0)  # [T]

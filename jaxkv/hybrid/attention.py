@@ -85,8 +85,7 @@ def _index_scores(state, step, layer, q, weights):
     keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]
     dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HI)
     s = jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HI)
-    visible = jnp.arange(keys.shape[1])[None, None, :] < (query_positions(step, T) + 1)[..., None] // c.compress_ratios[layer]
-    return jnp.where(visible, s, -jnp.inf)
+    return jnp.where(causal_entry_mask(keys.shape[1], step, T, c.compress_ratios[layer]), s, -jnp.inf)
 
 
 def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None):
@@ -109,11 +108,14 @@ def window_mask(key_pos, step: Step, T: int, window: int):
     return (kp >= 0) & (kp <= p) & (kp > p - window)
 
 
+def visible_entries(step: Step, T: int, ratio: int):
+    """i32[B, T]: compressed entries the query at position p may see, ``(p + 1) // ratio``."""
+    return (query_positions(step, T) + 1) // ratio
+
+
 def causal_entry_mask(num_entries: int, step: Step, T: int, ratio: int):
     """bool[B, T, N]: query at position p sees compressed entry s iff ``s < (p + 1) // ratio``."""
-    p = query_positions(step, T)[..., None]
-    s = jnp.arange(num_entries)[None, None, :]
-    return s < (p + 1) // ratio
+    return jnp.arange(num_entries)[None, None, :] < visible_entries(step, T, ratio)[..., None]
 
 
 def sparse_attention(q, parts, sink, scale: float):

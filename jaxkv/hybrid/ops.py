@@ -266,14 +266,21 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
                       axes=("batch", "batch"), out=("batch", "batch"))
 
 
+def ring_positions(step: Step, window: int):
+    """i32[B, window]: the position ring item i holds before the step (the latest one
+    before ``start`` that is i mod window), -1 where empty."""
+    p = step.start[:, None]
+    pos = p - 1 - jnp.mod(p - 1 - jnp.arange(window)[None, :], window)
+    return jnp.where(pos >= 0, pos, -1)
+
+
 def _window_keys(state, step, layer, kv, impl):
     c = state.config
     fmt = c.storage_format
     B, T, _ = kv.shape
     j = jnp.arange(c.window)[None, :]
     p = step.start[:, None]
-    ring_pos = p - 1 - jnp.mod(p - 1 - j, c.window)  # latest position < start stored at item j
-    ring_pos = jnp.where(ring_pos >= 0, ring_pos, -1)
+    ring_pos = ring_positions(step, c.window)
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
     ring = _read(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage,
                  _gather_impl(impl))

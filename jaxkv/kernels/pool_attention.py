@@ -39,7 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, read_items, segment_offsets
+from jaxkv.kernels.dequant_gather import ref_dequant_gather
+from jaxkv.math.attention import merge_partials
+from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets
 
 STAGES = 2  # raw blocks in flight (static slots: the loops run over pairs of blocks)
 BLOCK = 64  # rows per block (a wgmma N tile); also heads per program (the M tile)
@@ -85,14 +87,14 @@ def _part_of(part_blocks):
 
 def _decode_rows(pools, part_blocks, rows, storage):
     """bf16[N, NB * 64, 512]: every row of every block decoded (the storage's codec)."""
-    codec = STORAGES[storage].entry
+    E = STORAGES[storage].entry_bytes
     bounds = _part_of(part_blocks)
     out = []
     for p, pool in enumerate(pools):
-        bs = pool.shape[1] // codec.bytes
+        bs = pool.shape[1] // E
         ids = rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK]
-        items = read_items(pool[None], 0, ids // bs, ids % bs, codec.segments)
-        out.append(codec.decode(items).astype(jnp.bfloat16))
+        flat = ref_dequant_gather(pool[None], 0, (ids // bs).reshape(-1), (ids % bs).reshape(-1), storage)
+        out.append(flat.reshape(*ids.shape, HEAD_DIM))
     return jnp.concatenate(out, axis=1)
 
 
@@ -339,19 +341,6 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
     )(q, meta, rows, scales.reshape(N, -1), *codes_in, *rope_in)
 
 
-def merge_with_sink(out, lse2, sink):
-    """out bf16[N, S, H, D] per-split normalized, lse2 f32[N, S, H] (base 2), sink f32[H]
-    -> f32[N, H, D]: the attention over the splits' union with the sink in the denominator."""
-    lse = lse2 / LOG2E  # natural log
-    s = jnp.asarray(sink, jnp.float32)[None, None, :]
-    top = jnp.maximum(jnp.max(lse, axis=1, keepdims=True), s)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    w = jnp.exp(lse - top)  # [N, S, H]
-    num = jnp.sum(jnp.where(w[..., None] > 0, out.astype(jnp.float32), 0.0) * w[..., None], axis=1)
-    den = jnp.sum(w, axis=1) + jnp.exp(s[:, 0] - top[:, 0])
-    return num / jnp.where(den > 0, den, 1.0)[..., None]
-
-
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
@@ -362,8 +351,8 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     scales = row_scales(pools, part_blocks, rows, storage)
     out, lse = _partials(q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale),
                          splits=splits)
-    out = merge_with_sink(out.reshape(N, splits, H, D), lse.reshape(N, splits, H), sink)
-    return out.astype(jnp.bfloat16)
+    out = merge_partials(out.reshape(N, splits, 1, H, D), lse.reshape(N, splits, 1, H), base2=True, sink=sink)
+    return out[:, 0].astype(jnp.bfloat16)
 
 
-__all__ = ["pool_attention", "ref_pool_attention", "row_scales", "merge_with_sink"]
+__all__ = ["pool_attention", "ref_pool_attention", "row_scales"]

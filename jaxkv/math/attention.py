@@ -7,6 +7,8 @@ key chunks: one definition of each.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax import lax
 
@@ -33,17 +35,25 @@ def ref_attention(q, k, v, mask, scale=None):
     return out.reshape(B, Tq, Hq, D)
 
 
-def merge_partials(out, lse, *, base2: bool = False):
+def merge_partials(out, lse, *, base2: bool = False, sink=None):
     """Combine attentions over disjoint key chunks into the attention over their union.
 
     out: float[B, n, Tq, Hq, D] each chunk's normalized output;
     lse: f32[B, n, Tq, Hq] each chunk's log-sum-exp of its logits (natural log, or base 2
     with ``base2``), -inf for a chunk with no keys (its ``out`` is ignored, whatever it holds)
+    sink: f32[Hq] or None: a per-head logit (natural log) added to every denominator (an
+    attention sink: weight, no value)
     returns float32[B, Tq, Hq, D]; zeros where no chunk has keys
     """
     top = jnp.max(lse, axis=1, keepdims=True)
-    shifted = lse - jnp.where(jnp.isfinite(top), top, 0.0)
-    w = (jnp.exp2(shifted) if base2 else jnp.exp(shifted))[..., None]  # 0 for an empty chunk
+    if sink is not None:
+        sink = jnp.asarray(sink, jnp.float32) * (math.log2(math.e) if base2 else 1.0)
+        top = jnp.maximum(top, sink)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    exp = jnp.exp2 if base2 else jnp.exp
+    w = exp(lse - top)[..., None]  # 0 for an empty chunk
     total = jnp.sum(w, axis=1)
+    if sink is not None:
+        total = total + exp(sink - top[:, 0])[..., None]
     merged = jnp.sum(jnp.where(w > 0, out.astype(jnp.float32), 0.0) * w, axis=1)
     return merged / jnp.where(total > 0, total, 1.0)
