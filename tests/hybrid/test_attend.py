@@ -2,8 +2,6 @@
 float32 reference) and the Mosaic GPU kernel (Hopper), on caches filled by prepare_forward /
 compress / write_window with random inputs, requests at different positions."""
 
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -21,13 +19,22 @@ CFG = H.HybridConfig(compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k
                      max_requests=4, max_context=512)
 
 
-def _filled(rng, storage, lengths):
-    """A cache whose requests (slots 0..) hold ``lengths`` tokens, fed in ragged chunks."""
-    cfg = dataclasses.replace(CFG, storage=storage)
-    params = D.make_params(cfg, rng)
-    state = H.init(cfg)
+LENGTHS = (40, 7, 100)
+
+
+@pytest.fixture(scope="module")
+def filled():
+    """One filled cache for the module (compiling the fill is most of these tests' time):
+    requests in slots 0, 1, 2 hold ``LENGTHS`` tokens, fed in one ragged chunk."""
+    return _filled(np.random.default_rng(21), LENGTHS)
+
+
+def _filled(rng, lengths):
+    """(a cache whose requests (slots 0..) hold ``lengths`` tokens, fed in ragged chunks, params)."""
+    params = D.make_params(CFG, rng)
+    state = H.init(CFG)
     B, T = len(lengths), max(lengths)
-    inputs = D.make_inputs(cfg, rng, B, T)
+    inputs = D.make_inputs(CFG, rng, B, T)
     state, step = H.prepare_forward(state, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.array(lengths), chunk=T)
     state, _, _ = D.model_step(state, step, inputs, params)
     return state, params
@@ -55,11 +62,11 @@ def _layer_inputs(state, rng, step, T, params, layer):
     return state, q, x["kv"], idx
 
 
-def _steps(rng, storage):
-    """Yields (state, step, T) for a decode step and a ragged prefill chunk."""
-    filled, params = _filled(rng, storage, [40, 7, 100])
-    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37)):
-        state, step = H.prepare_forward(_copy(filled), jnp.arange(3), jnp.array([40, 7, 100]), jnp.array(counts), chunk=T)
+def _steps(filled, chunk=True):
+    """Yields (state, step, T, params) for a decode step and (``chunk``) a ragged prefill chunk."""
+    state0, params = filled
+    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37))[:1 + chunk]:
+        state, step = H.prepare_forward(_copy(state0), jnp.arange(3), jnp.array(LENGTHS), jnp.array(counts), chunk=T)
         yield state, step, T, params
 
 
@@ -80,23 +87,31 @@ def _valid_rows(out, step):
     return [np.asarray(out[b, :n[b]], np.float32) for b in range(out.shape[0])]
 
 
-def test_kernel_rows_equal_the_xla_path(rng, reference_kernel):
-    """The rows the kernel path reads (ring before the step, own tokens, picked / visible
-    entries through block tables) give the XLA path's attention, every layer kind."""
-    for state, step, T, params in _steps(rng, "official"):  # the kernel reads official pools only
+def _assert_paths_agree(rng, filled):
+    """impl="pallas" equals impl="xla" for every layer kind, decode and a ragged chunk
+    (official storage: the kernel reads no other)."""
+    for state, step, T, params in _steps(filled):
         for layer in range(state.config.num_layers):
             st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
             sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
-            x = H.attention(st, step, layer, q, sink, kv, idx, impl="xla")
-            k = H.attention(st, step, layer, q, sink, kv, idx, impl="pallas")
+            # jitted (eager dispatch is most of the CPU time); a fresh lambda: no trace shared with
+            # another test, whose kernel may be patched
+            run = jax.jit(lambda *a, impl: H.attention(*a[:2], layer, *a[2:], impl=impl), static_argnames="impl")
+            x = run(st, step, q, sink, kv, idx, impl="xla")
+            k = run(st, step, q, sink, kv, idx, impl="pallas")
             for a, b in zip(_valid_rows(x, step), _valid_rows(k, step)):
                 np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")
 
 
-def test_xla_path_is_the_driver_reference(rng):
+def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
+    """The rows the kernel path reads (ring before the step, own tokens, picked / visible
+    entries through block tables) give the XLA path's attention."""
+    _assert_paths_agree(rng, filled)
+
+
+def test_xla_path_is_the_driver_reference(rng, filled):
     """The XLA path is window_keys + gather_entries / all_entries + sparse_attention."""
-    state, params = _filled(rng, "official", [30, 60, 5])
-    state, step = H.prepare_forward(state, jnp.arange(3), jnp.array([30, 60, 5]), jnp.array([1, 1, 1]), chunk=1)
+    state, step, _, params = next(_steps(filled, chunk=False))
     for layer in range(3):
         st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, layer)
         sink = params[layer]["sink"]
@@ -113,9 +128,8 @@ def test_xla_path_is_the_driver_reference(rng):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=1e-2, rtol=1e-2)
 
 
-def test_bad_inputs(rng):
-    state, params = _filled(rng, "official", [10, 3])
-    state, step = H.prepare_forward(state, jnp.arange(2), jnp.array([10, 3]), jnp.array([1, 1]), chunk=1)
+def test_bad_inputs(rng, filled):
+    state, step, _, params = next(_steps(filled, chunk=False))
     st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, 1)
     sink = jnp.zeros((HEADS,), jnp.float32) + 0.5
     with pytest.raises(ValueError, match="idx: a CSA layer expects"):
@@ -139,13 +153,5 @@ def test_bad_inputs(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
-def test_kernel_equals_xla_on_gpu(rng):
-    storage = "official"  # per_entry: the kernel refuses it, auto picks xla
-    for state, step, T, params in _steps(rng, storage):
-        for layer in range(state.config.num_layers):
-            st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
-            sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
-            x = H.attention(st, step, layer, q, sink, kv, idx, impl="xla")
-            k = H.attention(st, step, layer, q, sink, kv, idx, impl="pallas")
-            for a, b in zip(_valid_rows(x, step), _valid_rows(k, step)):
-                np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")
+def test_kernel_equals_xla_on_gpu(rng, filled):
+    _assert_paths_agree(rng, filled)

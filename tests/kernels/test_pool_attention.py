@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxkv._backend import is_hopper
-from jaxkv.formats.storage import STORAGES, write_items
+from jaxkv.formats.storage import STORAGES, pack_items
 from jaxkv.kernels.pool_attention import BLOCK, _decode_rows, pool_attention, ref_pool_attention, row_scales
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
@@ -16,9 +16,7 @@ def _pool(rng, storage, blocks, bs):
     """u8[blocks, bs * E]: every slot a random entry encoded by the storage's codec."""
     codec = STORAGES[storage].entry
     x = jnp.asarray(rng.normal(size=(blocks * bs, 512)) * rng.uniform(0.1, 4, size=(blocks * bs, 1)), jnp.bfloat16)
-    pool = jnp.zeros((1, blocks, bs * codec.bytes), jnp.uint8)
-    ids = jnp.arange(blocks * bs)
-    return write_items(pool, 0, ids // bs, ids % bs, codec.encode(x), codec.segments)[0]
+    return jax.jit(lambda x: pack_items(codec.encode(x), bs, codec.segments))(x)
 
 
 def _case(rng, storage, N, H, parts):
@@ -38,8 +36,8 @@ def _case(rng, storage, N, H, parts):
 def test_row_scales_rebuild_the_decoded_rows(rng, storage):
     """The scales the kernel multiplies by, times the FP8 codes, are the codec's decoded rows."""
     q, pools, pb, rows, nvalid, _ = _case(rng, storage, 3, 64, [(5, 64, 2), (4, 8, 1)])
-    dec = _decode_rows(pools, pb, rows, storage).astype(jnp.float32)  # [N, K, 512]
-    scales = row_scales(pools, pb, rows, storage)  # [N, NB * 8, 64]
+    dec = jax.jit(_decode_rows, static_argnums=(1, 3))(pools, pb, rows, storage).astype(jnp.float32)  # [N, K, 512]
+    scales = jax.jit(row_scales, static_argnums=(1, 3))(pools, pb, rows, storage)  # [N, NB * 8, 64]
     N, K = rows.shape
     s = scales.reshape(N, -1, 8, BLOCK).transpose(0, 1, 3, 2).reshape(N, K, 8)
     assert bool(jnp.all(s[..., 7] == 1)) and bool(jnp.all(s > 0))
