@@ -12,8 +12,8 @@ eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 "reduce-overhead" targets on the FlashInfer path). Upstream comes from
 ``$LINGBOT_MAP_SRC``; without FlashInfer upstream runs its SDPA backend (said in the table).
 
-``--long N``: instead, stream N frames through the port (and ``--long-upstream M`` frames
-through upstream's FlashInfer path), recording memory in use and the peak every 1,000
+``--long N`` / ``--long-upstream M``: instead, stream N frames through the port and M through
+upstream's FlashInfer path (either alone), recording memory in use and the peak every 1,000
 frames; prints the growth per 1,000 frames. ``--small``: ViT-S on whatever device JAX and
 torch have (a smoke test of this script on CPU).
 
@@ -28,8 +28,9 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 
-from jaxkv.models.lingbot import LingbotConfig, LingbotStream, upstream
+from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream, upstream
 from jaxkv.models.lingbot.convert import from_state_dict
 
 
@@ -58,10 +59,11 @@ def video(frames: np.ndarray, n: int):
     return itertools.islice(itertools.cycle(frames), n)
 
 
-def run_port(config, frames, warm, sd, n=None, every=None):
-    """ms per frame (synced each frame; with ``every``: wall time per block) and memory marks."""
+def run_port(config, frames, warm, sd=None, n=None, every=None):
+    """ms per frame (synced each frame; with ``every``: wall time per block) and memory marks.
+    sd: upstream's weights, or None for the port's own random init."""
     t = time.perf_counter()
-    model, _ = from_state_dict(config, sd)
+    model = LingbotMap(config, rngs=nnx.Rngs(0)) if sd is None else from_state_dict(config, sd)[0]
     print(f"port: built and loaded in {time.perf_counter() - t:.1f} s", flush=True)
     stream = LingbotStream(model)
     n = len(frames) if n is None else n
@@ -80,6 +82,8 @@ def run_port(config, frames, warm, sd, n=None, every=None):
             else:
                 times.append((t - t0) / every)
                 marks.append((i, *_jax_mem()))
+                print(f"port: frame {i}, in use {marks[-1][1] / 2**30:.3f} GiB, peak {marks[-1][2] / 2**30:.3f} GiB, "
+                      f"{times[-1] * 1e3:.2f} ms/frame", flush=True)
             t0 = t
     peak = _jax_mem()[1]
     last = {k: np.asarray(v, np.float32) for k, v in out.items()}
@@ -148,17 +152,22 @@ def main():
     p.add_argument("--small", action="store_true", help="ViT-S config (smoke test)")
     args = p.parse_args()
     w, h = map(int, args.size.split("x"))
-    src = upstream.source()
-    if src is None:
-        raise SystemExit("set LINGBOT_MAP_SRC to an upstream lingbot-map checkout")
-    import torch
-
     n = args.warm + args.frames
     total = max(n, args.long, args.long_upstream)
     base = LingbotConfig.small() if args.small else LingbotConfig()
     config = base.replace(height=h, width=w, max_frame_num=total + 100,
                           dtype="float32" if args.small else "bfloat16")
     frames = np.random.default_rng(0).random((min(n, 160), h, w, 3), np.float32)
+    device = jax.devices()[0].device_kind
+    if args.long and not args.long_upstream:  # the port alone: its own random weights, no torch in the process
+        rows = {"port (jaxkv)": run_port(config, frames, 0, None, n=args.long, every=args.every)}
+        _print_long_table(w, h, config, device, args.every, rows)
+        return
+    src = upstream.source()
+    if src is None:
+        raise SystemExit("set LINGBOT_MAP_SRC to an upstream lingbot-map checkout")
+    import torch
+
     try:
         import flashinfer  # noqa: F401
         backend = "flashinfer" if torch.cuda.is_available() else "sdpa"
@@ -169,25 +178,24 @@ def main():
     if torch.cuda.is_available():
         ref = ref.cuda()
     sd = upstream.state_dict(ref)
-    device = jax.devices()[0].device_kind
-    if args.long:
-        rows = {"port (jaxkv)": run_port(config, frames, 0, sd, n=args.long, every=args.every)}
+    if args.long or args.long_upstream:
+        rows = {}
+        if args.long:
+            rows["port (jaxkv)"] = run_port(config, frames, 0, sd, n=args.long, every=args.every)
         if args.long_upstream:
-            rows[f"upstream {backend}"] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream,
-                                                       every=args.every)
-        print(f"\nlingbot-map long video, {w}x{h}, {config.dtype}, {device}: memory in use every {args.every} frames")
-        print(f"{'contender':<22}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
-        for name, (t, _, _, marks) in rows.items():
-            for (f, used, peak), ms in zip(marks, t):
-                print(f"{name:<22}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
-        for name, (_, peak, _, marks) in rows.items():
-            print(f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
-                  f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames")
+            name = f"upstream {backend}"
+            rows[name] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream, every=args.every)
+            _print_long(name, rows[name])
+        _print_long_table(w, h, config, device, args.every, rows)
         return
     rows = {"port (jaxkv)": run_port(config, frames, args.warm, sd)}
+    _print_row("port (jaxkv)", rows["port (jaxkv)"])
     rows[f"upstream {backend}"] = run_upstream(ref, frames, args.warm, config.num_scale_frames)
+    _print_row(f"upstream {backend}", rows[f"upstream {backend}"])
     if args.compile:
+        t = time.perf_counter()
         rows["upstream compiled"] = run_upstream(ref, frames, args.warm, config.num_scale_frames, compile_=True)
+        print(f"upstream compiled: {time.perf_counter() - t:.1f} s with its torch.compile builds", flush=True)
     ref_ms = np.median(rows[f"upstream {backend}"][0])
     port_last = rows["port (jaxkv)"][2]
     print(f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, "
@@ -198,6 +206,30 @@ def main():
                   for k in ("pose_enc", "depth_conf")) if name != "port (jaxkv)" else 0.0
         print(f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
               f"{peak / 2**30:>10.2f}{err:>20.3g}")
+
+
+def _print_long_table(w, h, config, device, every, rows):
+    print(f"\nlingbot-map long video, {w}x{h}, {config.dtype}, {device}: memory in use every {every} frames")
+    print(f"{'contender':<22}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
+    for name, (t, _, _, marks) in rows.items():
+        for (f, used, peak), ms in zip(marks, t):
+            print(f"{name:<22}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
+    for name, (_, peak, _, marks) in rows.items():
+        print(f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
+              f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames")
+
+
+def _print_row(name, row):
+    """One contender's figures as soon as it is done (a run cut off by a time limit keeps them)."""
+    t, peak = row[0], row[1]
+    print(f"{name}: {np.median(t):.2f} ms/frame (p90 {np.percentile(t, 90):.2f}), peak {peak / 2**30:.2f} GiB",
+          flush=True)
+
+
+def _print_long(name, row):
+    for (f, used, peak), ms in zip(row[3], row[0]):
+        print(f"{name}: frame {f}, in use {used / 2**30:.3f} GiB, peak {peak / 2**30:.3f} GiB, {ms:.2f} ms/frame",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -42,21 +42,38 @@ def no_tf32():
     torch.backends.cudnn.allow_tf32 = old[1]
 
 
-def _stream_both(config, frames, *, use_sdpa, interval, dtype=torch.float32, force_fp32=True):
-    ref_model = upstream.build(config, SRC, use_sdpa=use_sdpa).to("cuda" if ON_GPU else "cpu")
+def _upstream(config, *, use_sdpa):
+    model = upstream.build(config, SRC, use_sdpa=use_sdpa).to("cuda" if ON_GPU else "cpu")
     if not use_sdpa:
-        ref_model.aggregator.kv_cache_force_fp32 = force_fp32
-    port, _ = from_state_dict(config, upstream.state_dict(ref_model))
-    imgs = upstream.images_nchw(frames).to(next(ref_model.parameters()).device)
+        _flashinfer_fp32(model, True)
+    return model
+
+
+def _flashinfer_fp32(model, on):
+    """Upstream's FlashInfer manager in its float32 gather mode (or its bf16 pages); the manager
+    is built lazily on the next frame."""
+    model.aggregator.kv_cache_force_fp32 = on
+    model.aggregator.kv_cache_manager = None
+
+
+def _run_upstream(config, model, frames, *, interval, dtype=torch.float32):
+    imgs = upstream.images_nchw(frames).to(next(model.parameters()).device)
     ctx = torch.autocast("cuda", dtype=dtype) if dtype != torch.float32 else torch.autocast("cpu", enabled=False)
     with torch.no_grad(), ctx:
-        ref = ref_model.inference_streaming(imgs, num_scale_frames=config.num_scale_frames,
-                                            keyframe_interval=interval)
-    ref = {k: ref[k][0].float().cpu().numpy() for k in KEYS}
+        ref = model.inference_streaming(imgs, num_scale_frames=config.num_scale_frames, keyframe_interval=interval)
+    return {k: ref[k][0].float().cpu().numpy() for k in KEYS}
+
+
+def _run_port(config, model, frames, *, interval):
+    port, _ = from_state_dict(config, upstream.state_dict(model))
     with jax.default_matmul_precision("highest"):
         outs = list(LingbotStream(port, keyframe_interval=interval).run(list(frames)))
-    ours = {k: np.stack([np.asarray(o[k][0], np.float32) for o in outs]) for k in KEYS}
-    return ours, ref
+    return {k: np.stack([np.asarray(o[k][0], np.float32) for o in outs]) for k in KEYS}
+
+
+def _stream_both(config, frames, *, use_sdpa, interval):
+    model = _upstream(config, use_sdpa=use_sdpa)
+    return _run_port(config, model, frames, interval=interval), _run_upstream(config, model, frames, interval=interval)
 
 
 def _rel_err(ours, ref):
@@ -110,19 +127,28 @@ def test_keyframes_match_upstream_flashinfer_float32(no_tf32):
         assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
 
 
-BF16_BOUND = {"pose_enc": 0.1, "depth": 0.1, "depth_conf": 0.1}
+#: How much larger the port's bf16 error (against upstream in float32) may be than upstream's
+#: own bf16 error (its autocast against its float32), per output, as a max over frames.
+BF16_FACTOR = 2.0
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _flashinfer(), reason="needs a GPU and flashinfer (upstream's default backend)")
-def test_bf16_matches_upstream_flashinfer_within_bound():
-    """bf16 (upstream: autocast; the port: bf16 matmuls and caches, float32 norms, residuals and
-    heads). Two bf16 pipelines that round differently drift apart through 48 blocks; the bound
-    is on the per-frame relative error and is stated in BF16_BOUND."""
+def test_bf16_error_within_upstreams_own_bf16_error(no_tf32):
+    """bf16 has no exact answer to compare with: two bf16 pipelines that round differently
+    (upstream: autocast; the port: bf16 matmuls and caches, float32 norms and residuals) drift
+    apart through 48 blocks. The truth is float32, so the bound is relative to bf16's own cost:
+    the port in bf16 is within BF16_FACTOR of upstream-in-bf16's error against upstream in
+    float32 (TF32 off), per output, over keyframes, rollbacks and eviction."""
     config = LingbotConfig(dtype="bfloat16", kv_cache_sliding_window=4, max_frame_num=64)
-    ours, ref = _stream_both(config, _frames(config, 16, seed=2), use_sdpa=False, interval=2,
-                             dtype=torch.bfloat16, force_fp32=False)
-    errs = {k: _rel_err(ours[k], ref[k]) for k in KEYS}
-    print({k: np.array2string(v, precision=3) for k, v in errs.items()})
+    frames = _frames(config, 16, seed=2)
+    model = _upstream(config, use_sdpa=False)
+    truth = _run_upstream(config, model, frames, interval=2)
+    _flashinfer_fp32(model, False)
+    theirs = _run_upstream(config, model, frames, interval=2, dtype=torch.bfloat16)
+    ours = _run_port(config, model, frames, interval=2)
     for k in KEYS:
-        assert errs[k].max() <= BF16_BOUND[k], f"{k}: per-frame relative error {errs[k]}"
+        e_ours, e_theirs = _rel_err(ours[k], truth[k]), _rel_err(theirs[k], truth[k])
+        print(f"{k}: port bf16 {e_ours.max():.3g}, upstream bf16 {e_theirs.max():.3g} "
+              f"(port vs upstream bf16 {_rel_err(ours[k], theirs[k]).max():.3g})")
+        assert e_ours.max() <= BF16_FACTOR * e_theirs.max(), f"{k}: port {e_ours}, upstream bf16 {e_theirs}"
