@@ -27,6 +27,7 @@ class Fault(enum.IntFlag):
     SLOT_REPEATED = 1 << 8
     CONTEXT_EXHAUSTED = 1 << 9
     WRITE_WITHOUT_FRAME = 1 << 10
+    NONFINITE_KV = 1 << 11
 
 
 _MESSAGES = {
@@ -37,6 +38,8 @@ _MESSAGES = {
     Fault.LAYER_OUT_OF_RANGE: "layer index out of range: the write was skipped",
     Fault.WRITE_WITHOUT_FRAME: "write_layer with no frame begun (call begin_frame first; commit and rollback end "
     "a frame): nothing was written",
+    Fault.NONFINITE_KV: "non-finite K/V (NaN or Inf) in a write: that write was skipped for the stream or request "
+    "(the cache holds what the valid writes gave it)",
     Fault.POOL_EXHAUSTED: "block pool exhausted: the step's flushes needed more free blocks than were left; "
     "the request's step was skipped (finish requests, or raise pool_tokens)",
     Fault.POSITION_BACKWARDS: "position went backwards: the step's position is below the tokens the request "
@@ -66,6 +69,13 @@ class CacheError(RuntimeError):
 def record(error, fault_mask, fault: Fault):
     """error: u32[...], fault_mask: bool[...] -> error with ``fault`` ORed where the mask holds."""
     return error | jnp.where(fault_mask, jnp.uint32(int(fault)), jnp.uint32(0))
+
+
+def finite_rows(x, axes):
+    """bool: ``x`` has only finite values along ``axes`` (float arrays; others are finite)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.ones([d for i, d in enumerate(x.shape) if i not in axes], bool)
+    return jnp.all(jnp.isfinite(x), axis=axes)
 
 
 def check(state) -> None:

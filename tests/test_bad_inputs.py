@@ -245,6 +245,54 @@ def _traced_layer(rng):
     return _copy(st), jax.jit(frame.write_layer)(st, jnp.int32(5), _kv(rng, True), _kv(rng, True))
 
 
+def _poison(x, value, where):
+    """``x`` with ``value`` (NaN or Inf) at index ``where``."""
+    return x.at[where].set(value)
+
+
+def _nonfinite_append(rng):
+    st = _frame_state(rng)
+    k = _poison(_kv(rng), jnp.nan, (1, 0, 3, 1, 2))  # layer 1, stream 0
+    return _copy(st), frame.append(st, k, _kv(rng))
+
+
+def _nonfinite_write_layer(rng):
+    st = frame.begin_frame(_frame_state(rng))
+    return _copy(st), frame.write_layer(st, 1, _kv(rng, True), _poison(_kv(rng, True), -jnp.inf, (0, 6, 0, 7)))
+
+
+def _admitted(rng, chunk=4):
+    """Both requests admitted for a ``chunk``-token step (a valid operation), and its Step."""
+    return H.prepare_forward(_prefilled(), jnp.array([0, 1]), jnp.array([4, 4]), chunk=chunk)
+
+
+def _only(step, b):
+    """``step`` restricted to batch row ``b`` (what a replay without the other row writes)."""
+    return H.Step(*(x[b:b + 1] for x in (step.slot, step.write_slot, step.start, step.num_tokens, step.active)))
+
+
+def _nonfinite_write_window(rng):
+    st, step = _admitted(rng)
+    kv = jnp.asarray(rng.normal(size=(2, 4, CFG.head_dim)), jnp.bfloat16)
+    replay = H.write_window(_copy_j(st), _only(step, 1), 0, kv[1:])
+    return _copy(replay), H.write_window(st, step, 0, _poison(kv, jnp.nan, (0, 2, 5)))
+
+
+def _nonfinite_compress(rng):
+    st, step = _admitted(rng)
+    layer, ratio = 2, CFG.compress_ratios[2]  # HCA
+    params = H.CompressorParams(jnp.asarray(rng.normal(size=(ratio, CFG.head_dim)), jnp.float32),
+                                jnp.asarray(1 + 0.1 * rng.normal(size=(CFG.head_dim,)), jnp.float32))
+    kv, score = (jnp.asarray(rng.normal(size=(2, 4, CFG.head_dim)), jnp.float32) for _ in range(2))
+    replay = H.compress(_copy_j(st), _only(step, 0), layer, kv[:1], score[:1], params)
+    return _copy(replay), H.compress(st, step, layer, kv, _poison(score, jnp.inf, (1, 3, 0)), params)
+
+
+def _copy_j(state):
+    """A device copy (the ops donate their state)."""
+    return jax.tree.map(jnp.array, state)
+
+
 def _prefilled():
     return H.prepare_forward(H.init(CFG), jnp.array([0, 1]), jnp.array([0, 0]), chunk=4)[0]
 
@@ -276,6 +324,10 @@ FAULTS = [
     ("hybrid.prepare_forward: a position backwards", _hybrid_bad([0, 1], [2, 4], [1]), Fault.POSITION_BACKWARDS),
     ("hybrid.prepare_forward: a position gap", _hybrid_bad([0, 1], [9, 4], [1]), Fault.POSITION_GAP),
     ("hybrid.finish: slot 5 of 2", _finish_out_of_range, Fault.SLOT_OUT_OF_RANGE),
+    ("frame.append: NaN in one stream's K", _nonfinite_append, Fault.NONFINITE_KV),
+    ("frame.write_layer: -Inf in V", _nonfinite_write_layer, Fault.NONFINITE_KV),
+    ("hybrid.write_window: NaN in one row", _nonfinite_write_window, Fault.NONFINITE_KV),
+    ("hybrid.compress: Inf in one row's score", _nonfinite_compress, Fault.NONFINITE_KV),
 ]
 
 

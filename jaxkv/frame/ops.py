@@ -15,7 +15,7 @@ from jax import lax
 
 from jaxkv import _backend
 from jaxkv._backend import interpret
-from jaxkv.errors import Fault, record
+from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.frame import plan
 from jaxkv.frame.state import NONE, FrameCacheState, on_devices
 from jaxkv.kernels.frame_append import write_frame, write_rows
@@ -76,18 +76,22 @@ def _as_streams(x, B, name, dtype=jnp.bool_):
 
 
 # ---------------------------------------------------------------- append
-def begin_frame_moves(state: FrameCacheState, defer):
+def begin_frame_moves(state: FrameCacheState, defer, finite=None):
     """``begin_frame``, not jitted, also returning the row moves it made: -> (state,
     i32[B, 3] ``row_moves``). The rules are ``frame.plan.begin``'s; here faults skip the
-    frame and the token ids are written (and the K/V rows moved, where the state has them)."""
+    frame and the token ids are written (and the K/V rows moved, where the state has them).
+    finite: bool[B] or None, whether each stream's frame K/V is finite (``append``): a
+    stream whose K/V is not gets NONFINITE_KV and no frame."""
     s = state.spec
     B, ps, P, NS = s.num_streams, s.page_size, s.patches_per_frame, s.num_special
     defer = _as_streams(defer, B, "defer")
 
     pending_fault = state.pending != NONE
     capacity_fault = state.num_special + NS > s.special_capacity
-    ok = ~pending_fault & ~capacity_fault
+    nonfinite = jnp.zeros((B,), bool) if finite is None else ~finite
+    ok = ~pending_fault & ~capacity_fault & ~nonfinite
     error = record(record(state.error, pending_fault, Fault.APPEND_WHILE_PENDING), capacity_fault, Fault.SPECIAL_CAPACITY)
+    error = record(error, nonfinite, Fault.NONFINITE_KV)
 
     new = plan.begin(s, plan.counters(state), defer)
     patch_row = jnp.where(ok, new.patch_row, s.trash_row)  # where this frame goes (trash rows: skipped)
@@ -151,9 +155,13 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         targets = [(l, layer == l, k, v) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
+    finite = jnp.ones(state.write_patch_row.shape, bool)
     if layer is not None:  # write_layer: a frame must be open (a skipped frame has its own fault already)
         error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
-    for l, hit, kl, vl in targets:  # a missed layer's rows go to the trash
+        finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
+        error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
+    for l, hit, kl, vl in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
+        hit = hit & finite
         rows = dict(special_row=jnp.where(hit, state.write_special_row, s.trash_row),
                     patch_row=jnp.where(hit, state.write_patch_row, s.trash_row))
         kbufs[l] = write_rows(kbufs[l], kl, num_special=NS, page_size=ps, **rows)
@@ -221,6 +229,7 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     k, v: dtype[B, tokens_per_frame, H, D]  specials first, then patches, RoPE applied
     layer: int, or a traced i32[] (out of range: LAYER_OUT_OF_RANGE, nothing written; it
       writes through a mask on every layer's buffer, so prefer an int where you can)
+    A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and nothing written.
     """
     _check_frame_kv(state, k, v, per_layer=True)
     if isinstance(layer, int):
@@ -253,7 +262,8 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
 def _append(state, k, v, defer, impl):
     def local(state, k, v, defer):
-        state = begin_frame_moves(state, defer)[0]
+        finite = finite_rows(k, (0, 2, 3, 4)) & finite_rows(v, (0, 2, 3, 4))  # bool[B]
+        state = begin_frame_moves(state, defer, finite)[0]
         if impl == "pallas":
             return _write_all_pallas(state, k, v)
         return _write_kv(state, None, k, v)
@@ -268,6 +278,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
     impl: how the K/V rows are written — ``xla`` (dynamic-update-slices), ``pallas``
       (``jaxkv.kernels.write_frame``: one launch; on CPU only in interpret mode, slow),
       ``auto`` (``default_append_impl()``). The bookkeeping is the same jnp code.
+    A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and no frame.
     """
     _check_frame_kv(state, k, v, per_layer=False)
     return _append(state, k, v, defer, impl=_backend.resolve("frame.append", impl))

@@ -18,7 +18,7 @@ from jaxkv._backend import interpret
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather
 from jaxkv._pytree import cache_dataclass
-from jaxkv.errors import Fault, record
+from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.math.compressor import finalize, fold_chunk, next_tail
 from jaxkv.hybrid.config import CSA, HCA
 from jaxkv.hybrid.flush import WRITERS, check_impl
@@ -76,6 +76,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     overwritten within the same step). A ring is one block of ``window`` entries in the
     storage's entry format, so the flush-writers quantize and scatter it: impl as in
     ``compress`` ("xla", "cuda", "pallas", "auto"); same bytes.
+    A row whose real tokens hold a NaN or Inf writes nothing; its request gets NONFINITE_KV.
     """
     impl = check_impl(impl)
     check_layer(state, layer)
@@ -84,8 +85,31 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
                       axes=("batch", "batch"))
 
 
+def _nonfinite_rows(step: Step, *xs):
+    """bool[B]: a row whose real tokens (``t < num_tokens``) hold a NaN or Inf in any of ``xs``
+    (each float[B, T, w] or a ``Stacked`` row)."""
+    bad = jnp.zeros(step.num_tokens.shape, bool)
+    for x in xs:
+        x = row(x)
+        pad = jnp.arange(x.shape[1])[None, :, None] >= step.num_tokens[:, None, None]
+        bad |= ~finite_rows(jnp.where(pad, 0, x), (1, 2))
+    return bad & step.active
+
+
+def _skip_rows(state, step: Step, bad):
+    """The step without the ``bad`` rows (inactive, nothing written) and NONFINITE_KV on their
+    requests: a replay of the valid writes only."""
+    R = state.config.max_requests
+    err = state.error.at[jnp.where(bad, step.slot, R + 1)].set(
+        record(state.error[step.slot], True, Fault.NONFINITE_KV), mode="drop")
+    step = Step(slot=step.slot, write_slot=jnp.where(bad, R, step.write_slot), start=step.start,
+                num_tokens=jnp.where(bad, 0, step.num_tokens), active=step.active & ~bad)
+    return state.replace(error=err), step
+
+
 def _write_window(state, step, layer, kv, impl):
     c = state.config
+    state, step = _skip_rows(state, step, _nonfinite_rows(step, kv))
     B, T, _ = kv.shape
     t = jnp.arange(T)[None, :]
     n = step.num_tokens[:, None]
@@ -144,6 +168,8 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
       kernel, ``jaxkv.kernels.compress_decode``), "auto" (``hybrid.flush.default_impl``:
       pallas on a GPU, xla elsewhere). xla, cuda and pallas give the same bytes, except in
       decode, where a fused entry can differ in its last bit (see the kernel).
+    A row whose real tokens hold a NaN or Inf in kv, score or the indexer's kv / score is
+    skipped (tails and entries untouched); its request gets NONFINITE_KV.
     """
     c = state.config
     impl = check_impl(impl)
@@ -169,6 +195,7 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
 def _compress(state, step, layer, kv, score, params, index, impl):
     c = state.config
     csa = index is not None
+    state, step = _skip_rows(state, step, _nonfinite_rows(step, kv, score, *(index[:2] if csa else ())))
     ratio = c.compress_ratios[layer]
     g, j = state.group(layer)
     al = state.alloc[g]
