@@ -67,6 +67,26 @@ def _hybrid_step(slots=(0, 1)):
     return H.prepare_forward(st, jnp.asarray(slots, jnp.int32), jnp.zeros(len(slots), jnp.int32))
 
 
+def _flax_layer(**kw):
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxkv.flax import StreamingGlobalAttention
+    args = dict(patches_per_frame=SPEC.patches_per_frame, num_special=SPEC.num_special, max_frames=4)
+    return StreamingGlobalAttention(16, 2, **{**args, **kw}, rngs=nnx.Rngs(0))
+
+
+def _flax_cache():
+    pytest.importorskip("flax")
+    from jaxkv.flax import FrameCacheModule
+    return FrameCacheModule(SPEC)
+
+
+def _flax_call(tokens):
+    layer = _flax_layer()
+    x = jnp.ones((1, tokens, 16))
+    cs = jnp.ones((1, tokens, 4))
+    return layer(x, cs, cs)
+
+
 def _lingbot(**changes):
     pytest.importorskip("flax")
     from jaxkv.models.lingbot import LingbotConfig
@@ -190,6 +210,15 @@ RAISES = [
      ValueError, r"kv_cache_sliding_window: expected >= 0 and >= 1, got 2, 0"),
     ("models.lingbot.LingbotConfig: int8", None, lambda st, r: _lingbot(dtype="int8"),
      ValueError, r"dtype: expected 'bfloat16' or 'float32', got 'int8'"),
+    ("flax.StreamingGlobalAttention: impl name", None, lambda st, r: _flax_layer(impl="triton"),
+     ValueError, r"impl: expected one of \('auto', 'reference'"),
+    ("flax.StreamingGlobalAttention: no patches_per_frame", None, lambda st, r: _flax_layer(patches_per_frame=None),
+     ValueError, r"patches_per_frame: expected an int when the layer owns its cache"),
+    ("flax.StreamingGlobalAttention: a frame of 6 tokens", None, lambda st, r: _flax_call(6),
+     ValueError, r"x: expected \[streams=1, tokens_per_frame=7, dim=16\]"),
+    ("flax.StreamingGlobalAttention: layer 3 of a 2-layer cache", None,
+     lambda st, r: _flax_layer(cache=_flax_cache(), layer=3),
+     ValueError, r"layer: expected 0 <= layer < 2 \(the cache's layers\), got 3"),
     ("torch_bridge: a frame of 9 tokens", None, lambda st, r: _append(k_shape=(9, 2, 8)),
      ValueError, r"k: expected a tensor of shape \[10, 2, 8\].*got \(9, 2, 8\)"),
     ("torch_bridge: block 2 of 2", None, lambda st, r: _append(block=2),
