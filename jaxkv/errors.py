@@ -72,9 +72,7 @@ def record(error, fault_mask, fault: Fault):
 
 
 def finite_rows(x, axes):
-    """bool: ``x`` has only finite values along ``axes`` (float arrays; others are finite)."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return jnp.ones([d for i, d in enumerate(x.shape) if i not in axes], bool)
+    """bool: ``x`` has only finite values along ``axes`` (integers always do)."""
     return jnp.all(jnp.isfinite(x), axis=axes)
 
 

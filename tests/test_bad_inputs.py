@@ -297,7 +297,7 @@ def _admitted(rng, chunk=4):
 
 def _only(step, b):
     """``step`` restricted to batch row ``b`` (what a replay without the other row writes)."""
-    return H.Step(*(x[b:b + 1] for x in (step.slot, step.write_slot, step.start, step.num_tokens, step.active)))
+    return jax.tree.map(lambda x: x[b:b + 1], step)
 
 
 def _nonfinite_write_window(rng):

@@ -96,15 +96,19 @@ def _nonfinite_rows(step: Step, *xs):
     return bad & step.active
 
 
+def _record_rows(state, step: Step, rows, fault: Fault):
+    """u32 error field with ``fault`` set on the requests of batch ``rows`` (bool[B])."""
+    R = state.config.max_requests
+    return state.error.at[jnp.where(rows, step.slot, R + 1)].set(record(state.error[step.slot], True, fault),
+                                                                   mode="drop")
+
+
 def _skip_rows(state, step: Step, bad):
     """The step without the ``bad`` rows (inactive, nothing written) and NONFINITE_KV on their
     requests: a replay of the valid writes only."""
-    R = state.config.max_requests
-    err = state.error.at[jnp.where(bad, step.slot, R + 1)].set(
-        record(state.error[step.slot], True, Fault.NONFINITE_KV), mode="drop")
-    step = Step(slot=step.slot, write_slot=jnp.where(bad, R, step.write_slot), start=step.start,
-                num_tokens=jnp.where(bad, 0, step.num_tokens), active=step.active & ~bad)
-    return state.replace(error=err), step
+    step = step.replace(write_slot=jnp.where(bad, state.config.max_requests, step.write_slot),
+                        num_tokens=jnp.where(bad, 0, step.num_tokens), active=step.active & ~bad)
+    return state.replace(error=_record_rows(state, step, bad, Fault.NONFINITE_KV)), step
 
 
 def _write_window(state, step, layer, kv, impl):
@@ -241,9 +245,7 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     else:
         entries = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage)
     new["entries"] = _put(state.entries, g, entries)
-    err = state.error.at[jnp.where(missing, step.slot, c.max_requests + 1)].set(
-        record(state.error[step.slot], True, Fault.POOL_EXHAUSTED), mode="drop")
-    return state.replace(error=err, **new)
+    return state.replace(error=_record_rows(state, step, missing, Fault.POOL_EXHAUSTED), **new)
 
 
 def _compress_decode(state, step, layer, kv, score, params, index):
