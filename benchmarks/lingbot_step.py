@@ -12,9 +12,9 @@ eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 "reduce-overhead" targets on the FlashInfer path). Upstream comes from
 ``$LINGBOT_MAP_SRC``; without FlashInfer upstream runs its SDPA backend (said in the table).
 
-``--long N`` / ``--long-upstream M``: instead, stream N frames through the port and M through
-upstream's FlashInfer path (either alone), recording memory in use and the peak every 1,000
-frames; prints the growth per 1,000 frames. ``--small``: ViT-S on whatever device JAX and
+``--long N`` / ``--long-upstream M``: instead, stream N frames through the port (its own
+random weights) and M through upstream's FlashInfer path (either alone), recording memory in
+use and the peak every 1,000 frames; prints the growth per 1,000 frames. ``--small``: ViT-S on whatever device JAX and
 torch have (a smoke test of this script on CPU).
 
     LINGBOT_MAP_SRC=... XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/lingbot_step.py --size 518x378
@@ -82,8 +82,7 @@ def run_port(config, frames, warm, sd=None, n=None, every=None):
             else:
                 times.append((t - t0) / every)
                 marks.append((i, *_jax_mem()))
-                print(f"port: frame {i}, in use {marks[-1][1] / 2**30:.3f} GiB, peak {marks[-1][2] / 2**30:.3f} GiB, "
-                      f"{times[-1] * 1e3:.2f} ms/frame", flush=True)
+                _print_mark("port", marks[-1], times[-1])
             t0 = t
     peak = _jax_mem()[1]
     last = {k: np.asarray(v, np.float32) for k, v in out.items()}
@@ -127,9 +126,17 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
                 t = time.perf_counter()
                 times.append((t - t0) / every)
                 marks.append((i + 1, *_torch_mem()))
+                _print_mark("upstream", marks[-1], times[-1])
                 t0 = t
     last = {k: out[k][0, 0].float().cpu().numpy() for k in ("pose_enc", "depth", "depth_conf")}
     return np.array(times) * 1e3, _torch_mem()[1], last, marks
+
+
+def _print_mark(name, mark, seconds_per_frame):
+    """A memory mark as soon as it is taken (a run cut off by a time limit keeps them)."""
+    f, used, peak = mark
+    print(f"{name}: frame {f}, in use {used / 2**30:.3f} GiB, peak {peak / 2**30:.3f} GiB, "
+          f"{seconds_per_frame * 1e3:.2f} ms/frame", flush=True)
 
 
 def _growth(marks):
@@ -138,6 +145,23 @@ def _growth(marks):
         return float("nan")
     (f0, b0, _), (f1, b1, _) = marks[0], marks[-1]
     return (b1 - b0) / (f1 - f0) * 1000
+
+
+def _upstream(config):
+    """Upstream's GCTStream with random weights on torch's device, and its attention backend."""
+    src = upstream.source()
+    if src is None:
+        raise SystemExit("set LINGBOT_MAP_SRC to an upstream lingbot-map checkout")
+    import torch
+
+    try:
+        import flashinfer  # noqa: F401
+        backend = "flashinfer" if torch.cuda.is_available() else "sdpa"
+    except ImportError as e:  # the offline machine without its wheel: upstream's SDPA backend instead
+        print(f"flashinfer not importable ({e}); upstream runs its SDPA backend")
+        backend = "sdpa"
+    ref = upstream.build(config, src, use_sdpa=backend == "sdpa", perturb=0.0)
+    return (ref.cuda() if torch.cuda.is_available() else ref), backend
 
 
 def main():
@@ -159,35 +183,18 @@ def main():
                           dtype="float32" if args.small else "bfloat16")
     frames = np.random.default_rng(0).random((min(n, 160), h, w, 3), np.float32)
     device = jax.devices()[0].device_kind
-    if args.long and not args.long_upstream:  # the port alone: its own random weights, no torch in the process
-        rows = {"port (jaxkv)": run_port(config, frames, 0, None, n=args.long, every=args.every)}
-        _print_long_table(w, h, config, device, args.every, rows)
-        return
-    src = upstream.source()
-    if src is None:
-        raise SystemExit("set LINGBOT_MAP_SRC to an upstream lingbot-map checkout")
-    import torch
-
-    try:
-        import flashinfer  # noqa: F401
-        backend = "flashinfer" if torch.cuda.is_available() else "sdpa"
-    except ImportError as e:  # the offline machine without its wheel: upstream's SDPA backend instead
-        print(f"flashinfer not importable ({e}); upstream runs its SDPA backend")
-        backend = "sdpa"
-    ref = upstream.build(config, src, use_sdpa=backend == "sdpa", perturb=0.0)
-    if torch.cuda.is_available():
-        ref = ref.cuda()
-    sd = upstream.state_dict(ref)
     if args.long or args.long_upstream:
         rows = {}
-        if args.long:
-            rows["port (jaxkv)"] = run_port(config, frames, 0, sd, n=args.long, every=args.every)
+        if args.long:  # a memory run: the port on its own random weights, before torch is imported
+            rows["port (jaxkv)"] = run_port(config, frames, 0, None, n=args.long, every=args.every)
         if args.long_upstream:
-            name = f"upstream {backend}"
-            rows[name] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream, every=args.every)
-            _print_long(name, rows[name])
+            ref, backend = _upstream(config)
+            rows[f"upstream {backend}"] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream,
+                                                       every=args.every)
         _print_long_table(w, h, config, device, args.every, rows)
         return
+    ref, backend = _upstream(config)
+    sd = upstream.state_dict(ref)
     rows = {"port (jaxkv)": run_port(config, frames, args.warm, sd)}
     _print_row("port (jaxkv)", rows["port (jaxkv)"])
     rows[f"upstream {backend}"] = run_upstream(ref, frames, args.warm, config.num_scale_frames)
@@ -224,12 +231,6 @@ def _print_row(name, row):
     t, peak = row[0], row[1]
     print(f"{name}: {np.median(t):.2f} ms/frame (p90 {np.percentile(t, 90):.2f}), peak {peak / 2**30:.2f} GiB",
           flush=True)
-
-
-def _print_long(name, row):
-    for (f, used, peak), ms in zip(row[3], row[0]):
-        print(f"{name}: frame {f}, in use {used / 2**30:.3f} GiB, peak {peak / 2**30:.3f} GiB, {ms:.2f} ms/frame",
-              flush=True)
 
 
 if __name__ == "__main__":
