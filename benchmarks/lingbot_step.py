@@ -27,6 +27,7 @@ import itertools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -64,9 +65,13 @@ def run_port(config, frames, warm, sd=None, n=None, every=None):
     sd: upstream's weights, or None for the port's own random init."""
     t = time.perf_counter()
     model = LingbotMap(config, rngs=nnx.Rngs(0)) if sd is None else from_state_dict(config, sd)[0]
-    print(f"port: built and loaded in {time.perf_counter() - t:.1f} s", flush=True)
+    used, peak = _jax_mem()
+    print(f"port: built and loaded in {time.perf_counter() - t:.1f} s; in use {used / 2**30:.3f} GiB, "
+          f"peak {peak / 2**30:.3f} GiB", flush=True)
     stream = LingbotStream(model)
     n = len(frames) if n is None else n
+    if every is not None:
+        _print_step_buffers(stream, frames)
     times, marks = [], []
     t0 = start = time.perf_counter()
     for i, out in enumerate(stream.run(video(frames, n)), start=1):
@@ -130,6 +135,17 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
                 t0 = t
     last = {k: out[k][0, 0].float().cpu().numpy() for k in ("pose_enc", "depth", "depth_conf")}
     return np.array(times) * 1e3, _torch_mem()[1], last, marks
+
+
+def _print_step_buffers(stream, frames):
+    """XLA's buffers of both phases (temporaries are what a step adds to the memory in use)."""
+    c = stream.config
+    for phase, x in (("scale", frames[:c.num_scale_frames]), ("stream", frames[:1])):
+        args = (jnp.asarray(x[None]),) + ((jnp.asarray(True),) if phase == "stream" else ())
+        m = stream.step.lower(*args, phase=phase).compile().memory_analysis()
+        print(f"port: {phase} step temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, arguments "
+              f"{m.argument_size_in_bytes / 2**30:.3f} GiB (caches donated: {m.alias_size_in_bytes / 2**30:.3f})",
+              flush=True)
 
 
 def _print_mark(name, mark, seconds_per_frame):

@@ -49,6 +49,10 @@ class CachedStep:
         out, self._caches = self._step(self._caches, self._rest, *args, **kwargs)
         return out
 
+    def lower(self, *args, **kwargs) -> jax.stages.Lowered:
+        """The step lowered for these arguments (``.compile().memory_analysis()``: its buffers)."""
+        return self._step.lower(self._caches, self._rest, *args, **kwargs)
+
     def sync(self) -> nnx.Module:
         """The module with the step's current caches (copies them: the step keeps its own)."""
         nnx.update(self.module, jax.tree.map(lambda x: x.copy(), self.caches))

@@ -7,6 +7,9 @@ backend gathers anything:
 * ``reference``: plain softmax over every row with a mask, float32 (the tests' oracle).
 * ``xla``: online softmax over key blocks in a ``while`` loop that stops at the last
   visible block, float32 accumulation: work proportional to what is visible, any device.
+  On a GPU, a few queries (``tuning.XLA_ONE_PASS_QUERIES``: a causal head's one token
+  per frame) take one masked pass over the whole buffer instead: no loop, so no host
+  sync (``tuning.branch_free``).
 * ``cudnn``: cuDNN flash attention with the prefix length as the key length. A frame
   has few queries (262 at 224x224: 3 query tiles x 16 heads, under half an H100's SMs),
   so the keys are split into equal chunks (a free reshape: the capacity is a multiple of
@@ -55,6 +58,8 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     block = min(block, T)
     scale = D**-0.5 if scale is None else scale
     qf = (q.astype(jnp.float32) * scale).reshape(B, Tq, H, G, D)
+    if Tq * G <= tuning.XLA_ONE_PASS_QUERIES and tuning.branch_free():
+        return _one_pass(qf, k, v, num_valid, row_mask).reshape(B, Tq, Hq, D).astype(q.dtype)
 
     def body(i, carry):
         m, l, acc = carry
@@ -81,6 +86,20 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     _, l, acc = lax.fori_loop(0, steps, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tq, Hq, D).astype(q.dtype)
+
+
+def _one_pass(qf, k, v, num_valid, row_mask):
+    """qf: f32[B, Tq, H, G, D] (scaled); k, v: float[B, T, H, D] -> f32[B, Tq, H, G, D], every row masked."""
+    ok = jnp.arange(k.shape[1])[None] < num_valid[:, None]  # [B, T]
+    if row_mask is not None:
+        ok &= row_mask
+    s = jnp.sum(qf[:, :, None] * k[:, None, :, :, None].astype(jnp.float32), axis=-1)  # [B, Tq, T, H, G]
+    s = jnp.where(ok[:, None, :, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=2, keepdims=True)
+    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
+    l = jnp.sum(p, axis=2)  # [B, Tq, H, G]
+    acc = jnp.sum(p[..., None] * v[:, None, :, :, None].astype(jnp.float32), axis=2)
+    return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def _cudnn_fwd(q, k, v, kv_len, scale):

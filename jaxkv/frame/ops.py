@@ -16,7 +16,7 @@ from jax import lax
 from jaxkv import _backend
 from jaxkv._backend import interpret
 from jaxkv.errors import Fault, finite_rows, record
-from jaxkv.frame import plan
+from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, FrameCacheState, on_devices
 from jaxkv.kernels.frame_append import write_frame, write_rows
 
@@ -38,9 +38,12 @@ def _write(buf, b, row, block):
 def _move_rows(state, moves, n):
     """Copy ``n`` rows per ``(stream, src, dst, ok)`` in every K/V buffer and token_id.
 
-    Skipped when no ``ok`` holds (the steady state), so a frame pays for moves only when
-    it makes one. A state without K/V buffers (``k = v = ()``) moves only token_id: its
-    owner moves the K/V rows itself (``torch_bridge.FlashInferKVCacheManager``).
+    A move that is not ``ok`` copies to the trash rows. Where control flow is free
+    (``tuning.branch_free`` false: CPU) the copies are skipped when no move is ``ok`` (the
+    steady state); on a GPU a ``cond`` would sync the frame step with the host, so the
+    copies always run. A state without K/V buffers (``k = v = ()``) moves only token_id,
+    never under a branch: its owner moves the K/V rows itself
+    (``torch_bridge.FlashInferKVCacheManager``).
     """
     trash = state.spec.trash_row
     arrays = (*state.k, *state.v, state.token_id)
@@ -51,10 +54,10 @@ def _move_rows(state, moves, n):
             arrays = tuple(_write(x, b, dst, _read(x, b, src, n)) for x in arrays)
         return arrays
 
-    if state.k:
+    if state.k and not tuning.branch_free():
         any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))
         arrays = lax.cond(any_ok, run, lambda a: a, arrays)
-    else:  # token_id alone: cheaper to move (to the trash rows) than to branch (XLA GPU syncs on a cond)
+    else:
         arrays = run(arrays)
     L = len(state.k)
     return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])

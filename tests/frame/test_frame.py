@@ -1,6 +1,8 @@
 """The frame cache against the seed's semantics, its page table, errors and attention."""
 
+import importlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,8 @@ from jaxkv import frame
 from jaxkv.errors import CacheError, Fault
 
 from frame_model import FrameModel
+
+frame_tuning = importlib.import_module("jaxkv.frame.tuning")
 
 SMALL = dict(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=5, num_special=2,
              scale_frames=2, sliding_window=3, max_frames=30, dtype="float32")
@@ -234,6 +238,49 @@ def test_jitted_loop_of_100_frames_has_no_host_sync(rng):
             state2, out = step_jit(state2, xs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(outs[-1]), rtol=1e-5, atol=1e-5)
     assert visible(state2) == visible(state)
+
+
+def _control_flow(lowered) -> int:
+    return len(re.findall(r"stablehlo\.(while|case|if)\b", lowered.as_text()))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_branch_free_step_equals_branching_step(rng, monkeypatch, pow2):
+    """Where control flow syncs with the host (XLA GPU), a frame step has none: the row
+    moves always run (to the trash) and the attention of one query is one masked pass.
+    Forced here on the CPU, the branch-free step gives the branching step's visible rows
+    and attention, through scale frames, window turnover, deferrals and rollbacks."""
+    spec = frame.FrameSpec(**{**SMALL, "num_streams": 2, "max_frames": 40, "pow2_pages": pow2})
+    T = 30
+    k = jnp.asarray(rng.standard_normal((T, spec.num_layers, 2, spec.tokens_per_frame, 2, 8)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((T, 2, 1, 4, 8)), jnp.float32)  # one token, GQA group 2
+    defer = jnp.asarray(rng.random((T, 2)) < 0.4)
+    keep = jnp.asarray(rng.random((T, 2)) < 0.5)
+
+    def step(state, xs):
+        k, q, d, kp = xs
+        state = frame.append(state, k, 0.5 * k, defer=d)
+        out = jnp.stack([frame.attention(state, layer, q, impl="xla") for layer in range(spec.num_layers)])
+        return frame.resolve(state, kp | ~d), out
+
+    def run():
+        jax.clear_caches()  # the flag is read when tracing
+        jitted = jax.jit(step)
+        state, outs = frame.init(spec), []
+        for t in range(T):
+            state, out = jitted(state, (k[t], q[t], defer[t], keep[t]))
+            outs.append(out)
+        return state, np.stack(outs), _control_flow(jitted.lower(state, (k[0], q[0], defer[0], keep[0])))
+
+    branching, outs_b, flow_b = run()
+    monkeypatch.setattr(frame_tuning, "SYNCING_CONTROL_FLOW", (jax.devices()[0].platform,))
+    branch_free, outs_f, flow_f = run()
+    jax.clear_caches()
+    assert flow_b > 0 and flow_f == 0
+    jaxkv.check(branch_free)
+    for b in range(2):
+        assert visible(branch_free, b) == visible(branching, b)
+    np.testing.assert_allclose(outs_f, outs_b, rtol=2e-5, atol=2e-5)
 
 
 def test_eager_cache_grows_and_raises(rng):

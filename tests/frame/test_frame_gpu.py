@@ -1,5 +1,7 @@
 """The fused attention backends on the GPU against the float32 reference, at lingbot-map-like shapes."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,20 @@ def test_prefix_kernel_matches_reference(rng, splits, lengths, dtype, heads):
             assert not np.any(np.asarray(out[b], np.float32)), "an empty prefix attends to nothing: zeros"
         else:
             assert rel_err(out[b], ref[b]) < 1e-2, b
+
+
+def test_frame_step_has_no_host_control_flow(rng):
+    """XLA GPU reads a cond / while predicate on the host: a frame step (append with
+    deferral, attention of a frame and of one token, resolve) holds neither."""
+    spec = frame.FrameSpec(num_layers=2, num_heads=4, head_dim=64, patches_per_frame=37, num_special=6,
+                           scale_frames=2, sliding_window=3, max_frames=64)
+    k = jnp.asarray(rng.standard_normal((2, 1, spec.tokens_per_frame, 4, 64)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((1, spec.tokens_per_frame, 4, 64)), jnp.bfloat16)
+
+    def step(state, k, q, defer):
+        state = frame.append(state, k, k, defer=defer)
+        out = frame.attention(state, 0, q) + frame.attention(state, 1, q[:, :1], impl="xla")[:, :1]
+        return frame.resolve(state, ~defer), out
+
+    text = jax.jit(step).lower(frame.init(spec), k, q, jnp.asarray([True])).as_text()
+    assert not re.findall(r"stablehlo\.(while|case|if)\b", text)

@@ -178,16 +178,19 @@ class LingbotMap(nnx.Module):
 
     def _heads(self, layers, camera):
         c = self.config
-        B, S = layers[0].shape[:2]
+        S = layers[0].shape[1]
         out = {}
         if self.camera_head is not None:
             out["pose_enc"] = camera(layers[-1][:, :, 0].astype(jnp.float32))
-        flat = [x.reshape((B * S,) + x.shape[2:]).astype(jnp.float32) for x in layers]
         for name, head in (("depth", self.depth_head), ("world_points", self.point_head)):
             if head is not None:
-                value, conf = head(flat, c.num_special)
-                out[name] = value.reshape((B, S) + value.shape[1:])
-                out[name + "_conf"] = conf.reshape((B, S) + conf.shape[1:])
+                run = lambda xs, head=head: head([x.astype(jnp.float32) for x in xs], c.num_special)  # noqa: E731
+                if S == 1:
+                    value, conf = (y[:, None] for y in run([x[:, 0] for x in layers]))
+                else:  # a frame at a time: S full-resolution maps at once would set the peak memory
+                    per_frame = jax.lax.map(run, [jnp.moveaxis(x, 1, 0) for x in layers])
+                    value, conf = (jnp.moveaxis(y, 0, 1) for y in per_frame)
+                out[name], out[name + "_conf"] = value, conf
         return out
 
     def scale_frames(self, images):
