@@ -1,7 +1,6 @@
 """The prediction heads: the causal camera head (its own never-evicted frame caches) and
-the DPT head for depth (and points). Both run in float32, as upstream's do (it turns autocast
-off around them): their matmuls and convolutions at the context's precision (on a GPU by
-default TF32, as torch's cuDNN convolutions; "highest" in the parity tests)."""
+the DPT head for depth (and points). The camera head runs in float32, as upstream's (autocast
+off); the DPT head's convolutions in the config's dtype (see ``DPTHead``)."""
 
 from __future__ import annotations
 
@@ -127,35 +126,36 @@ class CameraHead(nnx.Module):
 
 
 # ---------------------------------------------------------------- DPT
-def conv(cin, cout, k, rngs, stride=1, bias=True):
-    """A 'same' float32 convolution."""
+def conv(cin, cout, k, rngs, dtype, stride=1, bias=True):
+    """A 'same' convolution computing in ``dtype`` (float32: at full precision, for parity)."""
     return nnx.Conv(cin, cout, (k, k), strides=(stride, stride), padding=[(k // 2, k // 2)] * 2, use_bias=bias,
-                    dtype=F32, param_dtype=F32, rngs=rngs)
+                    dtype=dtype, param_dtype=F32, precision=jax.lax.Precision.HIGHEST, rngs=rngs)
 
 
 class ConvTranspose(nnx.Module):
     """A transposed convolution whose kernel equals its stride (no overlap): one matmul, then a
     pixel shuffle. Kernel as torch's ``ConvTranspose2d``: [in, out, k, k]."""
 
-    def __init__(self, cin, cout, k, rngs):
-        self.k = k
+    def __init__(self, cin, cout, k, rngs, dtype):
+        self.k, self.dtype = k, dtype
         bound = 1 / np.sqrt(cout * k * k)
         self.weight = nnx.Param(jax.random.uniform(rngs.params(), (cin, cout, k, k), F32, -bound, bound))
         self.bias = nnx.Param(jnp.zeros((cout,), F32))
 
     def __call__(self, x):
         n, h, w, _ = x.shape
-        y = jnp.einsum("nhwi,iokl->nhkwlo", x, self.weight[...])
-        return y.reshape(n, h * self.k, w * self.k, -1) + self.bias[...]
+        y = jnp.einsum("nhwi,iokl->nhkwlo", x.astype(self.dtype), self.weight[...].astype(self.dtype),
+                       precision=jax.lax.Precision.HIGHEST)
+        return y.reshape(n, h * self.k, w * self.k, -1) + self.bias[...].astype(self.dtype)
 
 
 class ResidualConvUnit(nnx.Module):
     """Two 3x3 convolutions around a ReLU. Upstream's ReLU is in-place, so its skip path
     adds the *activated* input: ``relu(x) + conv2(relu(conv1(relu(x))))``."""
 
-    def __init__(self, f, rngs):
-        self.conv1 = conv(f, f, 3, rngs)
-        self.conv2 = conv(f, f, 3, rngs)
+    def __init__(self, f, rngs, dtype):
+        self.conv1 = conv(f, f, 3, rngs, dtype)
+        self.conv2 = conv(f, f, 3, rngs, dtype)
 
     def __call__(self, x):
         x = jax.nn.relu(x)
@@ -163,10 +163,10 @@ class ResidualConvUnit(nnx.Module):
 
 
 class FusionBlock(nnx.Module):
-    def __init__(self, f, rngs, residual=True):
-        self.resConfUnit1 = ResidualConvUnit(f, rngs) if residual else None
-        self.resConfUnit2 = ResidualConvUnit(f, rngs)
-        self.out_conv = conv(f, f, 1, rngs)
+    def __init__(self, f, rngs, dtype, residual=True):
+        self.resConfUnit1 = ResidualConvUnit(f, rngs, dtype) if residual else None
+        self.resConfUnit2 = ResidualConvUnit(f, rngs, dtype)
+        self.out_conv = conv(f, f, 1, rngs, dtype)
 
     def __call__(self, x, skip=None, size=None):
         if skip is not None:
@@ -178,14 +178,14 @@ class FusionBlock(nnx.Module):
 
 
 class Scratch(nnx.Module):
-    def __init__(self, out_channels, f, out_dim, rngs):
+    def __init__(self, out_channels, f, out_dim, rngs, dtype):
         self.layer1_rn, self.layer2_rn, self.layer3_rn, self.layer4_rn = (
-            conv(oc, f, 3, rngs, bias=False) for oc in out_channels)
-        self.refinenet1, self.refinenet2, self.refinenet3 = (FusionBlock(f, rngs) for _ in range(3))
-        self.refinenet4 = FusionBlock(f, rngs, residual=False)
-        self.output_conv1 = conv(f, f // 2, 3, rngs)
-        self.output_conv2_0 = conv(f // 2, 32, 3, rngs)
-        self.output_conv2_2 = conv(32, out_dim, 1, rngs)
+            conv(oc, f, 3, rngs, dtype, bias=False) for oc in out_channels)
+        self.refinenet1, self.refinenet2, self.refinenet3 = (FusionBlock(f, rngs, dtype) for _ in range(3))
+        self.refinenet4 = FusionBlock(f, rngs, dtype, residual=False)
+        self.output_conv1 = conv(f, f // 2, 3, rngs, dtype)
+        self.output_conv2_0 = conv(f // 2, 32, 3, rngs, dtype)
+        self.output_conv2_2 = conv(32, out_dim, 1, rngs, dtype)
 
 
 def uv_embedding(h: int, w: int, channels: int, aspect: float):
@@ -214,22 +214,24 @@ class DPTHead(nnx.Module):
     """Dense prediction from the four block groups' patch tokens: project, resize to four
     scales, fuse coarse to fine, upsample to the image and activate (value, confidence).
 
-    Float32 throughout, whatever the aggregator's dtype: upstream runs its heads with
-    autocast off, and bf16 convolutions here would add more error to the depth than the
-    whole bf16 aggregator does (H100, released config: 6.5e-4 against 9.1e-5 relative).
-    At the GPU's default TF32 precision the head costs little next to the aggregator."""
+    Convolutions compute in the config's dtype; the token norm and the final activation
+    run in float32. Upstream runs its heads in float32 (autocast off). In bf16 the port's
+    convolutions add rounding of their own to the depth (H100, released config: 6.5e-4
+    relative, upstream-bf16's own 9.1e-5; ``tests/test_lingbot_parity.py`` bounds it). Float32
+    convolutions (TF32) ran as fast, but XLA's autotuning of them took up to 16 GiB of scratch
+    while compiling, raising the process's peak from 12.6 to 26.9 GiB."""
 
     def __init__(self, config: LingbotConfig, out_dim: int, activation: str, rngs: nnx.Rngs,
                  features: int = 256, out_channels=(256, 512, 1024, 1024)):
-        dim = 2 * config.dim
+        dim, dt = 2 * config.dim, config.compute_dtype
         self.config = config
         self.activation = activation
         self.norm = layer_norm(dim, rngs)
-        self.projects = nnx.List([conv(dim, oc, 1, rngs) for oc in out_channels])
-        self.resize_0 = ConvTranspose(out_channels[0], out_channels[0], 4, rngs)
-        self.resize_1 = ConvTranspose(out_channels[1], out_channels[1], 2, rngs)
-        self.resize_3 = conv(out_channels[3], out_channels[3], 3, rngs, stride=2)
-        self.scratch = Scratch(out_channels, features, out_dim, rngs)
+        self.projects = nnx.List([conv(dim, oc, 1, rngs, dt) for oc in out_channels])
+        self.resize_0 = ConvTranspose(out_channels[0], out_channels[0], 4, rngs, dt)
+        self.resize_1 = ConvTranspose(out_channels[1], out_channels[1], 2, rngs, dt)
+        self.resize_3 = conv(out_channels[3], out_channels[3], 3, rngs, dt, stride=2)
+        self.scratch = Scratch(out_channels, features, out_dim, rngs, dt)
 
     def __call__(self, layers, patch_start: int):
         """layers: 4 x f32[N, T, 2C] -> (value f32[N, H, W, out_dim - 1], confidence f32[N, H, W])."""
@@ -240,7 +242,7 @@ class DPTHead(nnx.Module):
         for i, x in enumerate(layers):
             x = self.norm(x[:, patch_start:]).reshape(x.shape[0], gh, gw, -1)
             x = self.projects[i](x)
-            x = x + uv_embedding(gh, gw, x.shape[-1], W / H)
+            x = x + uv_embedding(gh, gw, x.shape[-1], W / H).astype(x.dtype)
             x = (self.resize_0, self.resize_1, lambda y: y, self.resize_3)[i](x)
             outs.append(x)
         s = self.scratch
@@ -251,8 +253,8 @@ class DPTHead(nnx.Module):
         out = s.refinenet1(out, l1)
         out = s.output_conv1(out)
         out = resize(out, bilinear_matrix(out.shape[1], gh * c.patch_size), bilinear_matrix(out.shape[2], gw * c.patch_size))
-        out = out + uv_embedding(out.shape[1], out.shape[2], out.shape[-1], W / H)
-        out = s.output_conv2_2(jax.nn.relu(s.output_conv2_0(out)))
+        out = out + uv_embedding(out.shape[1], out.shape[2], out.shape[-1], W / H).astype(out.dtype)
+        out = s.output_conv2_2(jax.nn.relu(s.output_conv2_0(out))).astype(F32)
         value, conf = out[..., :-1], 1 + jnp.exp(out[..., -1])
         if self.activation == "exp":
             value = jnp.exp(value)
