@@ -99,6 +99,18 @@ def check_frame(mesh, seed=0):
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(st), strict=True):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_array_equal(a[:, :T] if a.ndim > 1 else a, b[:, :T] if b.ndim > 1 else b, err_msg="frame state")
+    # the eager whole-state ops and the views keep every array where it was, with the one-device values
+    half = jnp.arange(FSPEC.num_streams) % 2 == 0
+    for name, fn in (("reset", lambda s: frame.reset(s, half)), ("grow", lambda s: frame.grow(s, 24))):
+        want, got = fn(ref), fn(st)
+        for a, b, c in zip(jax.tree.leaves(st), jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert b.sharding.spec == a.sharding.spec, (name, a.sharding.spec, b.sharding.spec)
+            b, c = np.asarray(b), np.asarray(c)
+            np.testing.assert_array_equal(b[:, :T] if b.ndim > 1 else b, c[:, :T] if c.ndim > 1 else c, err_msg=name)
+    for name, fn in (("page_table", frame.page_table), ("visible_token_ids", frame.visible_token_ids)):
+        for a, b in zip(jax.tree.leaves(fn(st)), jax.tree.leaves(fn(ref)), strict=True):
+            assert a.sharding.spec[:1] == ("data",), (name, a.sharding.spec)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     return ops.seen
 
 
