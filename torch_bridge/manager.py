@@ -68,6 +68,7 @@ import numpy as np
 import torch
 
 from jaxkv import checkpoint, frame
+from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
 from jaxkv.frame.state import NONE, STAGED
@@ -280,6 +281,7 @@ class FlashInferKVCacheManager:
         self._arange_ns = torch.arange(num_special_tokens, device=self.device)
         self._arange_ps = torch.arange(spec.page_size, device=self.device)
         self.frame_count: List[int] = [0] * num_blocks
+        self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # sticky: a NaN / Inf frame came
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
         self._planned = None
@@ -385,9 +387,15 @@ class FlashInferKVCacheManager:
 
     # ---------------------------------------------------------------- public API
     def append_frame(self, block_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append one frame's K/V ([tokens_per_frame, H, D], specials first) to ``block_idx``."""
+        """Append one frame's K/V ([tokens_per_frame, H, D], specials first) to ``block_idx``.
+
+        K or V holding a NaN or an Inf (after the cast to the cache's dtype) is written to
+        the trash rows instead, and ``check()`` raises ``NONFINITE_KV`` from then on (as
+        ``jaxkv.frame.write_layer``; decided on the device, no host sync)."""
         b = self._block(block_idx)
         k, v = self._frame_tensor("k", k), self._frame_tensor("v", v)
+        ok = torch.isfinite(k).all() & torch.isfinite(v).all()
+        self._nonfinite |= ~ok
         n, p = self.frame_count[b], self._pages
         if n == p.frames:  # this block leads: start the shared frame
             if p.pending != NONE:
@@ -401,12 +409,13 @@ class FlashInferKVCacheManager:
             self._frame_open = True
             self._bookkeep(BEGIN, defer)
         if n == p.frames - 1 and self._frame_open:
-            self._k[b].index_copy_(0, self._rows, k)
-            self._v[b].index_copy_(0, self._rows, v)
+            rows = torch.where(ok, self._rows, self.spec.trash_row)
+            self._k[b].index_copy_(0, rows, k)
+            self._v[b].index_copy_(0, rows, v)
         else:  # a lagging block: its frame n goes where that frame's tokens are now
             tid = to_torch(self.state.token_id)[0]
             tpf = self.tokens_per_frame
-            hit = ((tid >= 0) & (tid // tpf == n))[:, None, None]
+            hit = ((tid >= 0) & (tid // tpf == n) & ok)[:, None, None]
             src = (tid % tpf).clamp(0, tpf - 1).to(torch.int64)
             self._k[b].copy_(torch.where(hit, k[src], self._k[b]))
             self._v[b].copy_(torch.where(hit, v[src], self._v[b]))
@@ -541,6 +550,7 @@ class FlashInferKVCacheManager:
         """Empty the cache for a new sequence."""
         self._queued = []  # a reset supersedes them
         self.state = frame.reset(self._state)
+        self._nonfinite.zero_()
         self._pages.reset()
         self.frame_count = [0] * self.num_blocks
         self._frame_open = False
@@ -551,7 +561,7 @@ class FlashInferKVCacheManager:
         """The cache as a torch state dict: each jaxkv state array as a tensor (a copy) under
         ``"state" + its key path`` (``jaxkv.checkpoint.leaves``'s names), the per-block frame
         counts under ``"frame_count"``, the spec as JSON under ``"spec"``."""
-        out = {f"state{k}": to_torch(x).clone() for k, x in checkpoint.leaves(self.state).items()}
+        out = {f"state{k}": to_torch(x).clone() for k, x in checkpoint.leaves(self._faults_in_state()).items()}
         out["frame_count"] = torch.tensor(self.frame_count, dtype=torch.int64)
         out["spec"] = json.dumps(checkpoint.spec_to_json(self.spec))
         return out
@@ -586,6 +596,7 @@ class FlashInferKVCacheManager:
         """Continue from ``state`` (checked) with per-block frame counts ``counts``."""
         self._queued = []
         self.state = state
+        self._nonfinite.zero_()  # the faults are the loaded state's
         self._take_views()
         # the host mirror from the device counters: a load, not a step
         self._pages.c = plan.Counters(*(int(x[0]) for x in plan.counters(state)))
@@ -598,7 +609,7 @@ class FlashInferKVCacheManager:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""
         if self.device.type == "cuda":  # JAX reads the buffers: torch's writes land first
             torch.cuda.current_stream(self.device).synchronize()
-        path = checkpoint.save(path, self.state)
+        path = checkpoint.save(path, self._faults_in_state())
         (path / "frame_count.json").write_text(json.dumps(self.frame_count))
 
     def restore(self, path) -> None:
@@ -664,7 +675,12 @@ class FlashInferKVCacheManager:
 
     def check(self) -> None:
         """Raise ``jaxkv.errors.CacheError`` if the device recorded a fault (a host sync)."""
-        _check(self.state)
+        _check(self._faults_in_state())
+
+    def _faults_in_state(self) -> frame.FrameCacheState:
+        """``state`` with the faults torch recorded (non-finite K/V) in its error field (a host sync)."""
+        st = self.state
+        return st.replace(error=record(st.error, jnp.asarray(bool(self._nonfinite)), Fault.NONFINITE_KV))
 
 
 class _Installed:

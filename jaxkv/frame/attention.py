@@ -89,7 +89,11 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
 
 
 def _one_pass(qf, k, v, num_valid, row_mask):
-    """qf: f32[B, Tq, H, G, D] (scaled); k, v: float[B, T, H, D] -> f32[B, Tq, H, G, D], every row masked."""
+    """Softmax over every row of the buffer, invisible ones masked: no loop.
+
+    qf: f32[B, Tq, H, G, D] (scaled); k, v: float[B, T, H, D]; num_valid: i32[B];
+    row_mask: bool[B, T] or None -> f32[B, Tq, H, G, D]
+    """
     ok = jnp.arange(k.shape[1])[None] < num_valid[:, None]  # [B, T]
     if row_mask is not None:
         ok &= row_mask

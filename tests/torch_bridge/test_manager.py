@@ -381,6 +381,58 @@ def _same(a, b):
     return a[:4] == b[:4] and a[4].keys() == b[4].keys() and all(torch.equal(a[4][k], b[4][k]) for k in a[4])
 
 
+@pytest.mark.parametrize("poison", ["nan in K", "bf16 overflow in V"])
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_nonfinite_kv_goes_to_the_trash_as_a_sticky_fault(backend, poison):
+    """A frame whose K or V holds a NaN or an Inf (here after the cast of a float32 input to
+    bf16) is written to the trash rows: every other row equals a run fed the clean frame,
+    attention stays finite, and check() raises NONFINITE_KV until reset, also after a
+    state_dict round trip."""
+    from jaxkv import CacheError, Fault
+
+    def make():
+        return FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
+                                        dtype=torch.bfloat16, device=DEVICE, num_special_tokens=3, scale_frames=1,
+                                        sliding_window=2, backend=backend)
+
+    g = torch.Generator().manual_seed(7)
+    frames = [(torch.randn(10, 2, 64, generator=g).to(DEVICE), torch.randn(10, 2, 64, generator=g).to(DEVICE))
+              for _ in range(5)]  # the last one past the window: eviction moves rows first
+    bad, good = make(), make()
+    for t, (k, v) in enumerate(frames):
+        for blk in range(2):
+            good.append_frame(blk, k + blk, v - blk)
+            kb, vb = k + blk, v - blk
+            if (t, blk) == (4, 1):
+                kb, vb = kb.clone(), vb.clone()
+                if poison == "nan in K":
+                    kb[5, 1, 7] = float("nan")
+                else:
+                    vb[2, 0, 3] = 3.4e38  # finite in float32, Inf in bf16
+            bad.append_frame(blk, kb, vb)
+        if t < 4:
+            bad.check()  # nothing recorded yet
+    rows = bad._rows.cpu()
+    with pytest.raises(CacheError) as e:
+        bad.check()
+    assert e.value.faults == {0: Fault.NONFINITE_KV}
+    T = bad.spec.trash_row
+    for blk in range(2):
+        same = torch.ones(T, dtype=torch.bool)
+        if blk == 1:
+            same[rows] = False  # the poisoned frame's rows keep what they held
+        for x, y in ((bad._k[blk], good._k[blk]), (bad._v[blk], good._v[blk])):
+            assert torch.isfinite(x[:T]).all()
+            assert torch.equal(x[:T][same.to(x.device)], y[:T][same.to(y.device)])
+    assert torch.isfinite(bad.compute_attention(1, frames[0][0])).all()
+    other = make()
+    other.load_state_dict(bad.state_dict())
+    with pytest.raises(CacheError):
+        other.check()
+    bad.reset()
+    bad.check()
+
+
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_bad_input_raises_and_leaves_the_cache_unchanged(backend):
     mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
