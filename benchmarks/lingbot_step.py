@@ -14,8 +14,8 @@ eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 
 ``--long N`` / ``--long-upstream M``: instead, stream N frames through the port (its own
 random weights) and M through upstream's FlashInfer path (either alone), recording memory in
-use and the peak every 1,000 frames; prints the growth per 1,000 frames. ``--small``: ViT-S on whatever device JAX and
-torch have (a smoke test of this script on CPU).
+use and the peak every 1,000 frames; prints the growth per 1,000 frames. ``--small``: ViT-S
+on whatever device JAX and torch have (a smoke test of this script on CPU).
 
     LINGBOT_MAP_SRC=... XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/lingbot_step.py --size 518x378
 """

@@ -57,9 +57,10 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     G = Hq // H
     block = min(block, T)
     scale = D**-0.5 if scale is None else scale
+    if Tq * G <= tuning.XLA_ONE_PASS_QUERIES and tuning.branch_free():  # one masked pass, no loop
+        ok = jnp.arange(T)[None] < num_valid[:, None]
+        return ref_attention(q, k, v, ok if row_mask is None else ok & row_mask, scale).astype(q.dtype)
     qf = (q.astype(jnp.float32) * scale).reshape(B, Tq, H, G, D)
-    if Tq * G <= tuning.XLA_ONE_PASS_QUERIES and tuning.branch_free():
-        return _one_pass(qf, k, v, num_valid, row_mask).reshape(B, Tq, Hq, D).astype(q.dtype)
 
     def body(i, carry):
         m, l, acc = carry
@@ -86,24 +87,6 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     _, l, acc = lax.fori_loop(0, steps, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tq, Hq, D).astype(q.dtype)
-
-
-def _one_pass(qf, k, v, num_valid, row_mask):
-    """Softmax over every row of the buffer, invisible ones masked: no loop.
-
-    qf: f32[B, Tq, H, G, D] (scaled); k, v: float[B, T, H, D]; num_valid: i32[B];
-    row_mask: bool[B, T] or None -> f32[B, Tq, H, G, D]
-    """
-    ok = jnp.arange(k.shape[1])[None] < num_valid[:, None]  # [B, T]
-    if row_mask is not None:
-        ok &= row_mask
-    s = jnp.sum(qf[:, :, None] * k[:, None, :, :, None].astype(jnp.float32), axis=-1)  # [B, Tq, T, H, G]
-    s = jnp.where(ok[:, None, :, None, None], s, -jnp.inf)
-    m = jnp.max(s, axis=2, keepdims=True)
-    p = jnp.exp(s - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(p, axis=2)  # [B, Tq, H, G]
-    acc = jnp.sum(p[..., None] * v[:, None, :, :, None].astype(jnp.float32), axis=2)
-    return acc / jnp.where(l > 0, l, 1.0)[..., None]
 
 
 def _cudnn_fwd(q, k, v, kv_len, scale):

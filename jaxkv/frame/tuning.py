@@ -13,7 +13,9 @@ import jax
 SYNCING_CONTROL_FLOW = ("gpu",)
 
 # ``xla`` backend where control flow syncs: at most this many queries per KV head (tokens
-# x GQA group) take the one-pass form (it reads every row once per query).
+# x GQA group) take the one-pass form, ``math.ref_attention`` (it reads every row). The step
+# figures above were taken with a product-and-sum form of the same pass; in isolation both
+# forms took the same time (H100, one query, 16 heads x 128, 10,240 f32 rows: 0.80 ms).
 XLA_ONE_PASS_QUERIES = 8
 
 

@@ -1,6 +1,7 @@
 """Softmax attention in float32, and the log-sum-exp merge of partial attentions.
 
-The reference every attention backend is tested against, and the merge that split-KV
+The reference every attention backend is tested against (also ``frame.attention``'s ``xla``
+backend for a few queries on a GPU, where one masked pass beats a loop), and the merge that split-KV
 backends (``frame.attention``'s cuDNN path, ``kernels.prefix_attention``) use to combine
 key chunks: one definition of each.
 """
