@@ -1,4 +1,6 @@
-"""The ``cuda/`` flush kernels for PyTorch callers, in place on torch tensors.
+"""The ``cuda/`` kernels for PyTorch callers, in place on torch tensors: the hybrid
+cache's flush (``flush_write``, the tail-state updates) and the frame cache's append
+(``frame_append``, the drop-in manager's write).
 
 The tensors may be views of jaxkv state (``torch_bridge.to_torch``): the kernels then
 write the very buffers the JAX side owns. Each call is enqueued on torch's current
@@ -18,7 +20,7 @@ import ctypes
 
 import torch
 
-from jaxkv.cuda import STORAGE_CODES, arch_of, library
+from jaxkv.cuda import STORAGE_CODES, BuildError, arch_of, library
 from jaxkv.formats.storage import STORAGES, storage_name
 
 
@@ -28,7 +30,8 @@ def _lib(device: torch.device):
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         lib.jaxkv_flush_write.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.jaxkv_tail_state.argtypes = [p, p, i64, i32, i32, p, i64]
-        lib.jaxkv_flush_write.restype = lib.jaxkv_tail_state.restype = ctypes.c_int
+        lib.jaxkv_frame_append.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, p, p]
+        lib.jaxkv_flush_write.restype = lib.jaxkv_tail_state.restype = lib.jaxkv_frame_append.restype = ctypes.c_int
         lib._jaxkv_typed = True
     return lib
 
@@ -104,4 +107,54 @@ def hca_reset_state(tails, tail_slot) -> None:
     _tail_state(tails, tail_slot, 1)
 
 
-__all__ = ["csa_rotate_state", "flush_write", "hca_reset_state"]
+_APPEND_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # cuda/frame_append.cu's codes
+APPEND_SCRATCH = 256  # i32 words frame_append's scratch holds
+
+
+def frame_append_available(device) -> bool:
+    """Whether ``frame_append`` runs on ``device``: CUDA, and the library builds (nvcc)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        _lib(device)
+    except BuildError:
+        return False
+    return True
+
+
+def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> None:
+    """Write the rows of ``k`` / ``v`` into ``kbuf`` / ``vbuf`` at ``rows``, or, if either
+    holds a NaN or an Inf, every row at ``trash_row`` and ``sticky`` set (decided on the
+    device: two launches, no host sync). Shapes are the caller's to check (the manager's
+    per-frame hot path); dtypes, devices and contiguity are checked here.
+
+        k, v:        dtype[N, H, D] contiguous     the frame (dtype bf16, fp16 or fp32)
+        kbuf, vbuf:  dtype[T, H, D] contiguous     one layer's buffers
+        rows:        i64[N]                        destination rows, in [0, T)
+        scratch:     i32[APPEND_SCRATCH]           working space (any contents)
+        sticky:      bool[]                        set to True for a bad frame, never cleared
+    """
+    dev = kbuf.device
+    if not (k.dtype == v.dtype == kbuf.dtype == vbuf.dtype) or k.dtype not in _APPEND_DTYPES:
+        raise ValueError(f"k, v, kbuf, vbuf: expected one dtype of {list(_APPEND_DTYPES)}, got "
+                         f"{k.dtype}, {v.dtype}, {kbuf.dtype}, {vbuf.dtype}")
+    for name, t in (("k", k), ("v", v), ("kbuf", kbuf), ("vbuf", vbuf), ("rows", rows), ("scratch", scratch),
+                    ("sticky", sticky)):
+        if t.device != dev or not t.is_contiguous():
+            raise ValueError(f"{name}: expected a contiguous tensor on {dev}, got {t.device}"
+                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
+    if rows.dtype != torch.int64 or scratch.dtype != torch.int32 or scratch.numel() < APPEND_SCRATCH \
+            or sticky.dtype != torch.bool:
+        raise ValueError(f"rows, scratch, sticky: expected i64[N], i32[>={APPEND_SCRATCH}], bool[], got "
+                         f"{rows.dtype}, {scratch.dtype}[{scratch.numel()}], {sticky.dtype}")
+    row_bytes = k[0].numel() * k.element_size()
+    code = _lib(dev).jaxkv_frame_append(
+        torch.cuda.current_stream(dev).cuda_stream, k.data_ptr(), v.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(),
+        rows.data_ptr(), k.shape[0], row_bytes, trash_row, _APPEND_DTYPES[k.dtype], scratch.data_ptr(),
+        sticky.data_ptr())
+    _ok(code, "frame_append")
+
+
+__all__ = ["APPEND_SCRATCH", "csa_rotate_state", "flush_write", "frame_append", "frame_append_available",
+           "hca_reset_state"]

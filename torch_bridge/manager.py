@@ -8,8 +8,9 @@ upstream's model). Underneath:
   block). jaxkv's bookkeeping of the page structure is queued and replayed on the device
   64 frames per dispatch (``_replay``), or when ``state`` is read.
 * torch writes the K/V through zero-copy views of every buffer, taken once for the
-  buffers' lifetime (``_take_views``): each ``append_frame`` is one ``index_copy_`` per K
-  and V, layout row moves are slice copies. The rows come from a host mirror of the page
+  buffers' lifetime (``_take_views``): on CUDA each ``append_frame`` is one call of
+  ``cuda/frame_append.cu`` (finiteness check + scatter, two launches; torch ops where it
+  cannot be built), layout row moves are slice copies. The rows come from a host mirror of the page
   structure (``_Pages``, jaxkv's ``frame.plan`` rules on Python ints; a test holds it
   equal to the device's), so nothing is read from the device and JAX never writes K/V.
 * With exact pages the visible keys of every block are ONE contiguous prefix, rows
@@ -72,6 +73,7 @@ from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
 from jaxkv.frame.state import NONE, STAGED
+from torch_bridge import kernels
 from torch_bridge.dlpack import from_torch, to_torch
 
 try:
@@ -282,6 +284,10 @@ class FlashInferKVCacheManager:
         self._arange_ps = torch.arange(spec.page_size, device=self.device)
         self.frame_count: List[int] = [0] * num_blocks
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # sticky: a NaN / Inf frame came
+        # CUDA: cuda/frame_append.cu writes a frame (finiteness check + scatter: 2 launches);
+        # else (CPU, or no nvcc to build it) the same rule in torch ops (~16 launches)
+        self._append_scratch = (torch.empty(kernels.APPEND_SCRATCH, dtype=torch.int32, device=self.device)
+                                if kernels.frame_append_available(self.device) else None)
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
         self._planned = None
@@ -394,8 +400,6 @@ class FlashInferKVCacheManager:
         ``jaxkv.frame.write_layer``; decided on the device, no host sync)."""
         b = self._block(block_idx)
         k, v = self._frame_tensor("k", k), self._frame_tensor("v", v)
-        ok = torch.isfinite(k).all() & torch.isfinite(v).all()
-        self._nonfinite |= ~ok
         n, p = self.frame_count[b], self._pages
         if n == p.frames:  # this block leads: start the shared frame
             if p.pending != NONE:
@@ -408,11 +412,16 @@ class FlashInferKVCacheManager:
             self._rows = torch.cat((self._arange_ns + special_row, self._arange_ps + patch_row))
             self._frame_open = True
             self._bookkeep(BEGIN, defer)
-        if n == p.frames - 1 and self._frame_open:
+        if n == p.frames - 1 and self._frame_open and self._append_scratch is not None:
+            kernels.frame_append(k.contiguous(), v.contiguous(), self._k[b], self._v[b], self._rows, self.spec.trash_row,
+                                 self._append_scratch, self._nonfinite)
+        elif n == p.frames - 1 and self._frame_open:
+            ok = self._finite(k, v)
             rows = torch.where(ok, self._rows, self.spec.trash_row)
             self._k[b].index_copy_(0, rows, k)
             self._v[b].index_copy_(0, rows, v)
         else:  # a lagging block: its frame n goes where that frame's tokens are now
+            ok = self._finite(k, v)
             tid = to_torch(self.state.token_id)[0]
             tpf = self.tokens_per_frame
             hit = ((tid >= 0) & (tid // tpf == n) & ok)[:, None, None]
@@ -420,6 +429,12 @@ class FlashInferKVCacheManager:
             self._k[b].copy_(torch.where(hit, k[src], self._k[b]))
             self._v[b].copy_(torch.where(hit, v[src], self._v[b]))
         self.frame_count[b] += 1
+
+    def _finite(self, k, v):
+        """bool[] on the device: k and v hold no NaN / Inf (and the sticky flag records it)."""
+        ok = torch.isfinite(k).all() & torch.isfinite(v).all()
+        self._nonfinite |= ~ok
+        return ok
 
     def _make_room(self):
         s = self.spec

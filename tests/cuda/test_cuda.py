@@ -218,3 +218,43 @@ def test_torch_flush_write_on_jax_buffers(rng, storage):
     K.csa_rotate_state(to_torch(jt), to_torch(slots))
     torch.cuda.synchronize()
     np.testing.assert_array_equal(np.asarray(jt), np.asarray(want))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, heads, dim", [("bfloat16", 16, 64), ("float16", 1, 6), ("float32", 3, 5)])
+@pytest.mark.parametrize("poison", [None, "nan", "+inf", "-inf"])
+def test_torch_frame_append_equals_torch_ops(dtype, heads, dim, poison):
+    """cuda/frame_append.cu: a clean frame lands at its rows, every other row untouched; a
+    frame with one NaN / Inf anywhere (here the last element of V, or a random element of
+    K) lands wholly at the trash row, the rows keep what they held, the sticky flag is set.
+    Row sizes 2048 B (16-byte copies), 12 B and 60 B (4-byte copies)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    from torch_bridge import kernels as K
+
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(3)
+    n, T, trash = 37, 300, 299
+    k, v = (torch.randn(n, heads, dim, generator=g).to(dt).cuda() for _ in range(2))
+    kbuf, vbuf = (torch.randn(T, heads, dim, generator=g).to(dt).cuda() for _ in range(2))
+    rows = torch.randperm(T - 1, generator=g)[:n].cuda()
+    if poison:
+        value = {"nan": float("nan"), "+inf": float("inf"), "-inf": float("-inf")}[poison]
+        if poison == "nan":
+            k.view(-1)[int(torch.randint(k.numel(), (1,), generator=g))] = value
+        else:
+            v.view(-1)[-1] = value
+    want_k, want_v = kbuf.clone(), vbuf.clone()
+    if not poison:  # (poisoned, every row writes the trash row: its content is any of them)
+        want_k[rows], want_v[rows] = k, v
+    sticky = torch.zeros((), dtype=torch.bool, device="cuda")
+    scratch = torch.full((K.APPEND_SCRATCH,), 7, dtype=torch.int32, device="cuda")
+    K.frame_append(k, v, kbuf, vbuf, rows, trash, scratch, sticky)
+    torch.cuda.synchronize()
+    assert bool(sticky) == bool(poison)
+    keep = torch.ones(T, dtype=torch.bool, device="cuda")
+    keep[trash] = not poison
+    assert torch.equal(kbuf[keep], want_k[keep]) and torch.equal(vbuf[keep], want_v[keep])
+    with pytest.raises(ValueError, match="rows, scratch, sticky"):
+        K.frame_append(k, v, kbuf, vbuf, rows.int(), trash, scratch, sticky)
