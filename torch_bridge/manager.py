@@ -95,6 +95,13 @@ CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 # sdpa 25.2; 1005 tokens (518x378): single prefill 21.29, paged FA3 25.82, paged FA2 31.17,
 # sdpa 40.37. One 262-query request fills too few SMs without the paged kernel's KV split;
 # the 512 bound lies between the two measured sizes.
+# Tried and not taken (H100, 2026-11-24, one layer at 1005 / 262 queries over 72 frames):
+# jaxkv's Mosaic GPU prefix kernel on the JAX arrays behind these buffers (q in and the
+# output out through DLPack per block) took 26.2 / 25.0 ms per 24-layer frame, because
+# exporting the fresh output blocks the host until the kernel ends (1.02 ms of host per
+# block at 1005 queries); cuDNN through torch (0.73 ms per layer at 1005 queries against
+# FlashInfer's 0.94) builds a new graph for every key length, i.e. every frame, and its
+# ragged form rebuilds on every call (45-70 ms).
 AUTO_CUDA = ((512, "flashinfer"), (0, "flashinfer-paged-fa2"))
 # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
 FLASHINFER_PREFIX_KERNEL = "auto"
