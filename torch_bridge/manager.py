@@ -99,9 +99,10 @@ CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 # jaxkv's Mosaic GPU prefix kernel on the JAX arrays behind these buffers (q in and the
 # output out through DLPack per block) took 26.2 / 25.0 ms per 24-layer frame, because
 # exporting the fresh output blocks the host until the kernel ends (1.02 ms of host per
-# block at 1005 queries); cuDNN through torch (0.73 ms per layer at 1005 queries against
-# FlashInfer's 0.94) builds a new graph for every key length, i.e. every frame, and its
-# ragged form rebuilds on every call (45-70 ms).
+# block at 1005 queries); cuDNN through torch was faster at a fixed key length (0.73 ms
+# per layer at 1005 queries against FlashInfer's 0.94) but torch caches its graphs by
+# shape, key length included (read, not timed), and the length changes every frame; its
+# ragged form (cum_seq_k, for a KV split) took 45-70 ms per call.
 AUTO_CUDA = ((512, "flashinfer"), (0, "flashinfer-paged-fa2"))
 # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
 FLASHINFER_PREFIX_KERNEL = "auto"
