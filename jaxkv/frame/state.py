@@ -174,7 +174,8 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
     """A copy of ``state`` with room for the specials of ``max_frames`` frames (eager, reallocates).
 
     Positions in the layout do not depend on the capacity, so growing only pads rows (and
-    moves the trash rows to the new end).
+    moves the trash rows to the new end). Every array is new: donating the grown state to
+    a jitted update leaves ``state`` whole.
     """
     spec = state.spec
     if max_frames < spec.max_frames:
@@ -182,7 +183,10 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
     new = spec.with_max_frames(max_frames)
     extra = new.capacity - spec.capacity
     pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+    counters = {f: getattr(state, f).copy() for f in ("num_frames", "num_scale", "num_window", "window_head",
+                                                      "num_special", "pending", "error")}
     return state.replace(
+        **counters,
         k=tuple(map(pad, state.k)),
         v=tuple(map(pad, state.v)),
         token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),

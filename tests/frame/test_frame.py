@@ -141,6 +141,21 @@ def test_append_while_pending_and_grow(rng):
     assert visible(state) == model.visible_ids()
 
 
+def test_grow_leaves_the_old_state_whole(rng):
+    """frame.grow copies: donating the grown state (every functional op does) deletes none
+    of the old state's arrays, and the old state still appends as before."""
+    spec = frame.FrameSpec(**{**SMALL, "max_frames": 3})
+    state = frame.append(frame.init(spec), *rand_frame(rng, spec))
+    grown = frame.grow(state, 6)
+    olds = {id(x) for x in jax.tree.leaves(state)}
+    assert not olds & {id(x) for x in jax.tree.leaves(grown)}
+    frame.append(grown, *rand_frame(rng, spec))  # donates grown
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+    state = frame.append(state, *rand_frame(rng, spec))
+    jaxkv.check(state)
+    assert int(state.num_frames[0]) == 2
+
+
 def test_bad_inputs_raise_clearly(rng):
     spec = frame.FrameSpec(**SMALL)
     state = frame.init(spec)
