@@ -1,0 +1,185 @@
+"""A whole DeepSeek-V4-Flash decode step on the hybrid cache: bookkeeping + attention, 43 layers.
+
+One token per request. Per layer, in model order: the compressor update (``compress``:
+tail append, flush where a block of ``ratio`` tokens completes), for a CSA layer the
+indexer's top-k (``index_query`` + ``index_topk``), attention over the cache
+(``hybrid.attention``: the window ring + the token itself + the top-k / every visible HCA
+entry, with the sink), then the window write (``write_window``). ``prepare_forward``
+opens the step. One jitted call per step, state donated, no host sync.
+
+Requests sit at scattered positions in the last quarter of ``--contexts``; every pool (the
+windows, the compressed entries, the indexer keys) holds random rows in the storage
+format (the step's cost does not depend on them; random, so no path is special-cased).
+Contenders per (requests, context), in one process:
+
+* ``step``: the whole step, attention ``impl="auto"`` (the Mosaic GPU kernel on Hopper);
+* ``step, attention impl="xla"`` (``--xla``): the same with the dequantize + float32 path;
+* ``bookkeeping alone``: the same step without indexer and attention.
+
+Wall is per synchronized step (median); kernel is the sum of GPU kernel time in a
+profiler trace of the same steps. A (requests, context) pair whose cache does not fit is
+reported as such.
+
+    PYTHONPATH=$PWD python benchmarks/dsv4_step.py [--requests 64,256] [--contexts 8192,65536] [--xla]
+    PYTHONPATH=$PWD python benchmarks/dsv4_step.py --quick      # CPU smoke run: 4 layers, 4 requests
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from _timing import kernel_ms_per_step, times_ms
+from hybrid_step import make_inputs, make_params
+from jaxkv import hybrid as H
+from jaxkv.formats.storage import pack_items
+
+HEADS = 64  # V4-Flash attention heads
+
+
+def make_extra(cfg, B, key):
+    """Per-layer attention inputs: q, sink, and for CSA layers the indexer query and weights."""
+    out = {}
+    for layer in range(cfg.num_layers):
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
+        e = {"q": jax.random.normal(ks[0], (B, 1, HEADS, cfg.head_dim), jnp.bfloat16),
+             "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32)}
+        if cfg.kind(layer) == H.CSA:
+            e["iq"] = jax.random.normal(ks[2], (B, 1, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
+            e["iw"] = jax.random.normal(ks[3], (B, 1, cfg.index_heads), jnp.float32)
+        out[layer] = e
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("l", "dim", "block", "codec"), donate_argnums=0)
+def _fill(pools, key, *, l, dim, block, codec):
+    """Layer ``l`` of a stacked pool u8[L, blocks, block * E] refilled with random rows."""
+    n = pools.shape[1] * block
+    x = jax.random.normal(key, (n, dim), jnp.bfloat16)
+    return pools.at[l].set(pack_items(codec.encode(x), block, codec.segments))
+
+
+def fill_random(state, key):
+    """Every pool of ``state`` holding random rows in its storage format (in place, per layer)."""
+    c = state.config
+    fmt = c.storage_format
+    keys = iter(jax.random.split(key, 4 * c.num_layers + 8))
+
+    def refill(pools, dim, block, codec):
+        for l in range(pools.shape[0]):
+            pools = _fill(pools, next(keys), l=l, dim=dim, block=block, codec=codec)
+        return pools
+
+    window = refill(state.window, c.head_dim, c.window, fmt.entry)
+    entries = tuple(refill(p, c.head_dim, c.block_size, fmt.entry) for p in state.entries)
+    index_keys = refill(state.index_keys, c.index_dim, c.block_size, fmt.index_key(c.index_dim))
+    return state.replace(window=window, entries=entries, index_keys=index_keys)
+
+
+def decode_step(state, slots, inputs, params, extra, *, attend: bool, impl: str):
+    """prepare_forward, then per layer compress -> (indexer top-k) -> attention -> window write.
+    Returns (state, f32 sum of every layer's first output dim: keeps the attention live)."""
+    cfg = state.config
+    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    acc = jnp.zeros((), jnp.float32)
+    for layer in range(cfg.num_layers):
+        x, e = inputs[layer], extra[layer]
+        if cfg.compress_ratios[layer]:
+            p = params[layer]
+            index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index)
+        if attend:
+            idx = None
+            if cfg.kind(layer) == H.CSA:
+                idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
+            out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)
+            acc = acc + out[..., 0].astype(jnp.float32).sum()
+        state = H.write_window(state, step, layer, x["kv"])
+    return state, acc
+
+
+def run_case(B, context, args):
+    cfg = dataclasses.replace(H.V4_FLASH, max_requests=B, max_context=context)
+    if args.quick:
+        cfg = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:4])
+    key = jax.random.key(0)
+    params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key), make_extra(cfg, B, key)
+    slots = jnp.arange(B, dtype=jnp.int32)
+    rng = np.random.default_rng(0)
+    margin = 8 + 3 * args.iters  # steps this run takes after the prefill positions
+    start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
+    state = H.init(cfg)
+    state, _ = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=int(start.max()))
+    state = fill_random(state, jax.random.fold_in(key, 7))
+    jax.block_until_ready(state)
+    gib = H.nbytes(state) / 2**30
+    contenders = [("step (attention impl=auto)", dict(attend=True, impl="auto"))]
+    if args.xla:
+        contenders.append(("step (attention impl=xla)", dict(attend=True, impl="xla")))
+    contenders.append(("bookkeeping alone", dict(attend=False, impl="auto")))
+    box = {"s": state}
+    rows = []
+    for name, kw in contenders:
+        fn = jax.jit(functools.partial(decode_step, **kw), donate_argnums=0)
+
+        def run(i, fn=fn):
+            box["s"], acc = fn(box["s"], slots, inputs, params, extra)
+            acc.block_until_ready()
+
+        run(0)
+        with jax.transfer_guard("disallow"):
+            ms = statistics.median(times_ms(run, args.iters, warmup=2))
+        kern = kernel_ms_per_step(run, 3) if jax.default_backend() == "gpu" else None
+        rows.append((name, ms, kern))
+        print(f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
+              + ("" if kern is None else f" ({kern:.3f} ms of kernels)"), flush=True)
+    import jaxkv
+
+    jaxkv.check(box["s"])
+    return gib, rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", default="64,256")
+    ap.add_argument("--contexts", default="8192,65536")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--xla", action="store_true", help="also the step with attention impl='xla'")
+    ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests, args.contexts, args.iters = "4", "2048", min(args.iters, 3)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    table = []
+    for B in map(int, args.requests.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            try:
+                gib, rows = run_case(B, context, args)
+            except Exception as e:  # noqa: BLE001 - a pair that does not fit is a row, not the end
+                if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                    raise
+                print(f"  {B} requests, context {context}: does not fit ({str(e).splitlines()[0][:160]})")
+                table.append((B, context, None, "does not fit", None, None))
+                continue
+            table += [(B, context, gib, name, ms, kern) for name, ms, kern in rows]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(zip(("requests", "context", "cache_gib", "contender", "ms", "kernel_ms"), r))
+                       for r in table], f, indent=1)
+    print("\n| requests | context | cache GiB | contender | wall ms | kernel ms |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: |")
+    for B, context, gib, name, ms, kern in table:
+        f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
+        print(f"| {B} | {context} | {'' if gib is None else f'{gib:.2f}'} | {name} | {f(ms)} | {f(kern)} |")
+
+
+if __name__ == "__main__":
+    main()
