@@ -4,8 +4,8 @@ One token per request. Per layer, in model order: the compressor update (``compr
 tail append, flush where a block of ``ratio`` tokens completes), for a CSA layer the
 indexer's top-k (``index_query`` + ``index_topk``), attention over the cache
 (``hybrid.attention``: the window ring + the token itself + the top-k / every visible HCA
-entry, with the sink), then the window write (``write_window``). ``prepare_forward``
-opens the step. One jitted call per step, state donated, no host sync.
+entry, with the sink), ``after_reads`` (so the writes that follow stay in place), then the
+window write (``write_window``). ``prepare_forward`` opens the step. One jitted call per step, state donated, no host sync.
 
 Requests sit at scattered positions in the last quarter of ``--contexts``; every pool (the
 windows, the compressed entries, the indexer keys) holds random rows in the storage
@@ -84,8 +84,8 @@ def fill_random(state, key):
 
 
 def decode_step(state, slots, inputs, params, extra, *, attend: bool, impl: str):
-    """prepare_forward, then per layer compress -> (indexer top-k) -> attention -> window write.
-    Returns (state, f32 sum of every layer's first output dim: keeps the attention live)."""
+    """prepare_forward, then per layer compress -> (indexer top-k) -> attention -> after_reads
+    -> window write. Returns (state, f32 sum of every layer's first output dim: keeps the attention live)."""
     cfg = state.config
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
     acc = jnp.zeros((), jnp.float32)
@@ -101,6 +101,7 @@ def decode_step(state, slots, inputs, params, extra, *, attend: bool, impl: str)
                 idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
             out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)
             acc = acc + out[..., 0].astype(jnp.float32).sum()
+            state = H.after_reads(state, out)
         state = H.write_window(state, step, layer, x["kv"])
     return state, acc
 

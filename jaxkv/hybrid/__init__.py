@@ -10,6 +10,7 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
             state = compress(state, step, layer, ckv, cscore, params, index=...)  # CSA: index=(...)
         idx = index_topk(state, step, layer, qi, weights)             # CSA layers only
         out = attention(state, step, layer, q, sink, kv, idx=idx)     # reads the ring before this step's write
+        state = after_reads(state, out)                               # so the writes below stay in place
         state = write_window(state, step, layer, kv)
     state = finish(state, done_slots)
 
@@ -18,7 +19,7 @@ batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an
 stacked over layers, without a copy; ``HybridCache`` is the eager wrapper that raises on recorded faults.
 """
 
-from jaxkv.hybrid.attend import attention
+from jaxkv.hybrid.attend import after_reads, attention
 from jaxkv.hybrid.attention import (
     causal_entry_mask,
     index_query,
@@ -48,7 +49,7 @@ from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
 
 __all__ = [
-    "attention", "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
+    "after_reads", "attention", "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
     "Stacked", "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
     "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
     "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",

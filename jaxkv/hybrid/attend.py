@@ -17,6 +17,7 @@ store). ``"auto"``: pallas on Hopper, xla elsewhere.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv import _backend
 from jaxkv.formats.storage import pack_items
@@ -68,6 +69,35 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
     return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
                       state, *args, axes=("batch",) * len(args), out="batch")
+
+
+def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
+    """``state`` ordered after the reads that produced ``outs`` (``attention``'s output):
+    pass the result to the writes that follow (``write_window``, the next ``compress``).
+
+    A decode step reads a layer's pools (``attention``, ``index_topk``) and then updates
+    the same stacked arrays in place. Nothing in the data orders the read before the write,
+    so XLA keeps the read's version alive by copying the whole stacked pool, layer after
+    layer (``benchmarks/RESULTS.md``, ``dsv4_step.py``: 64K context does not fit). Here each
+    pool rewrites one of its own bytes with itself at an index computed from ``outs``
+    (0 or 1: the sign bit of their sum), which XLA cannot know: the pools now depend on the
+    reads, and the writes after them stay in place. No value changes.
+    """
+
+    def local(st, *outs):
+        total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+        i = (lax.bitcast_convert_type(total, jnp.uint32) >> 31).astype(jnp.int32)
+
+        def touch(pool):  # u8[L, ..., bytes]: byte (0, .., 0, i) rewritten with itself
+            if pool.size == 0:
+                return pool
+            start = (jnp.int32(0),) * (pool.ndim - 1) + (i,)
+            return lax.dynamic_update_slice(pool, lax.dynamic_slice(pool, start, (1,) * pool.ndim), start)
+
+        return st.replace(window=touch(st.window), entries=tuple(map(touch, st.entries)),
+                          index_keys=touch(st.index_keys))
+
+    return on_devices(local, state, *outs, axes=("batch",) * len(outs), out="state")
 
 
 def _xla(state, step, layer, kind, q, kv, idx, sink, scale):

@@ -155,3 +155,50 @@ def test_bad_inputs(rng, filled):
 @pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
 def test_kernel_equals_xla_on_gpu(rng, filled):
     _assert_paths_agree(rng, filled)
+
+
+def _decode_step(state, slots, inputs, params, q, ordered):
+    """A decode step in model order: compress -> top-k -> attention -> (after_reads) -> window write."""
+    c = state.config
+    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    acc = jnp.zeros((), jnp.float32)
+    for layer in range(c.num_layers):
+        x, p = inputs[layer], params[layer]
+        idx = None
+        if c.kind(layer) == H.CSA:
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"]))
+            idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
+        elif c.kind(layer) == H.HCA:
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])
+        out = H.attention(state, step, layer, q, p["sink"], x["kv"], idx, impl="xla")
+        acc = acc + out.astype(jnp.float32).sum()
+        if ordered:
+            state = H.after_reads(state, out)
+        state = H.write_window(state, step, layer, x["kv"])
+    return state, acc
+
+
+def test_after_reads_keeps_the_pools_in_place(rng, filled):
+    """Reading a layer's pools (attention, top-k) and then writing them (write_window, the next
+    compress) in one jitted step: with after_reads between them the compiled step holds no copy
+    of a whole pool, and after_reads changes no value. (Without it XLA copies the stacked pools
+    layer after layer: benchmarks/RESULTS.md, dsv4_step.py.)"""
+    state, params = filled
+    c = state.config
+    slots = jnp.arange(3, dtype=jnp.int32)
+    inputs = D.make_inputs(c, rng, 3, 1)
+    q = jnp.asarray(rng.normal(size=(3, 1, HEADS, c.head_dim)), jnp.bfloat16)
+    pools = {tuple(x.shape) for x in (state.window, *state.entries, state.index_keys)}
+    step = jax.jit(_decode_step, donate_argnums=0, static_argnames="ordered")
+    text = step.lower(_copy(state), slots, inputs, params, q, ordered=True).compile().as_text()
+    copies = [line for line in text.splitlines() if " copy(" in line and any(
+        f"u8[{','.join(map(str, s))}]" in line for s in pools)]
+    assert not copies, copies[:3]
+    out = jnp.asarray(rng.normal(size=(3, 1, HEADS, c.head_dim)), jnp.bfloat16)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(H.after_reads(_copy(state), out))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    ordered_state, acc = step(_copy(state), slots, inputs, params, q, ordered=True)
+    plain_state, acc0 = step(_copy(state), slots, inputs, params, q, ordered=False)
+    assert float(acc) == float(acc0)
+    for a, b in zip(jax.tree.leaves(ordered_state), jax.tree.leaves(plain_state)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -126,6 +126,7 @@ def hybrid_layers(state, step, x, params, ops):
         xl, p = x[layer], params[layer]
         outs.append(ops(f"window_keys/{layer}", lambda st, sp, kv, l=layer: H.window_keys(st, sp, l, kv),
                         state, step, xl["kv"]))
+        state = ops(f"after_reads/{layer}", lambda st, keys: H.after_reads(st, keys), state, outs[-1][0])
         state = ops(f"write_window/{layer}", lambda st, sp, kv, l=layer: H.write_window(st, sp, l, kv, impl="xla"),
                     state, step, xl["kv"])
         if c.kind(layer) == H.CSA:
