@@ -420,14 +420,14 @@ class FlashInferKVCacheManager:
             self._rows = torch.cat((self._arange_ns + special_row, self._arange_ps + patch_row))
             self._frame_open = True
             self._bookkeep(BEGIN, defer)
-        if n == p.frames - 1 and self._frame_open and self._append_scratch is not None:
-            kernels.frame_append(k.contiguous(), v.contiguous(), self._k[b], self._v[b], self._rows, self.spec.trash_row,
-                                 self._append_scratch, self._nonfinite)
-        elif n == p.frames - 1 and self._frame_open:
-            ok = self._finite(k, v)
-            rows = torch.where(ok, self._rows, self.spec.trash_row)
-            self._k[b].index_copy_(0, rows, k)
-            self._v[b].index_copy_(0, rows, v)
+        if n == p.frames - 1 and self._frame_open:
+            if self._append_scratch is not None:
+                kernels.frame_append(k.contiguous(), v.contiguous(), self._k[b], self._v[b], self._rows,
+                                     self.spec.trash_row, self._append_scratch, self._nonfinite)
+            else:
+                rows = torch.where(self._finite(k, v), self._rows, self.spec.trash_row)
+                self._k[b].index_copy_(0, rows, k)
+                self._v[b].index_copy_(0, rows, v)
         else:  # a lagging block: its frame n goes where that frame's tokens are now
             ok = self._finite(k, v)
             tid = to_torch(self.state.token_id)[0]

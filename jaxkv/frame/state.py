@@ -183,10 +183,7 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
     new = spec.with_max_frames(max_frames)
     extra = new.capacity - spec.capacity
     pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
-    counters = {f: getattr(state, f).copy() for f in ("num_frames", "num_scale", "num_window", "window_head",
-                                                      "num_special", "pending", "error")}
-    return state.replace(
-        **counters,
+    rebuilt = dict(
         k=tuple(map(pad, state.k)),
         v=tuple(map(pad, state.v)),
         token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),
@@ -194,3 +191,6 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
         write_special_row=jnp.where(state.write_special_row == spec.trash_row, new.trash_row, state.write_special_row),
         spec=new,
     )
+    copies = {f.name: getattr(state, f.name).copy() for f in dataclasses.fields(state)
+              if f.name not in rebuilt and isinstance(getattr(state, f.name), jax.Array)}  # the counters
+    return state.replace(**copies, **rebuilt)
