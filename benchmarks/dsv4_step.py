@@ -13,14 +13,19 @@ format (the step's cost does not depend on them; random, so no path is special-c
 Contenders per (requests, context), in one process:
 
 * ``step``: the whole step, attention ``impl="auto"`` (the Mosaic GPU kernel on Hopper);
-* ``step, attention impl="xla"`` (``--xla``): the same with the dequantize + float32 path;
-* ``bookkeeping alone``: the same step without indexer and attention.
+* ``xla`` (opt-in): the same with the attention's dequantize + float32 path;
+* ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
+* ``bookkeeping``: the step without indexer and attention.
 
-Wall is per synchronized step (median); kernel is the sum of GPU kernel time in a
-profiler trace of the same steps. A (requests, context) pair whose cache does not fit is
-reported as such.
+The differences split the step: indexer = ``indexer`` - ``bookkeeping``, attention =
+``step`` - ``indexer``. Wall is per synchronized step (median); kernel is the sum of GPU
+kernel time in a profiler trace of the same steps (``--top N`` also lists the whole step's
+N costliest kernels). A (requests, context) pair whose cache does not fit is reported as
+such. Each contender is a 43-layer compile (about a minute or more on a fresh machine):
+pick fewer with ``--contenders`` to stay within one call's time.
 
-    PYTHONPATH=$PWD python benchmarks/dsv4_step.py [--requests 64,256] [--contexts 8192,65536] [--xla]
+    PYTHONPATH=$PWD python benchmarks/dsv4_step.py [--requests 64,256] [--contexts 8192,65536]
+        [--contenders step,indexer,bookkeeping,xla] [--top 12]
     PYTHONPATH=$PWD python benchmarks/dsv4_step.py --quick      # CPU smoke run: 4 layers, 4 requests
 """
 
@@ -42,6 +47,12 @@ from jaxkv import hybrid as H
 from jaxkv.formats.storage import pack_items
 
 HEADS = 64  # V4-Flash attention heads
+CONTENDERS = {  # name on the command line: (row label, decode_step flags)
+    "step": ("step (attention impl=auto)", dict(index=True, attend=True, impl="auto")),
+    "xla": ("step (attention impl=xla)", dict(index=True, attend=True, impl="xla")),
+    "indexer": ("bookkeeping + indexer (no attention)", dict(index=True, attend=False, impl="auto")),
+    "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),
+}
 
 
 def make_extra(cfg, B, key):
@@ -83,9 +94,10 @@ def fill_random(state, key):
     return state.replace(window=window, entries=entries, index_keys=index_keys)
 
 
-def decode_step(state, slots, inputs, params, extra, *, attend: bool, impl: str):
-    """prepare_forward, then per layer compress -> (indexer top-k) -> attention -> after_reads
-    -> window write. Returns (state, f32 sum of every layer's first output dim: keeps the attention live)."""
+def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str):
+    """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
+    -> window write. Returns (state, f32 sum over layers of a slice of the last read's result:
+    keeps the reads live)."""
     cfg = state.config
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
     acc = jnp.zeros((), jnp.float32)
@@ -95,12 +107,14 @@ def decode_step(state, slots, inputs, params, extra, *, attend: bool, impl: str)
             p = params[layer]
             index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index)
+        idx = out = None
+        if (index or attend) and cfg.kind(layer) == H.CSA:
+            idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
+            out = idx[..., 0]
         if attend:
-            idx = None
-            if cfg.kind(layer) == H.CSA:
-                idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
-            out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)
-            acc = acc + out[..., 0].astype(jnp.float32).sum()
+            out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)[..., 0]
+        if out is not None:
+            acc = acc + out.astype(jnp.float32).sum()
             state = H.after_reads(state, out)
         state = H.write_window(state, step, layer, x["kv"])
     return state, acc
@@ -121,10 +135,7 @@ def run_case(B, context, args):
     state = fill_random(state, jax.random.fold_in(key, 7))
     jax.block_until_ready(state)
     gib = H.nbytes(state) / 2**30
-    contenders = [("step (attention impl=auto)", dict(attend=True, impl="auto"))]
-    if args.xla:
-        contenders.append(("step (attention impl=xla)", dict(attend=True, impl="xla")))
-    contenders.append(("bookkeeping alone", dict(attend=False, impl="auto")))
+    contenders = [(CONTENDERS[c][0], CONTENDERS[c][1]) for c in args.contenders.split(",")]
     box = {"s": state}
     rows = []
     for name, kw in contenders:
@@ -137,7 +148,8 @@ def run_case(B, context, args):
         run(0)
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run, args.iters, warmup=2))
-        kern = kernel_ms_per_step(run, 3) if jax.default_backend() == "gpu" else None
+        top = args.top if kw["attend"] else 0
+        kern = kernel_ms_per_step(run, 3, top=top) if jax.default_backend() == "gpu" else None
         rows.append((name, ms, kern))
         print(f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
               + ("" if kern is None else f" ({kern:.3f} ms of kernels)"), flush=True)
@@ -152,10 +164,15 @@ def main():
     ap.add_argument("--requests", default="64,256")
     ap.add_argument("--contexts", default="8192,65536")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--xla", action="store_true", help="also the step with attention impl='xla'")
+    ap.add_argument("--contenders", default="step,indexer,bookkeeping",
+                    help=f"comma-separated, in order, from {', '.join(CONTENDERS)}")
+    ap.add_argument("--top", type=int, default=0, help="list the whole step's N costliest kernels")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
     ap.add_argument("--json")
     args = ap.parse_args()
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    if unknown:
+        ap.error(f"--contenders: expected names from {sorted(CONTENDERS)}, got {sorted(unknown)}")
     if args.quick:
         args.requests, args.contexts, args.iters = "4", "2048", min(args.iters, 3)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
