@@ -105,8 +105,8 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
         x, e = inputs[layer], extra[layer]
         if cfg.compress_ratios[layer]:
             p = params[layer]
-            index = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
-            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index)
+            index_kv = (x["ikv"], x["iscore"], p["index"]) if "index" in p else None
+            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index_kv)
         idx = out = None
         if (index or attend) and cfg.kind(layer) == H.CSA:
             idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
