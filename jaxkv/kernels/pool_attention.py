@@ -11,6 +11,17 @@ in shared memory (each half the tiles), then each computes the full ``S = Q K^T`
 the program's 64 heads and ``P V`` for its half of the 512 output dims on the tensor
 cores (``wgmma``), with an online softmax in registers.
 
+Where the time goes (issue 21, ablations on an H100): the per-row copies dominate (five per
+row: four 128-byte code boxes and the rope), and they do not overlap the compute path. Fewer,
+wider copies per row are faster but were not correct on jax 0.11.2's Mosaic GPU. Each of the
+following read back wrong values, although the bytes always landed right:
+  * a 3-D SMEM ref indexed in its middle dimension (``ref.at[:, t, :]``) and loaded;
+  * ``plgpu.RefUnion`` views loaded;
+  * f8 columns >= 128 of a ``[64, 512]`` SMEM buffer, inside this kernel. A standalone
+    probe of the same pattern was right.
+A 448-byte row pitch faults with ``CUDA_ERROR_MISALIGNED_ADDRESS``. So the code stays in
+128-column buffers.
+
 Official (``ds_mla``) storage only: per_entry pools are refused (its GPU test failed;
 open). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
 multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
