@@ -135,7 +135,7 @@ def run_case(B, context, args):
     state = fill_random(state, jax.random.fold_in(key, 7))
     jax.block_until_ready(state)
     gib = H.nbytes(state) / 2**30
-    contenders = [(CONTENDERS[c][0], CONTENDERS[c][1]) for c in args.contenders.split(",")]
+    contenders = [CONTENDERS[c] for c in args.contenders.split(",")]
     box = {"s": state}
     rows = []
     for name, kw in contenders:
