@@ -2,7 +2,7 @@
 
 ``rows``: items per program (a power of two: Triton blocks); ``warps``: warps per program;
 ``block_kv`` / ``stages``: the Mosaic GPU attention's keys per TMA block and blocks in
-flight. Entries are per kernel, and per storage family where the families differ
+flight; ``tiles``: 64-key tiles per indexer-scores program. Entries are per kernel, and per storage family where the families differ
 (``"flush_write/per_entry"``). A device without its own table uses ``DEFAULT``'s, the
 device the sweeps ran on; their figures are in ``benchmarks/RESULTS.md``
 ("Launch-parameter sweeps"). Add a table for another GPU by its ``device_kind``.
@@ -24,6 +24,7 @@ TABLES = {
         "compress_decode/official": dict(warps=4),  # one request per program
         "compress_decode/per_entry": dict(warps=2),
         "prefix_attention": dict(block_kv=256, stages=2),
+        "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
     },
 }
 
