@@ -16,6 +16,7 @@ inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hoppe
 | ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
 | ``hybrid.gather`` | xla, pallas | as frame.append |
 | ``hybrid.index_query`` | xla, pallas | as frame.append |
+| ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas | pallas on Hopper with heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
 """
 
@@ -78,6 +79,14 @@ def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, 
             f"window {window}, {storage} storage")
 
 
+def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: int = 64, **_) -> str | None:
+    if is_hopper() and index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0:
+        return None
+    return (f"expected an NVIDIA Hopper GPU (sm_90), index heads a multiple of 64, index_dim 128 and block_size a "
+            f"multiple of 64, got {jax.devices()[0].device_kind}, {index_heads} heads, index_dim {index_dim}, "
+            f"block_size {block_size}")
+
+
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
@@ -113,6 +122,8 @@ OPERATIONS = {op.name: op for op in (
     _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
     _triton_op("hybrid.gather", ("xla", "pallas")),
     _triton_op("hybrid.index_query", ("xla", "pallas")),
+    Operation("hybrid.index_scores", ("xla", "pallas"),
+              lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
     Operation("hybrid.attention", ("xla", "pallas"),
               lambda **ctx: "xla" if _heads_missing(**ctx) else "pallas", {"pallas": _heads_missing}),
 )}

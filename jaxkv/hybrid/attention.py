@@ -11,9 +11,10 @@ import jax.numpy as jnp
 from jaxkv import _backend
 from jaxkv._backend import interpret
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
+from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.formats import nvfp4_global_scale
 from jaxkv.hybrid.config import CSA
-from jaxkv.hybrid.ops import check_layer, index_keys
+from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
 from jaxkv.math.rotation import hadamard
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
@@ -57,16 +58,29 @@ def query_positions(step: Step, T: int):
     return step.start[:, None] + jnp.arange(T)[None, :]
 
 
-def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights):
+SCORE_IMPLS = _backend.choices("hybrid.index_scores")
+
+
+def _scores_impl(state, impl):
+    c = state.config
+    return _backend.resolve("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
+                            block_size=c.block_size)
+
+
+def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *, impl: str = "auto"):
     """Lightning-indexer scores ``I[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s])``.
 
     q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
     scales them by ``index_dim**-0.5 * H**-0.5``).
     Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
-    are -inf.
+    are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "pallas"
+    (``kernels.index_scores``: the FP4 keys read in place, Hopper), "auto" (pallas where it
+    runs, else xla). Both multiply the same BF16 keys and queries with float32 sums; they
+    differ only in summation order.
     """
     _check_scores(state, step, layer, q, weights)
-    return on_devices(lambda st, step, q, w: _index_scores(st, step, layer, q, w), state, step, q, weights,
+    impl = _scores_impl(state, impl)
+    return on_devices(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
                       axes=("batch",) * 3, out="batch")
 
 
@@ -79,26 +93,50 @@ def _check_scores(state, step, layer, q, weights):
                          f"got {tuple(q.shape)} and {tuple(weights.shape)}")
 
 
-def _index_scores(state, step, layer, q, weights):
+def _index_scores(state, step, layer, q, weights, impl):
     c = state.config
-    T = q.shape[1]
-    keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]
-    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=_HI)
-    s = jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), weights.astype(jnp.float32), precision=_HI)
-    return jnp.where(causal_entry_mask(keys.shape[1], step, T, c.compress_ratios[layer]), s, -jnp.inf)
+    B, T, H, D = q.shape
+    ratio = c.compress_ratios[layer]
+    if impl == "pallas":
+        g, j = state.group(layer)
+        visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
+        s = score_kernel(q.reshape(B * T, H, D).astype(jnp.bfloat16), weights.reshape(B * T, H), state.index_keys,
+                         j, state.alloc[g].table[step.slot], visible.reshape(-1).astype(jnp.int32),
+                         storage=c.storage)
+        return s[:, :c.max_entries(ratio)].reshape(B, T, -1)
+    keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]: exact products in f32, f32 sums
+    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
+    s = jnp.sum(jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None], axis=2)
+    return jnp.where(causal_entry_mask(keys.shape[1], step, T, ratio), s, -jnp.inf)
 
 
-def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None):
+def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *,
+               impl: str = "auto"):
     """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
-    best first. ``k = min(top_k or config.top_k, max_entries)``."""
+    best first. ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
     _check_scores(state, step, layer, q, weights)
+    impl = _scores_impl(state, impl)
 
     def local(st, step, q, w):
-        s = _index_scores(st, step, layer, q, w)
-        val, idx = jax.lax.top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
+        s = _index_scores(st, step, layer, q, w, impl)
+        val, idx = _top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
         return jnp.where(jnp.isfinite(val), idx, -1)
 
     return on_devices(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
+
+
+def _top_k(s, k: int, chunks: int = 4):
+    """``lax.top_k`` over the last axis, in two exact stages where the axis is long: the k best
+    of each of ``chunks`` slices, then the k best of those (the same values and indices, ties
+    to the lower index; XLA's top-k sorts, so four short sorts beat one long one: 0.18 vs
+    0.29 ms for [64, 16384], k = 512, on an H100, ``benchmarks/RESULTS.md``)."""
+    n = s.shape[-1]
+    if n % chunks or n < 2 * chunks * k:
+        return jax.lax.top_k(s, k)
+    val, idx = jax.lax.top_k(s.reshape(*s.shape[:-1], chunks, n // chunks), k)
+    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * (n // chunks))[:, None]
+    val, pick = jax.lax.top_k(val.reshape(*s.shape[:-1], chunks * k), k)
+    return val, jnp.take_along_axis(idx.reshape(*s.shape[:-1], chunks * k), pick, axis=-1)
 
 
 def window_mask(key_pos, step: Step, T: int, window: int):

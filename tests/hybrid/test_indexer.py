@@ -1,0 +1,129 @@
+"""hybrid.index_scores / index_topk: the XLA path against float64 numpy, the kernel path's
+wiring (page tables, counts, rows per request) on CPU through the kernel's float32
+reference, and the Mosaic GPU kernel (Hopper), on caches filled by prepare_forward /
+compress with random inputs, requests at different positions."""
+
+import dataclasses
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hybrid_driver as D
+from jaxkv import hybrid as H
+from jaxkv._backend import is_hopper
+from jaxkv.hybrid.attention import _top_k
+from jaxkv.kernels.index_scores import ref_index_scores
+
+# index heads and block size as the kernel takes them (by 64); two pages of entries a request
+CFG = H.HybridConfig(compress_ratios=(0, 4), window=32, index_heads=64, top_k=24, block_size=64,
+                     max_requests=4, max_context=512)
+LENGTHS = (300, 7, 130)
+indexer = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
+
+
+@pytest.fixture(scope="module", params=["official", "per_entry"])
+def filled(request):
+    rng = np.random.default_rng(5)
+    cfg = dataclasses.replace(CFG, storage=request.param)
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
+    B, T = len(LENGTHS), max(LENGTHS)
+    state, step = H.prepare_forward(state, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.array(LENGTHS), chunk=T)
+    state, _, _ = D.model_step(state, step, D.make_inputs(cfg, rng, B, T), params)
+    return state
+
+
+def _steps(state):
+    """(step, T) for a decode step and a ragged prefill chunk (a request with no new entry)."""
+    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37)):
+        _, step = H.prepare_forward(jax.tree.map(jnp.copy, state), jnp.arange(3), jnp.array(LENGTHS),
+                                    jnp.array(counts), chunk=T)
+        yield step, T
+
+
+def _query(state, rng, T):
+    c = state.config
+    q = H.index_query(state, jnp.asarray(rng.normal(size=(3, T, c.index_heads, c.index_dim)), jnp.bfloat16))
+    return q, jnp.asarray(rng.normal(size=(3, T, c.index_heads)), jnp.float32)
+
+
+def test_top_k_in_two_stages_equals_lax(rng):
+    s = jnp.asarray(rng.normal(size=(2, 3, 4096)), jnp.float32)
+    s = s.at[0, 0, 1000:].set(-jnp.inf).at[1, 2, :300].set(2.5)  # -inf tails and ties
+    for k in (5, 512):
+        got, want = _top_k(s, k), jax.lax.top_k(s, k)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_xla_scores_equal_float64(rng, filled):
+    """impl="xla": sum_h w * relu(q . k) over the dequantized keys, -inf where not visible."""
+    state = filled
+    for step, T in _steps(state):
+        q, w = _query(state, rng, T)
+        got = np.asarray(H.index_scores(state, step, 1, q, w, impl="xla"))
+        keys, _ = H.index_keys(state, step, 1)
+        dots = np.einsum("bthd,bnd->bthn", np.asarray(q, np.float64), np.asarray(keys, np.float64))
+        want = np.einsum("bthn,bth->btn", np.maximum(dots, 0), np.asarray(w, np.float64))
+        vis = (np.asarray(step.start)[:, None] + np.arange(T)[None, :] + 1) // 4
+        mask = np.arange(want.shape[-1])[None, None, :] < vis[..., None]
+        np.testing.assert_array_equal(np.isneginf(got), ~mask)
+        np.testing.assert_allclose(got[mask], want[mask], rtol=1e-5, atol=1e-5 * np.abs(want[mask]).max())
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """The kernel path with the kernel replaced by its float32 reference: wiring on CPU."""
+    monkeypatch.setattr(indexer, "score_kernel", ref_index_scores)
+    resolve = indexer._backend.resolve
+    monkeypatch.setattr(indexer._backend, "resolve",
+                        lambda op, impl, **ctx: "pallas" if impl == "pallas" else resolve(op, impl, **ctx))
+
+
+def _real(step, T, *arrays):
+    """The rows of real tokens (padding rows' scores are meaningless)."""
+    real = np.arange(T)[None, :] < np.asarray(step.num_tokens)[:, None]
+    return [np.asarray(a)[real] for a in arrays]
+
+
+def test_kernel_path_equals_xla(rng, filled, reference_kernel):
+    state = filled
+    for step, T in _steps(state):
+        q, w = _query(state, rng, T)
+        got, want = _real(step, T, H.index_scores(state, step, 1, q, w, impl="pallas"),
+                          H.index_scores(state, step, 1, q, w, impl="xla"))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        fin = np.isfinite(want)
+        assert fin.sum() > 100
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5 * np.abs(want[fin]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
+def test_kernel_equals_xla_on_gpu(rng, filled):
+    state = filled
+    for step, T in _steps(state):
+        q, w = _query(state, rng, T)
+        got, want = _real(step, T, H.index_scores(state, step, 1, q, w, impl="pallas"),
+                          H.index_scores(state, step, 1, q, w, impl="xla"))
+        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
+        fin = np.isfinite(want)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5 * np.abs(want[fin]).max())
+        top, ref = _real(step, T, H.index_topk(state, step, 1, q, w, impl="pallas"),
+                         H.index_topk(state, step, 1, q, w, impl="xla"))
+        np.testing.assert_array_equal(top < 0, ref < 0)
+        assert (top == ref).mean() > 0.99  # the same entries, but for near-ties
+
+
+def test_bad_impl(rng, filled):
+    state = filled
+    step, T = next(_steps(state))
+    q, w = _query(state, rng, T)
+    with pytest.raises(ValueError, match="impl"):
+        H.index_scores(state, step, 1, q, w, impl="triton-nope")
+    if not is_hopper():
+        with pytest.raises(ValueError, match="Hopper"):
+            H.index_topk(state, step, 1, q, w, impl="pallas")
