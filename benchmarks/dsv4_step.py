@@ -15,6 +15,7 @@ Contenders per (requests, context), in one process:
 * ``step``: the whole step, attention ``impl="auto"`` (the Mosaic GPU kernel on Hopper);
 * ``xla`` (opt-in): the same with the attention's dequantize + float32 path;
 * ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
+* ``indexer-xla`` (opt-in): the same with the indexer's scores on XLA instead of the kernel;
 * ``bookkeeping``: the step without indexer and attention.
 
 The differences split the step: indexer = ``indexer`` - ``bookkeeping``, attention =
@@ -51,6 +52,7 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "step": ("step (attention impl=auto)", dict(index=True, attend=True, impl="auto")),
     "xla": ("step (attention impl=xla)", dict(index=True, attend=True, impl="xla")),
     "indexer": ("bookkeeping + indexer (no attention)", dict(index=True, attend=False, impl="auto")),
+    "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),
     "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),
 }
 
@@ -94,7 +96,8 @@ def fill_random(state, key):
     return state.replace(window=window, entries=entries, index_keys=index_keys)
 
 
-def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str):
+def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str,
+                index_impl: str = "auto"):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write. Returns (state, f32 sum over layers of a slice of the last read's result:
     keeps the reads live)."""
@@ -109,7 +112,7 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index_kv)
         idx = out = None
         if (index or attend) and cfg.kind(layer) == H.CSA:
-            idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"])
+            idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx[..., 0]
         if attend:
             out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)[..., 0]
