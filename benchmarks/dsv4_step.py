@@ -131,7 +131,9 @@ def run_case(B, context, args):
     params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key), make_extra(cfg, B, key)
     slots = jnp.arange(B, dtype=jnp.int32)
     rng = np.random.default_rng(0)
-    margin = 8 + 3 * args.iters  # steps this run takes after the prefill positions
+    runs = len(args.contenders.split(","))
+    margin = 8 + runs * (args.iters + 6)  # steps this run takes after the prefill positions (each contender:
+    # compile, 2 warm-up, iters timed, 3 profiled)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
     state = H.init(cfg)
     state, _ = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=int(start.max()))

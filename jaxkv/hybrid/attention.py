@@ -1,6 +1,7 @@
 """The lightning indexer (scores and top-k) and a reference sparse attention with a sink.
 
-Reference implementations in float32: the meaning that faster backends are tested against.
+The indexer's XLA path and ``sparse_attention`` are the meaning the kernels are tested
+against; ``index_scores(impl="pallas")`` runs ``kernels.index_scores`` (Hopper).
 """
 
 from __future__ import annotations
