@@ -59,9 +59,6 @@ def query_positions(step: Step, T: int):
     return step.start[:, None] + jnp.arange(T)[None, :]
 
 
-SCORE_IMPLS = _backend.choices("hybrid.index_scores")
-
-
 def _scores_impl(state, impl):
     c = state.config
     return _backend.resolve("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
@@ -129,8 +126,8 @@ def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_
 def _top_k(s, k: int, chunks: int = 4):
     """``lax.top_k`` over the last axis, in two exact stages where the axis is long: the k best
     of each of ``chunks`` slices, then the k best of those (the same values and indices, ties
-    to the lower index; XLA's top-k sorts, so four short sorts beat one long one: 0.18 vs
-    0.29 ms for [64, 16384], k = 512, on an H100, ``benchmarks/RESULTS.md``)."""
+    to the lower index). XLA's top-k sorts, and four short sorts take less time than one long
+    one (``benchmarks/RESULTS.md``, the indexer)."""
     n = s.shape[-1]
     if n % chunks or n < 2 * chunks * k:
         return jax.lax.top_k(s, k)

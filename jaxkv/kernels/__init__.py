@@ -15,12 +15,20 @@
   (``frame.attention(impl="pallas")``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' own jnp math tiled into kernels (``hybrid.index_query(impl="pallas")``).
+* ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
+  (Mosaic GPU, Hopper; ``hybrid.attention(impl="pallas")``).
+* ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
+  Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
 """
 
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import flush_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
+from jaxkv.kernels.index_scores import index_scores, ref_index_scores
+from jaxkv.kernels.pool_attention import pool_attention, ref_pool_attention
 from jaxkv.kernels.prefix_attention import prefix_attention, ref_prefix_attention
 
-__all__ = ["dequant_gather", "flush_write", "ref_dequant_gather", "quantize_mxfp4", "quantize_nvfp4", "prefix_attention", "ref_prefix_attention", "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]
+__all__ = ["dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention", "quantize_mxfp4",
+           "quantize_nvfp4", "ref_dequant_gather", "ref_index_scores", "ref_pool_attention", "ref_prefix_attention",
+           "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]
