@@ -71,12 +71,15 @@ def make_extra(cfg, B, key):
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("l", "dim", "block", "codec"), donate_argnums=0)
-def _fill(pools, key, *, l, dim, block, codec):
-    """Layer ``l`` of a stacked pool u8[L, blocks, block * E] refilled with random rows."""
-    n = pools.shape[1] * block
-    x = jax.random.normal(key, (n, dim), jnp.bfloat16)
-    return pools.at[l].set(pack_items(codec.encode(x), block, codec.segments))
+FILL_BLOCKS = 4096  # pool blocks refilled per call: bounds the fill's temporaries (256 requests at 64K)
+
+
+@functools.partial(jax.jit, static_argnames=("l", "n", "dim", "block", "codec"), donate_argnums=0)
+def _fill(pools, key, b0, *, l, n, dim, block, codec):
+    """Blocks ``b0 .. b0 + n`` of layer ``l`` of a stacked pool u8[L, blocks, block * E]
+    refilled with random rows."""
+    x = jax.random.normal(key, (n * block, dim), jnp.bfloat16)
+    return jax.lax.dynamic_update_slice(pools, pack_items(codec.encode(x), block, codec.segments)[None], (l, b0, 0))
 
 
 def fill_random(state, key):
@@ -86,8 +89,12 @@ def fill_random(state, key):
     keys = iter(jax.random.split(key, 4 * c.num_layers + 8))
 
     def refill(pools, dim, block, codec):
+        blocks = pools.shape[1]
         for l in range(pools.shape[0]):
-            pools = _fill(pools, next(keys), l=l, dim=dim, block=block, codec=codec)
+            key = next(keys)
+            for b0 in range(0, blocks, FILL_BLOCKS):
+                n = min(FILL_BLOCKS, blocks - b0)
+                pools = _fill(pools, jax.random.fold_in(key, b0), b0, l=l, n=n, dim=dim, block=block, codec=codec)
         return pools
 
     window = refill(state.window, c.head_dim, c.window, fmt.entry)
