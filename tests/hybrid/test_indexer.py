@@ -24,7 +24,7 @@ LENGTHS = (300, 7, 130)
 indexer = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
 
-@pytest.fixture(scope="module", params=["official", "per_entry"])
+@pytest.fixture(scope="module", params=["official", pytest.param("per_entry", marks=pytest.mark.gpu)])  # CI time
 def filled(request):
     rng = np.random.default_rng(5)
     cfg = dataclasses.replace(CFG, storage=request.param)
