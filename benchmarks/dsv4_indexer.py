@@ -42,8 +42,7 @@ def _before(state, step, layer, q, w, k):
     hi = jax.lax.Precision.HIGHEST
     dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), keys.astype(jnp.float32), precision=hi)
     s = jnp.einsum("bthn,bth->btn", jax.nn.relu(dots), w, precision=hi)
-    vis = (step.start[:, None] + 1) // state.config.compress_ratios[layer]
-    s = jnp.where(jnp.arange(s.shape[-1])[None, None, :] < vis[..., None], s, -jnp.inf)
+    s = jnp.where(H.causal_entry_mask(s.shape[-1], step, 1, state.config.compress_ratios[layer]), s, -jnp.inf)
     val, idx = jax.lax.top_k(s, k)
     return jnp.where(jnp.isfinite(val), idx, -1)
 

@@ -138,8 +138,7 @@ def run_case(B, context, args):
     params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key), make_extra(cfg, B, key)
     slots = jnp.arange(B, dtype=jnp.int32)
     rng = np.random.default_rng(0)
-    runs = len(args.contenders.split(","))
-    margin = 8 + runs * (args.iters + 6)  # steps this run takes after the prefill positions (each contender:
+    margin = 8 + len(args.contenders) * (args.iters + 6)  # steps this run takes after the prefill positions (each contender:
     # compile, 2 warm-up, iters timed, 3 profiled)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
     state = H.init(cfg)
@@ -147,7 +146,7 @@ def run_case(B, context, args):
     state = fill_random(state, jax.random.fold_in(key, 7))
     jax.block_until_ready(state)
     gib = H.nbytes(state) / 2**30
-    contenders = [CONTENDERS[c] for c in args.contenders.split(",")]
+    contenders = [CONTENDERS[c] for c in args.contenders]
     box = {"s": state}
     rows = []
     for name, kw in contenders:
@@ -182,7 +181,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
     ap.add_argument("--json")
     args = ap.parse_args()
-    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    args.contenders = args.contenders.split(",")
+    unknown = set(args.contenders) - set(CONTENDERS)
     if unknown:
         ap.error(f"--contenders: expected names from {sorted(CONTENDERS)}, got {sorted(unknown)}")
     if args.quick:

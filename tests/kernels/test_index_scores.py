@@ -7,7 +7,7 @@ import pytest
 
 from jaxkv._backend import is_hopper
 from jaxkv.formats.fp4 import e2m1_decode, unpack_nibbles
-from jaxkv.formats.storage import STORAGES, pack_items
+from jaxkv.formats.storage import STORAGES, pack_items, segment_offsets
 from jaxkv.kernels.index_scores import group_multipliers, index_scores, ref_index_scores
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
@@ -44,7 +44,7 @@ def test_multipliers_rebuild_the_decoded_keys(rng, storage):
     vals = e2m1_decode(unpack_nibbles(codes))  # [B, K, 128]
     keys = (vals.reshape(B, NP * bs, G, -1) * mult.transpose(0, 2, 1)[..., None]).reshape(B, NP * bs, 128)
     segs = [pool[1, table, o:o + z * bs].reshape(B, NP * bs, z)
-            for o, z in zip(np.cumsum((0,) + codec.segments[:-1]) * bs, codec.segments)]
+            for o, z in zip(segment_offsets(codec.segments, bs), codec.segments)]
     want = codec.decode(jnp.concatenate(segs, axis=-1)).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(keys.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(want))
 
