@@ -41,6 +41,7 @@ from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
 
 KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
+TRITON_DIR = None  # --triton: a directory of the pre-port kernel modules
 
 
 def copy_gbps(iters):
@@ -51,7 +52,21 @@ def copy_gbps(iters):
     return 2 * x.nbytes / ms / 1e6
 
 
-def bench_frame_append(P, L, iters, interpret=False):
+def triton_kernels(name):
+    """The pre-port (Pallas Triton lowering) module ``name`` from ``--triton DIR``, or None."""
+    if not TRITON_DIR:
+        return None
+    import importlib.util
+
+    if TRITON_DIR not in sys.path:
+        sys.path.insert(0, TRITON_DIR)  # the modules import the tuning table of their commit beside them
+    spec = importlib.util.spec_from_file_location(f"triton_{name}", os.path.join(TRITON_DIR, f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def bench_frame_append(P, L, iters):
     spec = frame.FrameSpec(num_layers=L, num_heads=16, head_dim=64, patches_per_frame=P, num_special=6,
                            scale_frames=8, sliding_window=64, max_frames=128)
     hd = spec.num_heads * spec.head_dim
@@ -62,10 +77,14 @@ def bench_frame_append(P, L, iters, interpret=False):
     pr = jnp.asarray([17 * spec.page_size], jnp.int32)
     moved = 2 * 2 * k.nbytes  # read the frame, write it (K and V)
     kw = dict(num_special=spec.num_special, page_size=spec.page_size)
-    ref = jax.jit(functools.partial(frame_append.ref_write_frame, **kw), donate_argnums=(0, 1))
-    pallas = functools.partial(frame_append.write_frame, interpret=interpret, **kw)
-    rows = []
-    for name, fn in (("xla", ref), ("pallas", pallas)):
+    contenders = [("xla", jax.jit(functools.partial(frame_append.ref_write_frame, **kw), donate_argnums=(0, 1)))]
+    if jax.default_backend() == "gpu":
+        contenders.append(("pallas", functools.partial(frame_append.write_frame, **kw)))
+        if (old := triton_kernels("frame_append")) is not None:
+            contenders.append(("triton", functools.partial(old.write_frame, **kw)))
+    rows, outs = [], {}
+    op = f"frame append {P + 6} tok x {L} layers"
+    for name, fn in contenders:
         box = {"b": tuple(tuple(jnp.zeros((1, spec.capacity, hd), jnp.bfloat16) for _ in range(L)) for _ in range(2))}
 
         def one(i):
@@ -74,8 +93,13 @@ def bench_frame_append(P, L, iters, interpret=False):
 
         for i in range(3):
             one(i)
-        rows.append((f"frame append {P + 6} tok x {L} layers", name, moved, statistics.median(times_ms(one, iters))))
+        rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
+        if jax.default_backend() == "gpu":
+            KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+        outs[name] = jax.device_get(box["b"][0][0][0, :int(pr[0]) + spec.page_size])
         box.clear()
+    for name in outs:  # every writer leaves the same bytes
+        assert (outs[name] == outs["xla"]).all(), f"frame append: {name} differs from xla"
     return rows
 
 
@@ -220,7 +244,12 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, nvfp4, "
                    "dequant, flush, fused)")
+    p.add_argument("--triton", default=None, help="a directory holding the kernels' pre-port modules (Pallas Triton "
+                   "lowering: git show 32ce0a0:jaxkv/kernels/NAME.py, its tuning import pointed at that commit's tuning.py saved beside "
+                   "them as triton_tuning.py), run as the 'triton' contender")
     args = p.parse_args(argv)
+    global TRITON_DIR
+    TRITON_DIR = args.triton
     dev = jax.devices()[0]
     interpret = dev.platform != "gpu"
     copy = copy_gbps(args.iters)
@@ -228,7 +257,7 @@ def main(argv=None):
     rows = []
     want = lambda name: args.only in name  # noqa: E731
     for P in (256, 999) if want("append") else ():
-        rows += bench_frame_append(P, args.layers, args.iters, interpret)
+        rows += bench_frame_append(P, args.layers, args.iters)
     for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("mxfp4") else ():
         rows += bench_mxfp4(n, args.iters, interpret)
     for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("nvfp4") else ():

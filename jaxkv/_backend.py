@@ -12,7 +12,7 @@ inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hoppe
 | operation | names | auto |
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
-| ``frame.append`` | xla, pallas | pallas on a GPU with the Triton lowering, else xla |
+| ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
 | ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
 | ``hybrid.gather`` | xla, pallas | as frame.append |
 | ``hybrid.index_query`` | xla, pallas | as frame.append |
@@ -61,6 +61,12 @@ def _triton_missing(**_) -> str | None:
         return None
     return (f"jax {jax.__version__} has no Pallas Triton lowering (jax.experimental.pallas.triton), which this "
             "kernel uses; pass impl='xla' or impl='auto', which falls back to it")
+
+
+def _sm90_missing(**_) -> str | None:
+    if is_hopper():
+        return None
+    return f"expected an NVIDIA Hopper GPU (sm_90), got {jax.devices()[0].device_kind}"
 
 
 def _hopper_missing(*, head_dim: int = 64, **_) -> str | None:
@@ -123,7 +129,8 @@ def _triton_op(name: str, names: tuple[str, ...]) -> Operation:
 OPERATIONS = {op.name: op for op in (
     Operation("frame.attention", ("reference", "xla", "cudnn", "pallas"), _frame_attention_auto,
               {"pallas": _hopper_missing}),
-    _triton_op("frame.append", ("xla", "pallas")),
+    Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
+              {"pallas": _sm90_missing}),
     _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
     _triton_op("hybrid.gather", ("xla", "pallas")),
     _triton_op("hybrid.index_query", ("xla", "pallas")),

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import _backend
-from jaxkv._backend import interpret
 from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, FrameCacheState, on_devices
@@ -256,8 +255,7 @@ def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
     flat = lambda bufs: [b.reshape(b.shape[:2] + (-1,)) for b in bufs]  # noqa: E731 - a bitcast
     kb, vb = write_frame(flat(state.k), flat(state.v), k.reshape(k.shape[:3] + (-1,)),
                          v.reshape(v.shape[:3] + (-1,)), state.write_special_row, state.write_patch_row,
-                         num_special=s.num_special, page_size=s.page_size,
-                         interpret=interpret())
+                         num_special=s.num_special, page_size=s.page_size)
     shape = state.k[0].shape
     return state.replace(k=tuple(b.reshape(shape) for b in kb), v=tuple(b.reshape(shape) for b in vb))
 
@@ -279,7 +277,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
 
     k, v: dtype[L, B, tokens_per_frame, H, D]
     impl: how the K/V rows are written — ``xla`` (dynamic-update-slices), ``pallas``
-      (``jaxkv.kernels.write_frame``: one launch; on CPU only in interpret mode, slow),
+      (``jaxkv.kernels.write_frame``: one launch; Mosaic GPU, Hopper),
       ``auto`` (``default_append_impl()``). The bookkeeping is the same jnp code.
     A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and no frame.
     """

@@ -2,13 +2,15 @@
 
 XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
 patches): 4 * layers * streams small kernels, launch-bound (``benchmarks/RESULTS.md``). This
-Pallas kernel (Triton lowering: ``compiler_params=pltriton.CompilerParams``; deprecated
-from jax 0.11 but present in 0.11.2) writes them all from one grid:
+kernel (Pallas, Mosaic GPU lowering: ``plgpu.kernel``) writes them all from one grid:
 
-    program (i, j): buffer i (K or V of one layer and stream), row block j of that
-    stream's frame (specials block first, then the patch page's blocks).
+    program (i, s): buffer i (K or V of one layer and stream), chunks [s * slots, (s + 1) * slots)
+    of that stream's writes (specials, then the patch page, then the page's zero padding).
 
-Buffers are aliased in and out (updated in place). ``ref_write_frame`` is the plain-jnp
+A chunk is ``rows`` contiguous rows (``tuning``): one bulk copy (``cp.async.bulk``, no
+tensor map, so a row may be any multiple of 16 bytes) into shared memory, one back out at
+the destination row; a program puts all its reads in flight before its first write.
+Buffers are passed as ``jax.Ref``s, so the kernel updates them in place. ``ref_write_frame`` is the plain-jnp
 reference with the same contract. Shapes::
 
     k_bufs, v_bufs: L x dtype[B, T, H*D]   the cache (``FrameCacheState.k`` / ``.v``, heads flattened)
@@ -19,11 +21,11 @@ reference with the same contract. Shapes::
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 
 from jaxkv.kernels.tuning import launch
 
@@ -72,56 +74,93 @@ def ref_write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special
     return tuple(map(put, k_bufs, k)), tuple(map(put, v_bufs, v))
 
 
-def _kernel(rows_ref, k_ref, v_ref, *refs, L, B, num_special, page_size, tpf, ROWS):
-    # rows_ref: i32[2, B] (special_row; patch_row); k_ref, v_ref: [L, B, tpf, hd];
-    # refs: 2L input buffers (aliased, unused) then the same 2L as outputs.
-    from jax.experimental.pallas import triton as pltriton
-
-    outs = refs[2 * L :]
-    i, j = pl.program_id(0), pl.program_id(1)
-    ns_blocks = pl.cdiv(num_special, ROWS)
-    r = jnp.arange(ROWS, dtype=jnp.int32)
-    for idx in range(2 * L * B):  # static: one branch per buffer and stream
-        kv, rest = divmod(idx, L * B)
-        l, b = divmod(rest, B)
-        src, dst = (k_ref, v_ref)[kv], outs[kv * L + l]
-
-        def copy(src_start, dst_start, n_src, n_dst, first, src=src, dst=dst, l=l, b=b):
-            # rows [first, first + ROWS) of a run: read n_src of them, write n_dst (zeros past n_src)
-            x = pltriton.load(src.at[jnp.int32(l), jnp.int32(b), pl.ds(src_start + first, ROWS), :],
-                              mask=(first + r < n_src)[:, None], other=0)
-            pltriton.store(dst.at[jnp.int32(b), pl.ds(dst_start + first, ROWS), :], x,
-                           mask=(first + r < n_dst)[:, None])
-
-        @pl.when((i == idx) & (j < ns_blocks))
-        def _(copy=copy, b=b):
-            copy(0, rows_ref[0, b], num_special, num_special, j * ROWS)
-
-        @pl.when((i == idx) & (j >= ns_blocks))
-        def _(copy=copy, b=b):
-            copy(num_special, rows_ref[1, b], tpf - num_special, page_size, (j - ns_blocks) * ROWS)
+def _runs(num_special: int, page_size: int, tpf: int, rows: int):
+    """A stream's writes as static runs ``(source row or None for zeros, which of
+    (special_row, patch_row) the destination counts from, offset from it, rows, chunk)``,
+    each cut into chunks of ``chunk`` rows: chunk ``c`` of a run covers
+    ``[min(c * chunk, rows - chunk), + chunk)`` (the last one overlaps its neighbour rather
+    than being shorter, so every copy in a run has one static shape)."""
+    P = tpf - num_special
+    runs = ((0, 0, 0, num_special), (num_special, 1, 0, P), (None, 1, P, page_size - P))
+    return tuple((src, anchor, off, n, min(rows, n)) for src, anchor, off, n in runs if n > 0)
 
 
-@functools.partial(jax.jit, static_argnames=("num_special", "page_size", "interpret"), donate_argnums=(0, 1))
-def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int,
-                interpret: bool = False):
-    """Pallas: write the frame into every layer's K and V buffer in one launch (see module docstring)."""
-    _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
-    from jax.experimental.pallas import triton as pltriton
+def _write_frame_kernel(k, v, rows, bufs, *, num_special: int, page_size: int, R: int, slots: int):
+    # k, v: dtype[L, B, tpf, hd]; rows: i32[2, Bp] (special_row; patch_row, padded);
+    # bufs: 2L refs dtype[B, T, hd], written in place
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
     L, B, tpf, hd = k.shape
+    runs = _runs(num_special, page_size, tpf, R)
+    firsts = [0]
+    for *_, n, c in runs:
+        firsts.append(firsts[-1] + pl.cdiv(n, c))
+    splits = pl.cdiv(firsts[-1], slots)  # programs per (buffer, stream), ``slots`` chunks each
+    zero_rows = max((c for src, *_, c in runs if src is None), default=0)
+    unit = 1024 // math.gcd(hd, 1024)  # a register store fills whole 1024-element tiles
+    zero_alloc = max(-(-zero_rows // unit) * unit, 1)
+
+    def body(rows_ref, k_ref, v_ref, *refs):
+        outs, (rows_smem, stage, zeros, ready) = refs[:2 * L], refs[2 * L]
+        i, s = lax.axis_index("buffer"), lax.axis_index("split")
+        plgpu.copy_gmem_to_smem(rows_ref, rows_smem, ready.at[slots])
+        if zero_rows:
+            zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
+            plgpu.commit_smem()
+        plgpu.barrier_wait(ready.at[slots])
+
+        for idx in range(2 * L * B):  # static: one branch per buffer and stream
+            kv, rest = divmod(idx, L * B)
+            l, b = divmod(rest, B)
+            src, dst = (k_ref, v_ref)[kv].at[l, b], outs[kv * L + l].at[b]
+
+            def chunks(issue, src=src, dst=dst, b=b):
+                for q in range(slots):
+                    g = s * slots + q  # this slot's chunk of the stream's writes
+                    for r, (src_row, anchor, off, n, c) in enumerate(runs):
+                        first = jnp.minimum((g - firsts[r]) * c, n - c)
+                        base = rows_smem[anchor, b] + off
+                        pl.when((g >= firsts[r]) & (g < firsts[r + 1]))(
+                            functools.partial(issue, q, src_row, c, first, base, src, dst))
+
+            def load(q, src_row, c, first, base, src, dst):
+                if src_row is not None:
+                    plgpu.copy_gmem_to_smem(src.at[pl.ds(src_row + first, c)], stage.at[q, pl.ds(0, c)],
+                                            ready.at[q], oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+
+            def store(q, src_row, c, first, base, src, dst):
+                if src_row is None:
+                    plgpu.copy_smem_to_gmem(zeros.at[pl.ds(0, c)], dst.at[pl.ds(base + first, c)])
+                else:
+                    plgpu.barrier_wait(ready.at[q])
+                    plgpu.copy_smem_to_gmem(stage.at[q, pl.ds(0, c)], dst.at[pl.ds(base + first, c)])
+
+            @pl.when(i == idx)
+            def _(chunks=chunks):
+                chunks(load)  # every slot's read in flight before the first write
+                chunks(store)
+                plgpu.wait_smem_to_gmem(0)
+
+    scratch = (plgpu.SMEM(rows.shape, jnp.int32), plgpu.SMEM((slots, R, hd), k.dtype),
+               plgpu.SMEM((zero_alloc, hd), k.dtype), plgpu.Barrier(num_arrivals=1, num_barriers=slots + 1))
+    # pl.kernel, not plgpu.kernel: the latter's vmap wrapper does not take Ref operands (jax 0.10)
+    mesh = plgpu.Mesh(grid=(2 * L * B, splits), grid_names=("buffer", "split"))
+    pl.kernel(lambda *refs: pl.run_scoped(lambda *s: body(*refs, s), *scratch), out_type=(), mesh=mesh,
+              name="jaxkv_frame_append")(rows, k, v, *bufs)
+
+
+@functools.partial(jax.jit, static_argnames=("num_special", "page_size"), donate_argnums=(0, 1))
+def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int):
+    """Mosaic GPU: write the frame into every layer's K and V buffer in one launch (see the
+    module docstring); bytes equal ``ref_write_frame``'s."""
+    _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
+    L, B = k.shape[:2]
     tune = launch("frame_append")
-    ROWS = tune["rows"]
-    blocks = pl.cdiv(num_special, ROWS) + pl.cdiv(page_size, ROWS)
-    bufs = (*k_bufs, *v_bufs)
-    rows = jnp.stack([special_row, patch_row])
-    out = pl.pallas_call(
-        functools.partial(_kernel, L=L, B=B, num_special=num_special, page_size=page_size, tpf=tpf, ROWS=ROWS),
-        out_shape=tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
-        grid=(2 * L * B, blocks),
-        input_output_aliases={3 + n: n for n in range(2 * L)},
-        compiler_params=pltriton.CompilerParams(num_warps=tune["warps"], num_stages=1),
-        interpret=interpret,
-        name="jaxkv_frame_append",
-    )(rows, k, v, *bufs)
+    Bp = -(-B // 16) * 16  # rows padded so their copy is a whole number of 128 bytes
+    rows = jnp.zeros((2, Bp), jnp.int32).at[:, :B].set(jnp.stack([special_row, patch_row]))
+    bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
+    _write_frame_kernel(k, v, rows, bufs, num_special=num_special, page_size=page_size, R=tune["rows"],
+                        slots=tune["slots"])
+    out = [r[...] for r in bufs]
     return tuple(out[:L]), tuple(out[L:])

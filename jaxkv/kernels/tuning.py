@@ -16,7 +16,7 @@ DEFAULT = "NVIDIA H100 80GB HBM3"
 
 TABLES = {
     "NVIDIA H100 80GB HBM3": {
-        "frame_append": dict(rows=16, warps=4),
+        "frame_append": dict(rows=16, slots=4),  # not swept
         "fp4_pack": dict(rows=32, warps=8),
         "flush_write/official": dict(rows=16, warps=4),
         "flush_write/per_entry": dict(rows=2, warps=1),

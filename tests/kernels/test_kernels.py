@@ -18,6 +18,7 @@ def _frame_case(rng, L, B, NS, P, HD, T, dtype=jnp.bfloat16):
     return bufs, k, v, special_row
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("L,B,NS,P,page", [(2, 1, 6, 37, 37), (3, 2, 6, 20, 32), (1, 2, 0, 16, 16), (2, 1, 17, 5, 8)])
 def test_frame_append_matches_reference(rng, L, B, NS, P, page):
     T, HD = 160, 64
@@ -25,7 +26,7 @@ def test_frame_append_matches_reference(rng, L, B, NS, P, page):
     pr = jnp.asarray(rng.integers(0, T // 2 - page, size=B), jnp.int32)
     kw = dict(num_special=NS, page_size=page)
     want = jax.device_get(ref_write_frame(kb, vb, k, v, sr, pr, **kw))
-    got = write_frame([x.copy() for x in kb], [x.copy() for x in vb], k, v, sr, pr, interpret=not HAS_GPU, **kw)
+    got = write_frame([x.copy() for x in kb], [x.copy() for x in vb], k, v, sr, pr, **kw)
     for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the reference itself: rows outside the two runs untouched, page padding zero
@@ -40,14 +41,14 @@ def test_frame_append_matches_reference(rng, L, B, NS, P, page):
 def test_frame_append_bad_inputs(rng):
     (kb, vb), k, v, sr = _frame_case(rng, 2, 1, 6, 10, 64, 64)
     with pytest.raises(ValueError, match="v: expected"):
-        write_frame(kb, vb, k, v[:, :, :5], sr, sr, num_special=6, page_size=10, interpret=True)
+        write_frame(kb, vb, k, v[:, :, :5], sr, sr, num_special=6, page_size=10)
     with pytest.raises(ValueError, match="k_bufs, v_bufs: expected 2 buffers"):
-        write_frame(kb[:1], vb, k, v, sr, sr, num_special=6, page_size=10, interpret=True)
+        write_frame(kb[:1], vb, k, v, sr, sr, num_special=6, page_size=10)
     with pytest.raises(ValueError, match="patch_row: expected int32"):
         write_frame(kb, vb, k, v, sr, sr.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
-                    num_special=6, page_size=10, interpret=True)
+                    num_special=6, page_size=10)
     with pytest.raises(ValueError, match="page_size"):
-        write_frame(kb, vb, k, v, sr, sr, num_special=6, page_size=9, interpret=True)
+        write_frame(kb, vb, k, v, sr, sr, num_special=6, page_size=9)
 
 
 @pytest.mark.gpu
@@ -61,6 +62,7 @@ def test_frame_append_native_lingbot_shape(rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("pow2", [False, True])
 def test_frame_append_impls_agree(rng, pow2):
     """frame.append with the Pallas writer equals the XLA writer through fills, evictions, rollbacks."""
@@ -81,27 +83,35 @@ def test_frame_append_impls_agree(rng, pow2):
         frame.append(states["xla"], k, v, impl="cuda")
 
 
-def test_without_the_triton_lowering(rng, monkeypatch):
+def test_without_the_triton_lowering(monkeypatch):
     """A jax without the Pallas Triton lowering (deprecated in 0.11): "auto" falls back to the
-    XLA paths, an explicit impl="pallas" is a clear ValueError, and the cache is untouched."""
-    from jaxkv import _backend, frame
+    XLA paths and an explicit impl="pallas" is a clear ValueError."""
+    from jaxkv import _backend
     from jaxkv import hybrid as H
 
     monkeypatch.setattr(_backend, "interpret", lambda: False)  # as on a GPU
     assert _backend.auto_impl() == "pallas"
     monkeypatch.setattr(_backend, "has_triton", lambda: False)
     assert _backend.auto_impl() == "xla"
-    assert H.flush.default_impl() == "xla" and frame.ops.default_append_impl() == "xla"
+    assert H.flush.default_impl() == "xla"
+    with pytest.raises(ValueError, match="impl='pallas'.* jax .* has no Pallas Triton lowering"):
+        H.flush.check_impl("pallas")
+    assert H.flush.check_impl("cuda") == "cuda"  # the other kernels do not need it
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the refusal off a Hopper GPU")
+def test_frame_append_kernel_needs_hopper(rng):
+    """Off Hopper, impl="pallas" is a ValueError that says why, "auto" is xla, and the cache is untouched."""
+    from jaxkv import frame
+
+    assert frame.ops.default_append_impl() == "xla"
     spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=4, num_special=1,
                            scale_frames=1, sliding_window=2, max_frames=8)
     st = frame.init(spec)
     k, v = (jnp.asarray(rng.normal(size=(2, 1, spec.tokens_per_frame, 2, 16)), jnp.bfloat16) for _ in range(2))
-    with pytest.raises(ValueError, match="impl='pallas'.* jax .* has no Pallas Triton lowering"):
+    with pytest.raises(ValueError, match="impl='pallas' for frame.append: expected an NVIDIA Hopper GPU"):
         frame.append(st, k, v, impl="pallas")
     assert not np.asarray(frame.num_frames(st)).any()  # one count per stream
-    with pytest.raises(ValueError, match="impl='pallas'"):
-        H.flush.check_impl("pallas")
-    assert H.flush.check_impl("cuda") == "cuda"  # the other kernels do not need it
 
 
 # --- MXFP4 packing ----------------------------------------------------------------------------------

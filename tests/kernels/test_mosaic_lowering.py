@@ -13,6 +13,7 @@ import pytest
 
 from jaxkv._backend import POOL_ATTENTION_JAX
 from jaxkv.formats.storage import STORAGES
+from jaxkv.kernels.frame_append import write_frame
 from jaxkv.kernels.index_scores import index_scores
 from jaxkv.kernels.pool_attention import pool_attention
 from jaxkv.kernels.prefix_attention import prefix_attention
@@ -30,6 +31,15 @@ def _lower(fn, *args):
     text = lowered.as_text()
     assert "mosaic_gpu" in text, "expected a Mosaic GPU custom call in the lowered module"
     return text
+
+
+@pytest.mark.parametrize("L,B,NS,P,page,HD", [(2, 1, 6, 37, 37, 64), (3, 2, 0, 20, 32, 1024), (2, 1, 17, 5, 8, 64)])
+def test_frame_append_lowers(L, B, NS, P, page, HD):
+    bufs = [S((B, 160, HD), bf16)] * L
+    frame = S((L, B, NS + P, HD), bf16)
+    text = _lower(lambda kb, vb, k, v, sr, pr: write_frame(kb, vb, k, v, sr, pr, num_special=NS, page_size=page),
+                  bufs, bufs, frame, frame, S((B,), i32), S((B,), i32))
+    assert "stablehlo.copy" not in text  # the buffers go in as Refs, with no copy around the call
 
 
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
