@@ -35,7 +35,7 @@ from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 from jaxkv.hybrid import flush as F  # noqa: E402
 from jaxkv.formats.storage import STORAGES  # noqa: E402
-from jaxkv.kernels import dequant_gather as _dg  # noqa: E402
+from jaxkv.kernels.dequant_gather import dequant_gather as _dg  # noqa: E402
 from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
 from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
@@ -228,12 +228,18 @@ def bench_dequant_gather(tokens, top_k, iters, storage="official"):
     moved = m * (E + 8 + 1024)
     rows = []
     ref = jax.jit(functools.partial(ref_dequant_gather, storage=storage), static_argnums=1)
-    for name, fn in (("xla", ref), ("pallas", functools.partial(_dg, storage=storage))):
-        fn(pool, 0, block, slot).block_until_ready()
+    contenders = [("xla", ref), ("cuda", functools.partial(_dg, storage=storage))]
+    if (old := triton_kernels("dequant_gather")) is not None:
+        contenders.append(("triton", functools.partial(old.dequant_gather, storage=storage)))
+    outs = {}
+    for name, fn in contenders:
+        outs[name] = jax.device_get(fn(pool, 0, block, slot))
         one = lambda i: fn(pool, 0, block, slot).block_until_ready()  # noqa: E731
         op = f"dequant-gather {tokens} tok x top-{top_k} {storage}"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+    for name in outs:  # every contender gives the same values
+        assert (outs[name].view("uint16") == outs["xla"].view("uint16")).all(), f"dequant-gather: {name} differs"
     return rows
 
 

@@ -14,7 +14,7 @@ inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hoppe
 | ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
 | ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
-| ``hybrid.gather`` | xla, pallas | as frame.append |
+| ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.index_query`` | xla, pallas | as frame.append |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas | pallas on Hopper with jax >= 0.11, heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
@@ -25,9 +25,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import warnings
 from typing import Callable
 
 import jax
+
+from jaxkv.cuda.build import BuildError, nvcc
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,6 +64,16 @@ def _triton_missing(**_) -> str | None:
         return None
     return (f"jax {jax.__version__} has no Pallas Triton lowering (jax.experimental.pallas.triton), which this "
             "kernel uses; pass impl='xla' or impl='auto', which falls back to it")
+
+
+def _cuda_missing(**_) -> str | None:
+    if jax.default_backend() != "gpu":
+        return f"expected a CUDA GPU visible to jax, got {jax.devices()[0].device_kind}"
+    try:
+        nvcc()
+    except BuildError as e:
+        return str(e)
+    return None
 
 
 def _sm90_missing(**_) -> str | None:
@@ -116,6 +129,7 @@ class Operation:
     names: tuple[str, ...]
     auto: Callable[..., str]
     missing: dict[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)  # old name -> name, kept one release
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -132,7 +146,8 @@ OPERATIONS = {op.name: op for op in (
     Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
               {"pallas": _sm90_missing}),
     _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
-    _triton_op("hybrid.gather", ("xla", "pallas")),
+    Operation("hybrid.gather", ("xla", "cuda"), lambda **_: "xla" if _cuda_missing() else "cuda",
+              {"cuda": _cuda_missing}, renamed={"pallas": "cuda"}),
     _triton_op("hybrid.index_query", ("xla", "pallas")),
     Operation("hybrid.index_scores", ("xla", "pallas"),
               lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
@@ -151,6 +166,10 @@ def resolve(operation: str, impl: str, **context) -> str:
     operation's rule (``context``: what the rule reads, e.g. ``head_dim``); a ``ValueError``
     naming ``impl`` for an unknown name or one that cannot run here."""
     op = OPERATIONS[operation]
+    if impl in op.renamed:
+        warnings.warn(f"impl={impl!r} for {operation} is now impl={op.renamed[impl]!r}", DeprecationWarning,
+                      stacklevel=3)
+        impl = op.renamed[impl]
     if impl not in op.choices:
         raise ValueError(f"impl: expected one of {op.choices} for {operation}, got {impl!r}")
     if impl == "auto":

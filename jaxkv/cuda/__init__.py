@@ -11,12 +11,13 @@ from jaxkv.cuda.build import ARCHS, BuildError, arch_of, build, check_compile, l
 
 from jaxkv.formats.storage import STORAGE_CODES  # the kernels' storage-family argument (enum Storage)
 
-# FFI target name -> exported handler symbol (cuda/flush_write.cu)
+# FFI target name -> exported handler symbol (cuda/flush_write.cu unless named)
 FFI_TARGETS = {
     "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
     "jaxkv_flush_write_hca": "JaxkvFlushWriteHca",
     "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
     "jaxkv_hca_reset_state": "JaxkvHcaResetState",
+    "jaxkv_dequant_gather": "JaxkvDequantGather",  # cuda/dequant_gather.cu
 }
 
 

@@ -329,10 +329,9 @@ GATHER_IMPLS = _backend.choices("hybrid.gather")
 
 def _read(pool, j, blk, item, codec, storage, impl):
     """Items ``(blk, item)`` of layer ``j`` of a pool, dequantized: bf16[..., 512]; zeros
-    where ``blk < 0``. impl "pallas": one gather-dequantize kernel (entry codecs only)."""
-    if impl == "pallas":
-        flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage,
-                              interpret=interpret())
+    where ``blk < 0``. impl "cuda": one gather-dequantize kernel (entry codecs only)."""
+    if impl == "cuda":
+        flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage)
         return flat.reshape(*blk.shape, flat.shape[-1])
     items = codec.decode(read_items(pool, j, blk, item, codec.segments))
     return jnp.where((blk >= 0)[..., None], items, 0).astype(jnp.bfloat16)
@@ -353,8 +352,8 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     """Compressed entries of layer ``layer`` by logical index, each request through its
     own block table, dequantized: idx i32[B, ...] (-1: none) -> bf16[B, ..., head_dim]
     (zeros where idx is -1). K = V: the one entry serves as key and value.
-    impl: "xla" (jnp), "pallas" (``jaxkv.kernels.dequant_gather``; same values), "auto"
-    (pallas on a GPU, else xla)."""
+    impl: "xla" (jnp), "cuda" (``jaxkv.kernels.dequant_gather``; same values), "auto"
+    (cuda on a GPU with nvcc, else xla)."""
     check_layer(state, layer, (CSA, HCA))
     if not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
         raise ValueError(f"idx: expected an integer array of entry indices (-1: none), got dtype {jnp.result_type(idx)}")

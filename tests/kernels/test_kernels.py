@@ -292,24 +292,14 @@ def test_compress_pallas_equals_xla(rng):
         states[impl] = st
     for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["pallas"])):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-    # the Pallas dequant-gather reads the same entries back (top-k style and all entries)
-    st = states["xla"]
-    idx = jnp.asarray(rng.integers(-1, 36, size=(2, 3, 8)), jnp.int32)
-    for impl_args in ((0, idx),):
-        want = H.gather_entries(st, step, *impl_args, impl="xla")
-        got = H.gather_entries(st, step, *impl_args, impl="pallas")
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-        assert np.asarray(want, np.float32).any()
-    (want, cnt), (got, _) = H.all_entries(st, step, 1, impl="xla"), H.all_entries(st, step, 1, impl="pallas")
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
-    assert int(cnt[0]) == 1 and np.asarray(want[0, 0], np.float32).any()
     with pytest.raises(ValueError, match="storage: expected one of"):
         from jaxkv.hybrid import flush as F
         F.pallas_flush_write(jnp.zeros((1, 2, 16 * 580), jnp.uint8), 0, jnp.ones((1, 512), jnp.bfloat16),
                              jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), storage="fp8")
 
 
-# --- dequant-gather (official storage family) ---------------------------------------------------
+# --- dequant-gather (cuda/dequant_gather.cu) -----------------------------------------------------
+@pytest.mark.gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 @pytest.mark.parametrize("m", [1, 37, 300])
 def test_dequant_gather_matches_reference(rng, m, storage):
@@ -323,7 +313,7 @@ def test_dequant_gather_matches_reference(rng, m, storage):
     block = rng.integers(-1, NB + 1, size=m).astype(np.int32)  # -1 and NB: zeros
     slot = rng.integers(0, bs, size=m).astype(np.int32)
     want = jax.jit(ref_dequant_gather, static_argnums=(1, 4))(pool, 1, jnp.asarray(block), jnp.asarray(slot), storage)
-    got = dequant_gather(pool, 1, jnp.asarray(block), jnp.asarray(slot), storage=storage, interpret=not HAS_GPU)
+    got = dequant_gather(pool, 1, jnp.asarray(block), jnp.asarray(slot), storage=storage)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     assert not np.asarray(got[(block < 0) | (block >= NB)], np.float32).any()
 
@@ -425,8 +415,9 @@ def test_compress_decode_bad_inputs(rng):
         compress_decode(*args, storage="per_entry", **{**kw, "layer": 1})
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
-def test_reads_pallas_equal_xla(rng, storage):
+def test_reads_cuda_equal_xla(rng, storage):
     """window_keys, gather_entries and all_entries through the dequant-gather kernel: the
     jnp reads' values, in both storage families."""
     from test_cuda import _compress_all
@@ -448,11 +439,23 @@ def test_reads_pallas_equal_xla(rng, storage):
     for read in (lambda impl: H.window_keys(st, step, 0, kv, impl=impl)[0],
                  lambda impl: H.gather_entries(st, step, 0, idx, impl=impl),
                  lambda impl: H.all_entries(st, step, 1, impl=impl)[0]):
-        want, got = np.asarray(read("xla"), np.float32), np.asarray(read("pallas"), np.float32)
+        want, got = np.asarray(read("xla"), np.float32), np.asarray(read("cuda"), np.float32)
         np.testing.assert_array_equal(got, want)
         assert want.any()
+    with pytest.warns(DeprecationWarning, match="impl='pallas' for hybrid.gather is now impl='cuda'"):
+        np.testing.assert_array_equal(np.asarray(H.gather_entries(st, step, 0, idx, impl="pallas"), np.float32),
+                                      np.asarray(H.gather_entries(st, step, 0, idx, impl="xla"), np.float32))
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the refusal off a GPU")
+def test_gather_kernel_needs_a_gpu():
+    from jaxkv import _backend
+
+    assert _backend.resolve("hybrid.gather", "auto") == "xla"
+    with pytest.raises(ValueError, match="impl='cuda' for hybrid.gather: expected a CUDA GPU"):
+        _backend.resolve("hybrid.gather", "cuda")
     with pytest.raises(ValueError, match="impl: expected one of"):
-        H.window_keys(st, step, 0, kv, impl="cuda")
+        _backend.resolve("hybrid.gather", "triton")
 
 
 @pytest.mark.parametrize("impl", ["xla", "pallas"])
@@ -482,7 +485,7 @@ def test_stacked_rows_equal_slices(rng, impl):
             for layer in range(c.num_layers):
                 xl, p = D.slice_tokens(x, t, t + 1)[layer], params[layer]
                 kv = H.Stacked(kv_all[:, :, t:t + 1], layer) if stacked else xl["kv"]
-                keys, _ = H.window_keys(st, step, layer, kv, impl=impl)
+                keys, _ = H.window_keys(st, step, layer, kv)
                 np.testing.assert_array_equal(np.asarray(keys[:, -1], np.float32), np.asarray(
                     H.window_keys(st, step, layer, xl["kv"], impl="xla")[0][:, -1], np.float32))
                 st = H.write_window(st, step, layer, kv, impl=impl)
