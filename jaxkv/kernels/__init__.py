@@ -1,9 +1,9 @@
 """Pallas kernels for the memory-bound cache steps, each beside its jnp reference.
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
-  (Triton lowering).
+  (Mosaic GPU bulk copies, Hopper).
 * ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
-  (``hybrid.gather_entries(impl="pallas")``).
+  (``hybrid.gather_entries(impl="cuda")``; ``cuda/dequant_gather.cu`` through jax.ffi).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
   (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
   ``hybrid.compress(impl="pallas")``).
