@@ -2,20 +2,23 @@
 what each needs to run here, and what ``impl="auto"`` picks.
 
 Every public function with an ``impl=`` argument resolves it here (``resolve``), so the
-names, the ``auto`` rule and the error for a missing one are written once. Kernels run
-natively on a GPU and in Pallas interpret mode elsewhere (``interpret``). JAX 0.11
-deprecates the Pallas Triton lowering that five kernels use: in a jax without it,
-``"auto"`` falls back to the XLA path (same bytes, slower) and an explicit
-``impl="pallas"`` raises a ``ValueError`` that says so, instead of an ImportError from
-inside a trace. ``kernels.prefix_attention`` uses the Mosaic GPU lowering (Hopper only).
+names, the ``auto`` rule and the error for a missing one are written once. The Mosaic GPU
+kernels (frame append and attention, the indexer scores, the pool attention) run on Hopper
+only; the ``cuda/`` kernels need a GPU and nvcc. Three kernels still use the Pallas Triton
+lowering that JAX 0.11 deprecates (FP4 packing, the flush-write, the fused decode
+compressor); they run natively on a GPU and in Pallas interpret mode elsewhere
+(``interpret``). In a jax without that lowering, ``"auto"`` falls back to the XLA path
+(same bytes, slower) and an explicit ``impl="pallas"`` raises a ``ValueError`` that says
+so, instead of an ImportError from inside a trace. An old name in ``Operation.renamed``
+still resolves, with a ``DeprecationWarning``, for one release.
 
 | operation | names | auto |
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
-| ``hybrid.write`` | xla, cuda, pallas | as frame.append (cuda: built with nvcc on first use) |
+| ``hybrid.write`` | xla, cuda, pallas | pallas on a GPU with the Triton lowering, else xla (cuda: built with nvcc on first use) |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
-| ``hybrid.index_query`` | xla, pallas | as frame.append |
+| ``hybrid.index_query`` | xla, pallas | as hybrid.write |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas | pallas on Hopper with jax >= 0.11, heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
 """
