@@ -2,7 +2,7 @@
 
 XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
 patches): 4 * layers * streams small kernels, launch-bound (``benchmarks/RESULTS.md``). This
-kernel (Pallas, Mosaic GPU lowering: ``plgpu.kernel``) writes them all from one grid:
+kernel (Pallas, Mosaic GPU lowering: ``pl.kernel`` over a ``plgpu.Mesh``) writes them all from one grid:
 
     program (i, s): buffer i (K or V of one layer and stream), chunks [s * slots, (s + 1) * slots)
     of that stream's writes (specials, then the patch page, then the page's zero padding).

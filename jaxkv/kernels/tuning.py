@@ -1,6 +1,7 @@
 """Launch parameters of the Pallas kernels, as data keyed by device.
 
-``rows``: items per program (a power of two: Triton blocks); ``warps``: warps per program;
+``rows``: items per program (a power of two for the Triton kernels; the frame append's
+rows per bulk copy); ``warps``: warps per program; ``slots``: the frame append's copies per program;
 ``block_kv`` / ``stages``: the Mosaic GPU attention's keys per TMA block and blocks in
 flight; ``tiles``: 64-key tiles per indexer-scores program. Entries are per kernel, and per storage family where the families differ
 (``"flush_write/per_entry"``). A device without its own table uses ``DEFAULT``'s, the
@@ -20,7 +21,6 @@ TABLES = {
         "fp4_pack": dict(rows=32, warps=8),
         "flush_write/official": dict(rows=16, warps=4),
         "flush_write/per_entry": dict(rows=2, warps=1),
-        "dequant_gather": dict(rows=16, warps=4),  # not swept
         "compress_decode/official": dict(warps=4),  # one request per program
         "compress_decode/per_entry": dict(warps=2),
         "prefix_attention": dict(block_kv=256, stages=2),
