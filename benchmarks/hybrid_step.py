@@ -7,10 +7,12 @@ donated, requests at scattered positions so that some flush every step. Contende
 
 * jaxkv step: the whole bookkeeping, jitted, no host sync (run under
   ``jax.transfer_guard("disallow")``), with the flushes written by XLA (``impl="xla"``)
-  and, on a GPU, by the ``cuda/`` flush-write kernels (``impl="cuda"``) and by the fused
-  Pallas decode kernel (``impl="pallas"``, also with the inputs passed as a few arrays
-  stacked per kind of layer, each layer's rows a ``hybrid.Stacked`` read in place,
-  instead of ~300 separate arguments);
+  and, on a GPU, by the fused ``cuda/`` decode kernel (``impl="cuda"``: one launch per
+  compressed layer, the SWA writes by the cuda/ flush-write), also with the inputs passed
+  as a few arrays stacked per kind of layer, each layer's rows a ``hybrid.Stacked`` read in
+  place, instead of ~300 separate arguments; with ``--triton DIR`` (the pre-port
+  ``compress_decode.py`` and its helpers, as ``benchmarks/kernels.py --triton`` takes) the
+  same two rows with the fused Pallas Triton-lowered kernel it replaced in its place;
 * the dispatch floor: a jitted call with the step's arguments that does nothing;
 * jaxkv prepare_forward alone;
 * seed-style allocation: the dsv4 seed's ``prepare_forward`` logic — a Python loop over
@@ -36,6 +38,21 @@ import numpy as np
 
 from _timing import kernel_ms_per_step, times_ms
 from jaxkv import hybrid as H
+from jaxkv.hybrid import ops
+
+FUSED = ops.compress_decode  # the fused decode kernel hybrid.compress(impl="cuda") calls
+
+
+def triton_compress_decode(directory):
+    """The pre-port fused kernel (Pallas Triton lowering) from ``directory``, native."""
+    import importlib.util
+    import sys
+
+    sys.path.insert(0, directory)  # it imports its helpers (codes, division, triton_tuning) from beside it
+    spec = importlib.util.spec_from_file_location("triton_compress_decode", f"{directory}/compress_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return functools.partial(mod.compress_decode, interpret=False)
 
 
 def make_params(cfg, key):
@@ -94,9 +111,9 @@ def stack_layers(cfg, inputs, params):
             {k: (stack(inputs, ls), stack(params, ls)) for k, ls in kinds.items()})
 
 
-def bookkeeping_stacked(state, slots, stacked, impl="pallas"):
+def bookkeeping_stacked(state, slots, stacked, impl="cuda"):
     """``bookkeeping`` on ``stack_layers``' arrays, each layer's input a ``hybrid.Stacked``
-    row (read in place by the Pallas kernels: no per-layer slice copies)."""
+    row (read in place by the fused kernel: no per-layer slice copies)."""
     cfg = state.config
     kv, by_kind = stacked
     inputs, params = {}, {}
@@ -150,6 +167,8 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time")
     ap.add_argument("--hlo", action="store_true", help="print the step's whole-buffer copies and slices")
     ap.add_argument("--json")
+    ap.add_argument("--triton", default=None, help="a directory holding the pre-port fused kernel (compress_decode.py "
+                    "of 2e0b118 with its helpers; see benchmarks/kernels.py --triton): run it beside the cuda/ one")
     args = ap.parse_args()
 
     B = args.requests
@@ -206,33 +225,28 @@ def main():
         step_ms = statistics.median(times_ms(run_step, args.iters, warmup=5))
     kern = kernel_ms_per_step(run_step, 10, top=args.top)
     rows.append(("jaxkv step, XLA (prepare + 43 SWA writes + 41 append/flush)", step_ms, kern))
-    gpu_impls = (("cuda", "cuda/ flush-write kernels"), ("pallas", "fused Pallas decode kernels"))
-    for impl, what in gpu_impls if jax.default_backend() == "gpu" else ():
-        fn = jax.jit(functools.partial(bookkeeping, impl=impl), donate_argnums=0)
+    fused = [("cuda/", None)]
+    if args.triton and jax.default_backend() == "gpu":
+        fused.append(("Triton (pre-port)", triton_compress_decode(args.triton)))
+    stacked = stack_layers(cfg, inputs, params) if jax.default_backend() == "gpu" else None
+    for what, kernel in fused if jax.default_backend() == "gpu" else ():
+        ops.compress_decode = kernel or FUSED
+        jax.clear_caches()  # hybrid.compress is jitted: trace it again with this kernel in place
+        for how, fn, fn_args in (("", jax.jit(functools.partial(bookkeeping, impl="cuda"), donate_argnums=0),
+                                  (inputs, params)),
+                                 (f", inputs as {len(jax.tree.leaves(stacked))} stacked arrays",
+                                  jax.jit(bookkeeping_stacked, donate_argnums=0), (stacked,))):
+            def run_impl(i, fn=fn, fn_args=fn_args):
+                box["s"] = fn(box["s"], slots, *fn_args)
+                box["s"].position.block_until_ready()
 
-        def run_impl(i, fn=fn):
-            box["s"] = fn(box["s"], slots, inputs, params)
-            box["s"].position.block_until_ready()
-
-        for _ in range(3):
-            run_impl(0)
-        with jax.transfer_guard("disallow"):
-            ms = statistics.median(times_ms(run_impl, args.iters, warmup=5))
-        rows.append((f"jaxkv step, {what}", ms, kernel_ms_per_step(run_impl, 10, top=args.top)))
-    if jax.default_backend() == "gpu":
-        stacked = stack_layers(cfg, inputs, params)
-        st_fn = jax.jit(bookkeeping_stacked, donate_argnums=0)
-
-        def run_stacked(i):
-            box["s"] = st_fn(box["s"], slots, stacked)
-            box["s"].position.block_until_ready()
-
-        for _ in range(3):
-            run_stacked(0)
-        with jax.transfer_guard("disallow"):
-            ms = statistics.median(times_ms(run_stacked, args.iters, warmup=5))
-        rows.append((f"jaxkv step, fused Pallas, inputs as {len(jax.tree.leaves(stacked))} stacked arrays", ms,
-                     kernel_ms_per_step(run_stacked, 10, top=args.top)))
+            for _ in range(3):
+                run_impl(0)
+            with jax.transfer_guard("disallow"):
+                ms = statistics.median(times_ms(run_impl, args.iters, warmup=5))
+            rows.append((f"jaxkv step, fused {what} decode kernels{how}", ms,
+                         kernel_ms_per_step(run_impl, 10, top=args.top)))
+    ops.compress_decode = FUSED
     floor_fn = jax.jit(dispatch_floor, donate_argnums=0, keep_unused=True)
     floors = [("", (inputs, params))]
     if jax.default_backend() == "gpu":

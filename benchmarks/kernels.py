@@ -1,4 +1,4 @@
-"""Pallas kernels against the XLA path of the same operation, and against copy bandwidth.
+"""The kernels against the XLA path of the same operation, and against copy bandwidth.
 
 For each kernel: the bytes it must move, its time (warm, median), achieved GB/s and the
 fraction of the device-to-device copy bandwidth measured in the same run (a 1 GiB
@@ -10,10 +10,10 @@ Kernels so far: frame append (24 layers, one stream, lingbot-map shapes at 224x2
 518x378; the cache buffers are sized as ``FrameSpec`` would for 8 + 64 frames); MXFP4
 and NVFP4 (one global scale per key) packing of float32 128-dim indexer keys (2M and 64K keys); the CSA flush-write (entries +
 indexer keys into a 64-entry-block pool, both storage families) of 4,096 and 65,536
-requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda) and the Pallas
-kernel (pallas); one decode step's CSA / HCA append + flush of 4,096 and 16,384 requests
-that all complete a window, both storage families: the XLA path, the XLA pooling with the
-cuda/ write, and the fused Pallas kernel.
+requests: jnp (xla) against the ``cuda/`` kernel through jax.ffi (cuda); one decode step's
+CSA / HCA append + flush of 4,096 and 16,384 requests that all complete a window, both
+storage families: the XLA path and the fused cuda/ kernel. With ``--triton DIR`` the
+Pallas Triton-lowered kernels they replaced run beside them ('triton').
 """
 
 from __future__ import annotations
@@ -103,39 +103,45 @@ def bench_frame_append(P, L, iters):
     return rows
 
 
-def bench_mxfp4(n, iters, interpret=False):
+def _fp4_contenders(name, ref):
+    """xla (the format's jnp), cuda (``kernels.fp4_pack``) and, with --triton, the Pallas kernel it replaced."""
+    out = [("xla", ref), ("cuda", getattr(fp4_pack, name))]
+    if (old := triton_kernels("fp4_pack")) is not None:
+        out.append(("triton", functools.partial(getattr(old, name), interpret=False)))
+    return out
+
+
+def bench_mxfp4(n, iters):
     x = jax.random.normal(jax.random.key(2), (n, 128), jnp.float32)
     moved = x.nbytes + n * (64 + 4)
-    ref = jax.jit(fp4_pack.ref_quantize_mxfp4)
-    pallas = functools.partial(fp4_pack.quantize_mxfp4, interpret=interpret)
-    rows = []
-    for name, fn in (("xla", ref), ("pallas", pallas)):
-        fn(x)[0].block_until_ready()
+    rows, outs = [], {}
+    op = f"mxfp4 pack {n} keys x 128"
+    for name, fn in _fp4_contenders("quantize_mxfp4", jax.jit(fp4_pack.ref_quantize_mxfp4)):
+        outs[name] = jax.device_get(fn(x))
         one = lambda i: jax.block_until_ready(fn(x))  # noqa: E731
-        op = f"mxfp4 pack {n} keys x 128"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
-        if not interpret:
-            KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+        KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+    for name in outs:  # every contender gives the same bytes
+        assert all((a == b).all() for a, b in zip(outs[name], outs["xla"])), f"mxfp4: {name} differs"
     return rows
 
 
-def bench_nvfp4(n, iters, interpret=False):
+def bench_nvfp4(n, iters):
     """NVFP4 with one global scale per key (the per_entry storage family's indexer keys)."""
     from jaxkv.formats import nvfp4_global_scale
 
     x = jax.random.normal(jax.random.key(2), (n, 128), jnp.float32)
     g = jax.vmap(nvfp4_global_scale)(x)
     moved = x.nbytes + g.nbytes + n * (64 + 8)
-    ref = jax.jit(jax.vmap(fp4_pack.ref_quantize_nvfp4))
-    pallas = functools.partial(fp4_pack.quantize_nvfp4, interpret=interpret)
-    rows = []
-    for name, fn in (("xla", ref), ("pallas", pallas)):
-        fn(x, g)[0].block_until_ready()
+    rows, outs = [], {}
+    op = f"nvfp4 pack {n} keys x 128"
+    for name, fn in _fp4_contenders("quantize_nvfp4", jax.jit(jax.vmap(fp4_pack.ref_quantize_nvfp4))):
+        outs[name] = [a.view("uint8") for a in jax.device_get(fn(x, g)[:2])]
         one = lambda i: jax.block_until_ready(fn(x, g))  # noqa: E731
-        op = f"nvfp4 pack {n} keys x 128"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
-        if not interpret:
-            KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+        KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
+    for name in outs:
+        assert all((a == b).all() for a, b in zip(outs[name], outs["xla"])), f"nvfp4: {name} differs"
     return rows
 
 
@@ -149,8 +155,10 @@ def bench_flush_write(n, storage, iters):
     cells = jax.random.permutation(jax.random.fold_in(key, 2), nb * bs)[:n].astype(jnp.int32)
     block, slot = cells // bs, cells % bs
     moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
-    rows = []
-    impls = [("xla", F.ref_flush_write), ("cuda", F.cuda_flush_write), ("pallas", F.pallas_flush_write)]
+    rows, outs = [], {}
+    impls = [("xla", F.ref_flush_write), ("cuda", F.cuda_flush_write)]
+    if (old := triton_kernels("flush_write")) is not None:
+        impls.append(("triton", functools.partial(old.flush_write, interpret=False)))
     for name, fn in impls:
         f = jax.jit(functools.partial(fn, layer=0, storage=storage), donate_argnames=("pool", "index_pool"))
         box = {"p": (jnp.zeros((1, nb, bs * fmt.entry_bytes), jnp.uint8), jnp.zeros((1, nb, bs * kb), jnp.uint8))}
@@ -164,16 +172,20 @@ def bench_flush_write(n, storage, iters):
         op = f"CSA flush-write {n} x {storage}"
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
-        box.clear()
+        outs[name] = jax.device_get(box.pop("p"))
+    for name in outs:  # every writer leaves the same bytes
+        assert all((a == b).all() for a, b in zip(outs[name], outs["xla"])), f"flush-write: {name} differs"
     return rows
 
 
 def bench_fused_flush(n, ratio, iters, storage="official"):
     """One decode step's compressor update of one CSA (ratio 4) or HCA (128) layer for ``n``
     requests that all complete a window: ``hybrid.compress`` with the XLA path (jnp
-    pooling + jnp write), the XLA pooling + the ``cuda/`` write, and the fused Pallas kernel
-    (``kernels.compress_decode``: append + pool + norm + rope + quantize + scatter)."""
+    pooling + jnp write) and the fused ``cuda/`` kernel (``kernels.compress_decode``: append
+    + pool + norm + rope + quantize + scatter), and with --triton the fused Pallas kernel it
+    replaced, put in its place. Prints the fraction of entry bytes equal to xla's."""
     from jaxkv import hybrid as H
+    from jaxkv.hybrid import ops
 
     csa = ratio == 4
     cfg = H.HybridConfig(compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64,
@@ -195,12 +207,17 @@ def bench_fused_flush(n, ratio, iters, storage="official"):
     # f32 inputs; tails read and written (CSA: 3 streams); entry (+ key) written
     moved = n * (4 * (kv.shape[-1] + score.shape[-1]) + (2 * 256 * 4 if csa else 0) + 2 * streams * 3 * width * 4
                  + fmt.entry_bytes + (fmt.index_key_bytes(128) if csa else 0))
-    rows = []
+    rows, entries = [], {}
     op = f"{'CSA' if csa else 'HCA'} decode append+flush {n} {storage}"
-    for name in ("xla", "cuda", "pallas"):
+    fused = ops.compress_decode
+    old = triton_kernels("compress_decode")
+    for name in ("xla", "cuda") + (("triton",) if old is not None else ()):
+        ops.compress_decode = functools.partial(old.compress_decode, interpret=False) if name == "triton" else fused
+        jax.clear_caches()  # hybrid.compress is jitted: trace it again with the kernel in place
         state = H.init(cfg)
         state, step = H.prepare_forward(state.replace(position=pos + 0), slots, pos, chunk=1)
-        f = jax.jit(functools.partial(H.compress, layer=0, impl=name), donate_argnums=0)
+        f = jax.jit(functools.partial(H.compress, layer=0, impl="xla" if name == "xla" else "cuda"),
+                    donate_argnums=0)
         box = {"s": state}
 
         def one(i):
@@ -211,7 +228,11 @@ def bench_fused_flush(n, ratio, iters, storage="official"):
             one(i)
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
-        box.clear()
+        entries[name] = jax.device_get(box.pop("s").entries[0])
+    ops.compress_decode = fused
+    jax.clear_caches()
+    for name in entries:
+        print(f"{op}: {name} entry bytes equal to xla's: {(entries[name] == entries['xla']).mean():.5f}")
     return rows
 
 
@@ -251,8 +272,10 @@ def main(argv=None):
     p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, nvfp4, "
                    "dequant, flush, fused)")
     p.add_argument("--triton", default=None, help="a directory holding the kernels' pre-port modules (Pallas Triton "
-                   "lowering: git show 32ce0a0:jaxkv/kernels/NAME.py, its tuning import pointed at that commit's tuning.py saved beside "
-                   "them as triton_tuning.py), run as the 'triton' contender")
+                   "lowering: git show 32ce0a0:jaxkv/kernels/NAME.py for frame_append and dequant_gather, "
+                   "2e0b118 for fp4_pack, flush_write, compress_decode and their codes.py and division.py, "
+                   "imports of jaxkv.kernels.{codes,division,tuning} pointed at those files beside them, the "
+                   "tuning table as triton_tuning.py), run as the 'triton' contender")
     args = p.parse_args(argv)
     global TRITON_DIR
     TRITON_DIR = args.triton
@@ -264,11 +287,11 @@ def main(argv=None):
     want = lambda name: args.only in name  # noqa: E731
     for P in (256, 999) if want("append") else ():
         rows += bench_frame_append(P, args.layers, args.iters)
-    for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("mxfp4") else ():
-        rows += bench_mxfp4(n, args.iters, interpret)
-    for n in ((1 << 21, 1 << 16) if not interpret else (256,)) if want("nvfp4") else ():
-        rows += bench_nvfp4(n, args.iters, interpret)
-    if not interpret and want("dequant"):  # the Pallas gather has no cheap interpret size here
+    for n in (1 << 21, 1 << 16) if not interpret and want("mxfp4") else ():  # the cuda/ kernels need a GPU
+        rows += bench_mxfp4(n, args.iters)
+    for n in (1 << 21, 1 << 16) if not interpret and want("nvfp4") else ():
+        rows += bench_nvfp4(n, args.iters)
+    if not interpret and want("dequant"):
         for tokens, k in ((64, 512), (256, 512), (256, 1024)):
             rows += bench_dequant_gather(tokens, k, args.iters)
         rows += bench_dequant_gather(256, 512, args.iters, "per_entry")
@@ -277,7 +300,7 @@ def main(argv=None):
             for n in (4096, 16384):
                 for ratio in (4, 128):
                     rows += bench_fused_flush(n, ratio, args.iters, storage)
-    if not interpret and want("flush"):  # the CUDA kernel needs a GPU
+    if not interpret and want("flush"):
         for n in (4096, 65536):
             for storage in ("official", "per_entry"):
                 rows += bench_flush_write(n, storage, args.iters)

@@ -1,5 +1,6 @@
-// The pool layout and the scalar encoders / decoders every cuda/ kernel shares (one owner:
-// flush_write.cu writes entries and keys with them, dequant_gather.cu reads entries back).
+// The pool layout and the encoders / decoders every cuda/ kernel shares (one owner:
+// write_entry.cuh writes entries and keys with them, fp4_pack.cu packs FP4 rows,
+// dequant_gather.cu reads entries back).
 // Bytes equal jaxkv.formats' jnp codecs; the layout comes from jaxkv.formats.storage
 // (jaxkv.cuda.build passes it as -D flags).
 #pragma once
@@ -7,6 +8,8 @@
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include "div_rn.cuh"
 
 namespace jaxkv {
 
@@ -131,6 +134,56 @@ __device__ __forceinline__ uint32_t gather_bytes(uint8_t byte, int first = 0) {
 #pragma unroll
   for (int i = 0; i < kCount; ++i) word |= (__shfl_sync(0xffffffffu, uint32_t(byte), first + i * kStride) & 0xFF) << (8 * i);
   return word;
+}
+
+// ---- FP4 groups held by lanes, N consecutive elements per lane -----------------------------
+// A group's lanes must be aligned (32 / N lanes for MXFP4's 32 elements, 16 / N for NVFP4's
+// 16) and every lane of the warp must call (the group maxima are shuffles). Same bytes as
+// jaxkv.formats.quantize_mxfp4 / quantize_nvfp4.
+
+// MXFP4: one UE8M0 scale per 32 elements (DeepGEMM's rule s = 2^ceil(log2(max(amax, 1e-4) / 6))).
+// Writes this lane's N E2M1 codes; returns the group's scale byte (on all its lanes).
+template <int N>
+__device__ __forceinline__ uint8_t mxfp4_lane(const float (&v)[N], uint8_t (&c)[N]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = nanmax(amax, fabsf(v[i]));
+  amax = group_amax<32 / N>(amax);
+  const float t = isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, 1e-4f), 6.f);
+  uint8_t byte;
+  const float inv = inv_pow2(ue8m0_scale(t, &byte));
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i] = e2m1(v[i] * inv);
+  return byte;
+}
+
+// NVFP4: one E4M3 scale per 16 elements, g the float32 global scale. kShared: the elements are
+// bf16 values, so div_rn.cuh's SharedDivisor gives div.rn's quotients (proven there); else div.rn.
+// Writes this lane's N E2M1 codes; returns the group's E4M3 byte (on all its lanes).
+template <bool kShared, int N>
+__device__ __forceinline__ uint8_t nvfp4_lane(const float (&v)[N], float g, uint8_t (&c)[N]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) amax = nanmax(amax, fabsf(v[i]));
+  amax = group_amax<16 / N>(amax);
+  const float bsc = isfinite(amax) ? __fdiv_rn(__fdiv_rn(amax, 6.f), g) : __int_as_float(0x7fc00000);
+  const uint8_t b8 = fp8_e4m3(bsc);
+  const float denom = fp8_e4m3_value(b8) * g;
+  const bool ok = denom > 0.f;  // else (zero or NaN) every code is 0
+  if (kShared) {
+    const SharedDivisor div(ok ? denom : 1.f);
+#pragma unroll
+    for (int i = 0; i < N; ++i) c[i] = e2m1(ok ? div(v[i]) : 0.f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) c[i] = e2m1(ok ? __fdiv_rn(v[i], denom) : 0.f);
+  }
+  return b8;
+}
+
+// Four E2M1 codes -> two packed bytes (element 2i in the low nibble), low byte first.
+__device__ __forceinline__ uint32_t pack_e2m1x4(const uint8_t (&c)[4]) {
+  return (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8);
 }
 
 }  // namespace jaxkv

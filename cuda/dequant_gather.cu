@@ -80,6 +80,8 @@ __global__ void __launch_bounds__(32 * kGatherRows) dequant_gather_kernel(Gather
   dst[1] = res[1];
 }
 
+// Every handler only enqueues work on XLA's stream (no host sync, no allocation), so it is
+// marked command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
 namespace ffi = xla::ffi;
 
 static ffi::Error dequant_gather(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::S32, 1> block,
@@ -121,4 +123,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvDequantGather, jaxkv::dequant_gather,
                                   .Ret<jaxkv::gather_types::Rows>()   // bf16[m, 512]
                                   .Attr<int32_t>("layer")
                                   .Attr<int32_t>("block_size")
-                                  .Attr<int32_t>("storage"));
+                                  .Attr<int32_t>("storage"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -7,8 +7,8 @@
 //   csa_rotate_state  after a CSA flush: previous-b <- current-b, current a/b emptied.
 //   hca_reset_state   after an HCA flush: the one stream emptied.
 //
-// Bytes are identical to jaxkv.hybrid.storage's jnp encoders: every step is exact
-// (IEEE div.rn, or div_rn.cuh's SharedDivisor where it is proven equal; power-of-two
+// Bytes are identical to jaxkv.formats.storage's jnp encoders (write_entry.cuh): every step
+// is exact (IEEE div.rn, or div_rn.cuh's SharedDivisor where it is proven equal; power-of-two
 // scales; integer FP8/FP4 encoding), NaN handled as they do.
 // Two ways in: XLA FFI handlers (jax.ffi, buffers aliased in place) and extern "C"
 // launchers (ctypes, for torch_bridge). Built by jaxkv/cuda/build.py for sm_90a / sm_100a.
@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
-#include "div_rn.cuh"
+#include "write_entry.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -38,104 +38,6 @@ struct FlushArgs {
   int32_t storage;
 };
 
-// raw: this lane's elements [16 lane, 16 lane + 16) of the entry, loaded by the caller:
-// lanes 0..27 the FP8 part, 28..31 the rope dims.
-__device__ void write_entry(const FlushArgs& a, const uint4 (&raw)[2], int blk, int sl, int lane) {
-  const int bs = a.block_size;
-  uint8_t* base = a.pool + static_cast<int64_t>(blk) * bs * entry_bytes(a.storage);
-  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(raw);
-  const bool nope = lane < kNope / 16;
-  float v[16];
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    v[i] = __bfloat162float(h[i]);
-    if (nope) amax = nanmax(amax, fabsf(v[i]));
-  }
-  uint4 q;  // 16 FP8 codes
-  uint32_t* w = reinterpret_cast<uint32_t*>(&q);
-  if (a.storage == kOfficial) {  // ds_mla: [448 fp8 | 64 bf16] x bs, then [7 UE8M0 + pad] x bs
-    amax = group_amax<kTile / 16>(amax);
-    float t = __fdiv_rn(amax, 448.f);
-    if (!isnan(t)) t = fmaxf(t, 1e-4f);
-    uint8_t byte;
-    const float s = ue8m0_scale(t, &byte);
-    // the 7 tile scales (lanes 0, 4, .., 24 hold them) and a zero pad byte: one 8-byte store
-    const uint32_t lo = gather_bytes<4, 4>(byte), hi = gather_bytes<3, 4>(byte, 16);
-    if (lane == 0) *reinterpret_cast<uint2*>(base + bs * kOffData + sl * kOffScales) = make_uint2(lo, hi);
-    const float inv = inv_pow2(s);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = e4m3x4(v[4 * i] * inv, v[4 * i + 1] * inv, v[4 * i + 2] * inv, v[4 * i + 3] * inv);
-    if (nope) {
-      store16(base + sl * kOffData + 16 * lane, q);
-    } else {  // the rope dims' bytes as they came
-      uint8_t* dst = base + sl * kOffData + kNope + 32 * (lane - kNope / 16);
-      store16(dst, raw[0]);
-      store16(dst + 16, raw[1]);
-    }
-  } else {  // per_entry: [448 fp8] x bs, [64 bf16] x bs, [f32 scale] x bs
-    amax = group_amax<32>(amax);
-    const float scale = isfinite(amax) ? __fdiv_rn(amax, 448.f) : __int_as_float(0x7fc00000);
-    if (nope) {
-      const bool ok = scale > 0.f;  // else (zero or NaN scale) all codes are 0
-      const SharedDivisor div(ok ? scale : 1.f);
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        w[i] = ok ? e4m3x4(div(v[4 * i]), div(v[4 * i + 1]), div(v[4 * i + 2]), div(v[4 * i + 3])) : 0u;
-      store16(base + sl * kPeCodes + 16 * lane, q);
-      if (lane == 0)
-        *reinterpret_cast<uint32_t*>(base + bs * (kPeCodes + kPeRope) + sl * kPeScale) = __float_as_uint(scale);
-    } else {
-      uint8_t* dst = base + bs * kPeCodes + sl * kPeRope + 32 * (lane - kNope / 16);
-      store16(dst, raw[0]);
-      store16(dst + 16, raw[1]);
-    }
-  }
-}
-
-// raw: this lane's elements [4 lane, 4 lane + 4) of the key, loaded by the caller.
-__device__ void write_index_key(const FlushArgs& a, const uint2& raw, int blk, int sl, int lane) {
-  const int bs = a.block_size;
-  uint8_t* base = a.index_pool + static_cast<int64_t>(blk) * bs * key_bytes(a.storage);
-  const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&raw);
-  float v[4];
-  float amax = 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = __bfloat162float(h[i]), amax = nanmax(amax, fabsf(v[i]));
-  uint8_t c[4];
-  if (a.storage == kOfficial) {  // MXFP4: [64 B codes] x bs, [4 UE8M0] x bs
-    amax = group_amax<8>(amax);  // 32 elements = 8 lanes
-    const float t = isnan(amax) ? amax : __fdiv_rn(fmaxf(amax, 1e-4f), 6.f);
-    uint8_t byte;
-    const float s = ue8m0_scale(t, &byte);
-    const float inv = inv_pow2(s);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = e2m1(v[i] * inv);
-    const uint32_t scales = gather_bytes<4, 8>(byte);  // lanes 0, 8, 16, 24
-    if (lane == 0) *reinterpret_cast<uint32_t*>(base + bs * kOffKeyCodes + sl * kOffKeyScales) = scales;
-  } else {  // NVFP4: [64 B codes] x bs, [8 E4M3] x bs, [f32 global] x bs
-    const float gmax = group_amax<32>(amax);
-    const float g = gmax > 0.f ? __fdiv_rn(gmax, 2688.f) : 1.f;
-    amax = group_amax<4>(amax);  // 16 elements = 4 lanes
-    const float bsc = isfinite(amax) ? __fdiv_rn(__fdiv_rn(amax, 6.f), g) : __int_as_float(0x7fc00000);
-    const uint8_t b8 = fp8_e4m3(bsc);
-    const float denom = fp8_e4m3_value(b8) * g;
-    const SharedDivisor div(denom > 0.f ? denom : 1.f);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] = e2m1(denom > 0.f ? div(v[i]) : 0.f);
-    const uint32_t lo = gather_bytes<4, 4>(b8), hi = gather_bytes<4, 4>(b8, 16);  // lanes 0, 4, .., 28
-    if (lane == 0) {
-      uint32_t* d = reinterpret_cast<uint32_t*>(base + bs * kPeKeyCodes + sl * kPeKeyScales);
-      d[0] = lo, d[1] = hi;
-      *reinterpret_cast<uint32_t*>(base + bs * (kPeKeyCodes + kPeKeyScales) + sl * kPeKeyGlobal) = __float_as_uint(g);
-    }
-  }
-  // this lane's 2 code bytes, paired with the next lane's: one 4-byte store per even lane
-  const uint32_t mine = (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8);
-  const uint32_t next = __shfl_down_sync(0xffffffffu, mine, 1);
-  if (lane % 2 == 0) *reinterpret_cast<uint32_t*>(base + sl * kOffKeyCodes + 2 * lane) = mine | (next << 16);
-}
-
 __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -149,8 +51,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushAr
   const int32_t blk = a.block[row];
   const int32_t sl = a.slot[row];
   if (blk < 0 || blk >= a.num_blocks || sl < 0 || sl >= a.block_size) return;  // warp-uniform
-  write_entry(a, raw, blk, sl, lane);
-  if (a.index_pool != nullptr) write_index_key(a, raw_key, blk, sl, lane);
+  const PoolView p{a.pool, a.index_pool, a.num_blocks, a.block_size, a.storage};
+  write_entry(p, raw, blk, sl, lane);
+  if (a.index_pool != nullptr) write_index_key(p, raw_key, blk, sl, lane);
 }
 
 // ---- tail state: CSA rotation, HCA reset ----------------------------------------------------
@@ -210,6 +113,8 @@ int jaxkv_tail_state(void* stream, float* tails, int64_t R, int32_t streams, int
 }  // extern "C"
 
 // ---- XLA FFI handlers (jax.ffi; jaxkv/cuda/flush.py) ------------------------------------------
+// Every handler only enqueues work on XLA's stream (no host sync, no allocation), so it is
+// marked command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
 namespace ffi = xla::ffi;
 
 namespace jaxkv {
@@ -316,7 +221,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteCsa, jaxkv::flush_write_csa,
                                   .Ret<jaxkv::U8x3>()    // index_pool (aliased)
                                   .Attr<int32_t>("layer")
                                   .Attr<int32_t>("block_size")
-                                  .Attr<int32_t>("storage"));
+                                  .Attr<int32_t>("storage"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteHca, jaxkv::flush_write_hca,
                               ffi::Ffi::Bind()
@@ -328,18 +234,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteHca, jaxkv::flush_write_hca,
                                   .Ret<jaxkv::U8x3>()    // pool (aliased)
                                   .Attr<int32_t>("layer")
                                   .Attr<int32_t>("block_size")
-                                  .Attr<int32_t>("storage"));
+                                  .Attr<int32_t>("storage"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCsaRotateState, jaxkv::csa_rotate_state,
                               ffi::Ffi::Bind()
                                   .Ctx<jaxkv::Stream>()
                                   .Arg<jaxkv::F32x4>()  // tails
                                   .Arg<jaxkv::S32x1>()  // slot
-                                  .Ret<jaxkv::F32x4>());
+                                  .Ret<jaxkv::F32x4>(),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvHcaResetState, jaxkv::hca_reset_state,
                               ffi::Ffi::Bind()
                                   .Ctx<jaxkv::Stream>()
                                   .Arg<jaxkv::F32x4>()  // tails
                                   .Arg<jaxkv::S32x1>()  // slot
-                                  .Ret<jaxkv::F32x4>());
+                                  .Ret<jaxkv::F32x4>(),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -2,23 +2,21 @@
 what each needs to run here, and what ``impl="auto"`` picks.
 
 Every public function with an ``impl=`` argument resolves it here (``resolve``), so the
-names, the ``auto`` rule and the error for a missing one are written once. The Mosaic GPU
-kernels (frame append and attention, the indexer scores, the pool attention) run on Hopper
-only; the ``cuda/`` kernels need a GPU and nvcc. Three kernels still use the Pallas Triton
-lowering that JAX 0.11 deprecates (FP4 packing, the flush-write, the fused decode
-compressor); they run natively on a GPU and in Pallas interpret mode elsewhere
-(``interpret``). In a jax without that lowering, ``"auto"`` falls back to the XLA path
-(same bytes, slower) and an explicit ``impl="pallas"`` raises a ``ValueError`` that says
-so, instead of an ImportError from inside a trace. An old name in ``Operation.renamed``
-still resolves, with a ``DeprecationWarning``, for one release.
+names, the ``auto`` rule and the error for a missing one are written once. The Pallas
+kernels use the Mosaic GPU lowering (frame append and attention, the indexer scores, the
+pool attention) and run on Hopper only; the ``cuda/`` kernels (flush-write, fused decode
+compressor, FP4 packing, dequant-gather), reached through ``jax.ffi``, need a GPU and nvcc.
+No kernel uses the Pallas Triton lowering. Off a GPU ``"auto"`` is the XLA path, and an
+explicit kernel name raises a ``ValueError`` that says why. An old name in
+``Operation.renamed`` still resolves, with a ``DeprecationWarning``, for one release.
 
 | operation | names | auto |
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
-| ``hybrid.write`` | xla, cuda, pallas | pallas on a GPU with the Triton lowering, else xla (cuda: built with nvcc on first use) |
+| ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
-| ``hybrid.index_query`` | xla, pallas | as hybrid.write |
+| ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas | pallas on Hopper with jax >= 0.11, heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
 """
@@ -26,8 +24,6 @@ still resolves, with a ``DeprecationWarning``, for one release.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
 import warnings
 from typing import Callable
 
@@ -36,37 +32,10 @@ import jax
 from jaxkv.cuda.build import BuildError, nvcc
 
 
-@functools.lru_cache(maxsize=None)
-def has_triton() -> bool:
-    """Whether this jax still has the Pallas Triton lowering the kernels are written for."""
-    try:
-        importlib.import_module("jax.experimental.pallas.triton")
-    except ImportError:
-        return False
-    return True
-
-
-def interpret() -> bool:
-    """Interpret mode for the kernels: off a GPU."""
-    return jax.default_backend() != "gpu"
-
-
 def is_hopper() -> bool:
     """Whether jax's first device is an sm_90 GPU (the Mosaic GPU kernels' target)."""
     dev = jax.devices()[0]
     return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
-
-
-def auto_impl() -> str:
-    """``"pallas"`` on a GPU whose jax has the Triton lowering, else ``"xla"``."""
-    return "pallas" if not interpret() and has_triton() else "xla"
-
-
-def _triton_missing(**_) -> str | None:
-    if has_triton():
-        return None
-    return (f"jax {jax.__version__} has no Pallas Triton lowering (jax.experimental.pallas.triton), which this "
-            "kernel uses; pass impl='xla' or impl='auto', which falls back to it")
 
 
 def _cuda_missing(**_) -> str | None:
@@ -79,17 +48,20 @@ def _cuda_missing(**_) -> str | None:
     return None
 
 
-def _sm90_missing(**_) -> str | None:
-    if is_hopper():
+def _hopper_and(what: str = "", ok: bool = True, got: str = "") -> str | None:
+    """None on a Hopper GPU where ``ok``; else why not: "expected ... (``what``), got ... (``got``)"."""
+    if is_hopper() and ok:
         return None
-    return f"expected an NVIDIA Hopper GPU (sm_90), got {jax.devices()[0].device_kind}"
+    return (f"expected an NVIDIA Hopper GPU (sm_90){', ' + what if what else ''}, got "
+            f"{jax.devices()[0].device_kind}{', ' + got if got else ''}")
+
+
+def _sm90_missing(**_) -> str | None:
+    return _hopper_and()
 
 
 def _hopper_missing(*, head_dim: int = 64, **_) -> str | None:
-    if is_hopper() and head_dim % 64 == 0:
-        return None
-    return (f"expected an NVIDIA Hopper GPU (sm_90) and head_dim a multiple of 64, got "
-            f"{jax.devices()[0].device_kind} and head_dim {head_dim}")
+    return _hopper_and("head_dim a multiple of 64", head_dim % 64 == 0, f"head_dim {head_dim}")
 
 
 POOL_ATTENTION_JAX = (0, 11)  # older Mosaic GPU refuses its row copies (under 128 bytes: tests/kernels)
@@ -97,21 +69,17 @@ POOL_ATTENTION_JAX = (0, 11)  # older Mosaic GPU refuses its row copies (under 1
 
 def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
                    **_) -> str | None:
-    if (is_hopper() and heads % 64 == 0 and block_size % 32 == 0 and window % 32 == 0 and storage == "official"
-            and jax.__version_info__[:2] >= POOL_ATTENTION_JAX):
-        return None
-    return (f"expected an NVIDIA Hopper GPU (sm_90), jax >= {'.'.join(map(str, POOL_ATTENTION_JAX))}, heads a "
-            f"multiple of 64, block_size and window multiples of 32 and official storage, got "
-            f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {heads} heads, block_size {block_size}, "
-            f"window {window}, {storage} storage")
+    jax_ok = jax.__version_info__[:2] >= POOL_ATTENTION_JAX
+    return _hopper_and(f"jax >= {'.'.join(map(str, POOL_ATTENTION_JAX))}, heads a multiple of 64, block_size and "
+                       "window multiples of 32 and official storage",
+                       jax_ok and heads % 64 == 0 and block_size % 32 == 0 and window % 32 == 0 and storage == "official",
+                       f"jax {jax.__version__}, {heads} heads, block_size {block_size}, window {window}, {storage} storage")
 
 
 def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: int = 64, **_) -> str | None:
-    if is_hopper() and index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0:
-        return None
-    return (f"expected an NVIDIA Hopper GPU (sm_90), index heads a multiple of 64, index_dim 128 and block_size a "
-            f"multiple of 64, got {jax.devices()[0].device_kind}, {index_heads} heads, index_dim {index_dim}, "
-            f"block_size {block_size}")
+    return _hopper_and("index heads a multiple of 64, index_dim 128 and block_size a multiple of 64",
+                       index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0,
+                       f"{index_heads} heads, index_dim {index_dim}, block_size {block_size}")
 
 
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
@@ -139,8 +107,9 @@ class Operation:
         return ("auto",) + self.names
 
 
-def _triton_op(name: str, names: tuple[str, ...]) -> Operation:
-    return Operation(name, names, lambda **_: auto_impl(), {"pallas": _triton_missing})
+def _cuda_op(name: str, names: tuple[str, ...] = ("xla", "cuda")) -> Operation:
+    return Operation(name, names, lambda **_: "xla" if _cuda_missing() else "cuda", {"cuda": _cuda_missing},
+                     renamed={"pallas": "cuda"})
 
 
 OPERATIONS = {op.name: op for op in (
@@ -148,10 +117,9 @@ OPERATIONS = {op.name: op for op in (
               {"pallas": _hopper_missing}),
     Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
               {"pallas": _sm90_missing}),
-    _triton_op("hybrid.write", ("xla", "cuda", "pallas")),
-    Operation("hybrid.gather", ("xla", "cuda"), lambda **_: "xla" if _cuda_missing() else "cuda",
-              {"cuda": _cuda_missing}, renamed={"pallas": "cuda"}),
-    _triton_op("hybrid.index_query", ("xla", "pallas")),
+    _cuda_op("hybrid.write"),
+    _cuda_op("hybrid.gather"),
+    _cuda_op("hybrid.index_query"),
     Operation("hybrid.index_scores", ("xla", "pallas"),
               lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
     Operation("hybrid.attention", ("xla", "pallas"),

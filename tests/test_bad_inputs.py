@@ -194,7 +194,7 @@ RAISES = [
      ValueError, r"kv: expected shape \[blocks, block_size, 512\], got \(3, 500\)"),
     ("kernels.flush_write: storage name", None,
      lambda st, r: kernels.flush_write(jnp.zeros((1, 2, 584 * 4), jnp.uint8), 0, jnp.ones((1, 512), jnp.bfloat16),
-                                       jnp.array([0]), jnp.array([0]), storage="fp8", interpret=True),
+                                       jnp.array([0]), jnp.array([0]), storage="fp8"),
      ValueError, r"storage: expected one of \['official', 'per_entry'\], got 'fp8'"),
     ("kernels.dequant_gather: pool 100 wide", None,
      lambda st, r: kernels.dequant_gather(jnp.zeros((1, 2, 100), jnp.uint8), 0, jnp.array([0]), jnp.array([0])),

@@ -34,6 +34,8 @@ def test_cuda_flush_write_old_name():
 
     with pytest.warns(DeprecationWarning, match="cuda_flush_write"):
         assert flush.flush_write is flush.cuda_flush_write
+    with pytest.warns(DeprecationWarning, match="pallas_flush_write is now cuda_flush_write"):
+        assert flush.pallas_flush_write is flush.cuda_flush_write
 
 
 def test_flax_frame_cache_old_name():

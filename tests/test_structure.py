@@ -199,3 +199,11 @@ def test_layout_numbers_have_one_owner():
             if LAYOUT_LITERALS.search(code):
                 bad.append(f"{rel}:{i}: {line.strip()}")
     assert not bad, "layout numbers outside jaxkv.formats:\n" + "\n".join(bad)
+
+
+def test_no_module_uses_the_triton_lowering():
+    """JAX deprecates Pallas' Triton lowering: the kernels are Mosaic GPU or cuda/ through jax.ffi."""
+    pattern = re.compile(r"pallas[. ]+(import\s+)?triton|pltriton|\btriton\.")
+    bad = [f"{mod}: {line.strip()}" for mod, path in MODULES.items()
+           for line in path.read_text().splitlines() if pattern.search(line.split("#")[0])]
+    assert not bad, "\n".join(bad)

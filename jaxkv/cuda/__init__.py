@@ -1,5 +1,5 @@
 """The ``cuda/`` kernels: built with nvcc on first use (``build``) and registered as XLA
-FFI targets, so jitted JAX reaches them through ``jax.ffi`` (``jaxkv.hybrid.flush``) and
+FFI targets, so jitted JAX reaches them through ``jax.ffi`` (``jaxkv.kernels``) and
 PyTorch through ``ctypes`` (``torch_bridge.kernels``), on the same buffers.
 """
 
@@ -18,6 +18,10 @@ FFI_TARGETS = {
     "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
     "jaxkv_hca_reset_state": "JaxkvHcaResetState",
     "jaxkv_dequant_gather": "JaxkvDequantGather",  # cuda/dequant_gather.cu
+    "jaxkv_compress_decode_csa": "JaxkvCompressDecodeCsa",  # cuda/compress_decode.cu
+    "jaxkv_compress_decode_hca": "JaxkvCompressDecodeHca",
+    "jaxkv_mxfp4_pack": "JaxkvMxfp4Pack",  # cuda/fp4_pack.cu
+    "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
 }
 
 

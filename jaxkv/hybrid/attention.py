@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv._backend import interpret
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
 from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.formats import nvfp4_global_scale
@@ -30,8 +29,8 @@ QUERY_IMPLS = _backend.choices("hybrid.index_query")
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
-    impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "pallas" (the
-    ``kernels.fp4_pack`` kernels; same bytes), "auto" (pallas on a GPU, else xla)."""
+    impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "cuda" (the
+    ``kernels.fp4_pack`` kernels; same bytes), "auto" (cuda on a GPU, else xla)."""
     impl = _backend.resolve("hybrid.index_query", impl)
     if state.layout is None:
         return _index_query(state, q, impl)
@@ -45,11 +44,11 @@ def _index_query(state, q, impl):
     x = hadamard(q).astype(jnp.bfloat16)
     if impl == "xla":
         return codec.decode(codec.encode(x))
-    rows = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
+    rows = x.reshape(-1, x.shape[-1])  # bf16: the kernel reads it as it is
     if c.storage == "official":
-        parts = quantize_mxfp4(rows, interpret=interpret())
+        parts = quantize_mxfp4(rows)
     else:  # per_entry keys: one global scale per key
-        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows), interpret=interpret())
+        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows))
         parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
     return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))
 

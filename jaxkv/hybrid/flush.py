@@ -1,20 +1,19 @@
 """The write half of a CSA / HCA flush, and the tail-state update after it.
 
-``cuda_flush_write`` (and ``ref_flush_write``, ``pallas_flush_write``) quantizes finished entries (RMSNorm and RoPE applied; for CSA also the
-rotated indexer keys) in the cache's storage family and scatters them into one layer of a
-paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
-request's tail on after its flush. Each has a jnp reference (``ref_…``; what
-``hybrid.compress`` runs with ``impl="xla"``), a CUDA kernel from
-``cuda/flush_write.cu`` reached through ``jax.ffi`` (``impl="cuda"``), and for the
-flush-write a Pallas kernel (``impl="pallas"``, ``jaxkv.kernels.flush_write``); buffers
-aliased in place; all give the same bytes.
+``cuda_flush_write`` (and ``ref_flush_write``) quantizes finished entries (RMSNorm and RoPE
+applied; for CSA also the rotated indexer keys) in the cache's storage family and scatters
+them into one layer of a paged pool through ``(block, slot)``. ``csa_rotate_state`` /
+``hca_reset_state`` move a request's tail on after its flush. Each has a jnp reference
+(``ref_…``; what ``hybrid.compress`` runs with ``impl="xla"``) and a CUDA kernel
+(``jaxkv.kernels.flush_write``: ``cuda/flush_write.cu`` through ``jax.ffi``,
+``impl="cuda"``), buffers aliased in place; both give the same bytes.
 
 Shapes (``L`` layers of the pool, ``NB`` blocks, ``bs`` entries per block, ``E`` / ``K``
 entry / key bytes of the storage family):
 
     pool:       u8[L, NB, bs * E]      index_pool: u8[L, NB, bs * K]  (CSA only)
     x:          bf16[N, 512]           xi:         bf16[N, 128]       (CSA only)
-                (x may be a ``jaxkv.stacked.Stacked`` row of bf16[n, N, 512]; the Pallas writer reads it in place)
+                (x may be a ``jaxkv.stacked.Stacked`` row of bf16[n, N, 512])
     block:      i32[N]  physical block; rows outside [0, NB) are not written
     slot:       i32[N]  entry within the block, in [0, bs)
     tails:      f32[R, streams, 3, width]   (CSA 3 streams, HCA 1; see ``compressor``)
@@ -25,14 +24,11 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _backend
-from jaxkv._backend import interpret
-from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
-from jaxkv.kernels.flush_write import flush_write as pallas_kernel
+from jaxkv.kernels.flush_write import flush_write as flush_write_kernel, tail_state
 from jaxkv.math.compressor import CUR_B, empty_tail
 from jaxkv.stacked import check_stacked, row
 from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, write_items
@@ -47,8 +43,8 @@ def check_impl(impl: str) -> str:
 
 
 def default_impl() -> str:
-    """"pallas" on a GPU (a decode step's append + flush is one fused kernel per layer;
-    figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
+    """"cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
+    layer; figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
     return _backend.resolve("hybrid.write", "auto")
 
 
@@ -101,38 +97,27 @@ def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_poo
 
 
 def cuda_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
-    """The CUDA kernel (one warp per entry), in place on ``pool`` / ``index_pool``; same
-    arguments and result as ``ref_flush_write``. Needs a GPU and nvcc (first use builds)."""
+    """The CUDA kernel (``jaxkv.kernels.flush_write``, one warp per entry), in place on
+    ``pool`` / ``index_pool``; same arguments and result as ``ref_flush_write``. Needs a GPU
+    and nvcc (first use builds)."""
     fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
-    x = row(x)
-    register_ffi_targets()
-    attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // fmt.entry_bytes),
-                 storage=np.int32(STORAGE_CODES[fmt.name]))
-    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
-    if index_pool is None:
-        return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(pool, x, block, slot, **attrs)
-    outs = (out, jax.ShapeDtypeStruct(index_pool.shape, index_pool.dtype))
-    pool, index_pool = jax.ffi.ffi_call("jaxkv_flush_write_csa", outs, input_output_aliases={0: 0, 1: 1})(
-        pool, index_pool, x, xi, block, slot, **attrs)
-    return pool, index_pool
+    return flush_write_kernel(pool, layer, row(x), block, slot, storage=fmt.name, index_pool=index_pool, xi=xi)
 
 
-def pallas_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
-    """The Pallas kernel (``jaxkv.kernels.flush_write``; interpret mode off a GPU); same
-    arguments and result as ``ref_flush_write``."""
-    fmt = _check_flush(pool, layer, x, block, slot, storage, index_pool, xi)
-    return pallas_kernel(pool, layer, x, block, slot, storage=fmt.name, index_pool=index_pool, xi=xi,
-                         interpret=interpret())
+WRITERS = {"xla": ref_flush_write, "cuda": cuda_flush_write}
+
+_RENAMED = {  # names of earlier releases, kept one release
+    "flush_write": ("jaxkv.hybrid.flush.flush_write is now cuda_flush_write", cuda_flush_write),
+    "pallas_flush_write": ("jaxkv.hybrid.flush.pallas_flush_write is now cuda_flush_write (the Pallas flush-write "
+                           "kernel is replaced by the cuda/ one)", cuda_flush_write),
+}
 
 
-WRITERS = {"xla": ref_flush_write, "cuda": cuda_flush_write, "pallas": pallas_flush_write}
-
-
-def __getattr__(name):  # names of 0.1, kept one release
-    if name == "flush_write":
-        warnings.warn("jaxkv.hybrid.flush.flush_write is now cuda_flush_write (jaxkv.kernels.flush_write is the "
-                      "Pallas kernel)", DeprecationWarning, stacklevel=2)
-        return cuda_flush_write
+def __getattr__(name):
+    if name in _RENAMED:
+        message, value = _RENAMED[name]
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -157,23 +142,17 @@ def ref_hca_reset_state(tails, tail_slot):
     return tails.at[_skip(tail_slot, R)].set(empty_tail(tail_slot.shape, 1, w), mode="drop")
 
 
-def _tail_call(name, tails, tail_slot):
-    register_ffi_targets()
-    return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(tails.shape, tails.dtype), input_output_aliases={0: 0})(
-        tails, tail_slot)
-
-
 def csa_rotate_state(tails, tail_slot):
     """The CUDA kernel of ``ref_csa_rotate_state``, in place."""
     _check_tails(tails, tail_slot, 3)
-    return _tail_call("jaxkv_csa_rotate_state", tails, tail_slot)
+    return tail_state(tails, tail_slot)
 
 
 def hca_reset_state(tails, tail_slot):
     """The CUDA kernel of ``ref_hca_reset_state``, in place."""
     _check_tails(tails, tail_slot, 1)
-    return _tail_call("jaxkv_hca_reset_state", tails, tail_slot)
+    return tail_state(tails, tail_slot)
 
 
 __all__ = ["WRITERS", "check_impl", "csa_rotate_state", "cuda_flush_write", "default_impl", "hca_reset_state",
-           "pallas_flush_write", "ref_csa_rotate_state", "ref_flush_write", "ref_hca_reset_state"]
+           "ref_csa_rotate_state", "ref_flush_write", "ref_hca_reset_state"]

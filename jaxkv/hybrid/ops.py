@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv._backend import interpret
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather
 from jaxkv._pytree import cache_dataclass
@@ -75,7 +74,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
       (or a ``Stacked`` row of ``bf16[n, B, T, head_dim]``). Only each row's last ``window`` real tokens are written (earlier ones would be
     overwritten within the same step). A ring is one block of ``window`` entries in the
     storage's entry format, so the flush-writers quantize and scatter it: impl as in
-    ``compress`` ("xla", "cuda", "pallas", "auto"); same bytes.
+    ``compress`` ("xla", "cuda", "auto"); same bytes.
     A row whose real tokens hold a NaN or Inf writes nothing; its request gets NONFINITE_KV.
     """
     impl = check_impl(impl)
@@ -167,11 +166,11 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     ``entry * ratio``, quantizes and writes the entry at its block through the
     request's block table (allocated by ``prepare_forward``).
     impl: how the flushed entries are quantized and written (``hybrid.flush``): "xla"
-      (jnp), "cuda" (the ``cuda/`` kernel through jax.ffi), "pallas" (the Pallas
-      flush-write; a decode step, T = 1, runs the whole append + flush as one fused
-      kernel, ``jaxkv.kernels.compress_decode``), "auto" (``hybrid.flush.default_impl``:
-      pallas on a GPU, xla elsewhere). xla, cuda and pallas give the same bytes, except in
-      decode, where a fused entry can differ in its last bit (see the kernel).
+      (jnp), "cuda" (the ``cuda/`` flush-write through jax.ffi; a decode step, T = 1, runs
+      the whole append + flush as one fused kernel, ``jaxkv.kernels.compress_decode``),
+      "auto" (``hybrid.flush.default_impl``: cuda on a GPU, xla elsewhere). xla and cuda
+      give the same bytes, except in decode, where a fused entry can differ in its last bit
+      (see the kernel).
     A row whose real tokens hold a NaN or Inf in kv, score or the indexer's kv / score is
     skipped (tails and entries untouched); its request gets NONFINITE_KV.
     """
@@ -206,7 +205,7 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     B, T, _ = kv.shape
     if csa:
         ikv, iscore, iparams = index
-    if impl == "pallas" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
+    if impl == "cuda" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
         return _compress_decode(state, step, layer, kv, score, params, index)
     kv, score, params = row(kv), row(score), _row_params(params)
     if csa:
@@ -262,7 +261,7 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     out = compress_decode(state.tails[g], token(kv), token(score), params.bias, params.norm, step.slot,
                           step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
                           state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
-                          eps=c.norm_eps, storage=c.storage, interpret=interpret(), **extra)
+                          eps=c.norm_eps, storage=c.storage, **extra)
     new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]),
                error=out[-1])
     if csa:

@@ -1,4 +1,7 @@
-"""Pallas kernels for the memory-bound cache steps, each beside its jnp reference.
+"""The kernels of the cache steps, each beside its jnp reference: Pallas with the Mosaic GPU
+lowering (Hopper), or a ``cuda/`` kernel through ``jax.ffi`` where Mosaic GPU cannot express
+it on Hopper (row gathers and scatters, strided register slices; the module says why).
+A leaf layer: plain arrays and static parameters in, arrays out; no cache imported.
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
   (Mosaic GPU bulk copies, Hopper).
@@ -6,15 +9,15 @@
   (``hybrid.gather_entries(impl="cuda")``; ``cuda/dequant_gather.cu`` through jax.ffi).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
   (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
-  ``hybrid.compress(impl="pallas")``).
+  ``hybrid.compress(impl="cuda")``; ``cuda/flush_write.cu``).
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
-  (``hybrid.compress(impl="pallas")`` with one token per request).
+  (``hybrid.compress(impl="cuda")`` with one token per request; ``cuda/compress_decode.cu``).
 * ``prefix_attention``: attention over the key prefix ``[0, kv_len)`` of a buffer, a
   FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
   (``frame.attention(impl="pallas")``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
-  formats' own jnp math tiled into kernels (``hybrid.index_query(impl="pallas")``).
+  formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
 * ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
   (Mosaic GPU, Hopper; ``hybrid.attention(impl="pallas")``).
 * ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
@@ -22,6 +25,7 @@
 """
 
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
+from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.flush_write import flush_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
@@ -29,6 +33,6 @@ from jaxkv.kernels.index_scores import index_scores, ref_index_scores
 from jaxkv.kernels.pool_attention import pool_attention, ref_pool_attention
 from jaxkv.kernels.prefix_attention import prefix_attention, ref_prefix_attention
 
-__all__ = ["dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention", "quantize_mxfp4",
+__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention", "quantize_mxfp4",
            "quantize_nvfp4", "ref_dequant_gather", "ref_index_scores", "ref_pool_attention", "ref_prefix_attention",
            "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]

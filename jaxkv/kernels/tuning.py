@@ -1,10 +1,9 @@
 """Launch parameters of the Pallas kernels, as data keyed by device.
 
-``rows``: items per program (a power of two for the Triton kernels; the frame append's
-rows per bulk copy); ``warps``: warps per program; ``slots``: the frame append's copies per program;
+``rows``: the frame append's rows per bulk copy; ``slots``: its copies per program;
 ``block_kv`` / ``stages``: the Mosaic GPU attention's keys per TMA block and blocks in
-flight; ``tiles``: 64-key tiles per indexer-scores program. Entries are per kernel, and per storage family where the families differ
-(``"flush_write/per_entry"``). A device without its own table uses ``DEFAULT``'s, the
+flight; ``tiles``: 64-key tiles per indexer-scores program. (The ``cuda/`` kernels' launch
+shapes are constants in their sources.) A device without its own table uses ``DEFAULT``'s, the
 device the sweeps ran on; their figures are in ``benchmarks/RESULTS.md``
 ("Launch-parameter sweeps"). Add a table for another GPU by its ``device_kind``.
 """
@@ -18,11 +17,6 @@ DEFAULT = "NVIDIA H100 80GB HBM3"
 TABLES = {
     "NVIDIA H100 80GB HBM3": {
         "frame_append": dict(rows=16, slots=4),  # not swept
-        "fp4_pack": dict(rows=32, warps=8),
-        "flush_write/official": dict(rows=16, warps=4),
-        "flush_write/per_entry": dict(rows=2, warps=1),
-        "compress_decode/official": dict(warps=4),  # one request per program
-        "compress_decode/per_entry": dict(warps=2),
         "prefix_attention": dict(block_kv=256, stages=2),
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
     },
