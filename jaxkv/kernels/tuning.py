@@ -24,7 +24,7 @@ TABLES = {
 
 
 def device_kind() -> str:
-    """jax's first device's kind (``"cpu"`` off a GPU: interpret mode uses ``DEFAULT``)."""
+    """jax's first device's kind (``"cpu"`` off a GPU, where lowering checks use ``DEFAULT``)."""
     return jax.devices()[0].device_kind
 
 
