@@ -117,8 +117,8 @@ __device__ __forceinline__ void store_triple(float* stream, int width, int ch, T
   stream[ch] = x.m, stream[width + ch] = x.s, stream[2 * width + ch] = x.a;
 }
 
-template <typename T>  // the sum of v over the CTA (all threads call it); sums: __shared__ [kThreads / 32]
-__device__ __forceinline__ float cta_sum(float v, T* sums) {
+// The sum of v over the CTA (all threads call it); sums: __shared__ f32[kThreads / 32].
+__device__ __forceinline__ float cta_sum(float v, float* sums) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, o));
   if (threadIdx.x % 32 == 0) sums[threadIdx.x / 32] = v;
@@ -326,7 +326,8 @@ static void alias(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in, cu
 
 // All float operands come in as their whole (flattened) stacks; the *_offset attributes say
 // where this layer's row starts, in elements.
-static ffi::Error compress_decode_ffi(cudaStream_t stream, bool csa, ffi::AnyBuffer tails, ffi::AnyBuffer pool,
+template <bool csa>
+static ffi::Error compress_decode_ffi(cudaStream_t stream, ffi::AnyBuffer tails, ffi::AnyBuffer pool,
                                       ffi::AnyBuffer index_pool, ffi::AnyBuffer error, ffi::AnyBuffer kv,
                                       ffi::AnyBuffer score, ffi::AnyBuffer bias, ffi::AnyBuffer norm,
                                       ffi::AnyBuffer ikv, ffi::AnyBuffer iscore, ffi::AnyBuffer ibias,
@@ -405,24 +406,6 @@ static ffi::Error compress_decode_ffi(cudaStream_t stream, bool csa, ffi::AnyBuf
   return ffi::Error::Success();
 }
 
-static ffi::Error compress_decode_csa(cudaStream_t stream, ffi::AnyBuffer tails, ffi::AnyBuffer pool,
-                                      ffi::AnyBuffer index_pool, ffi::AnyBuffer error, ffi::AnyBuffer kv,
-                                      ffi::AnyBuffer score, ffi::AnyBuffer bias, ffi::AnyBuffer norm,
-                                      ffi::AnyBuffer ikv, ffi::AnyBuffer iscore, ffi::AnyBuffer ibias,
-                                      ffi::AnyBuffer inorm, ffi::AnyBuffer freqs, ffi::AnyBuffer slot,
-                                      ffi::AnyBuffer write_slot, ffi::AnyBuffer start, ffi::AnyBuffer num_tokens,
-                                      ffi::AnyBuffer table, ffi::Result<ffi::AnyBuffer> tails_out,
-                                      ffi::Result<ffi::AnyBuffer> pool_out, ffi::Result<ffi::AnyBuffer> index_out,
-                                      ffi::Result<ffi::AnyBuffer> error_out, int32_t layer, int32_t ratio, float eps,
-                                      int32_t storage, int32_t fault, int64_t kv_offset, int64_t score_offset,
-                                      int64_t bias_offset, int64_t norm_offset, int64_t ikv_offset,
-                                      int64_t iscore_offset, int64_t ibias_offset, int64_t inorm_offset) {
-  return compress_decode_ffi(stream, true, tails, pool, index_pool, error, kv, score, bias, norm, ikv, iscore, ibias,
-                             inorm, freqs, slot, write_slot, start, num_tokens, table, tails_out, pool_out, index_out,
-                             error_out, layer, ratio, eps, storage, fault, kv_offset, score_offset, bias_offset,
-                             norm_offset, ikv_offset, iscore_offset, ibias_offset, inorm_offset);
-}
-
 static ffi::Error compress_decode_hca(cudaStream_t stream, ffi::AnyBuffer tails, ffi::AnyBuffer pool,
                                       ffi::AnyBuffer error, ffi::AnyBuffer kv, ffi::AnyBuffer score,
                                       ffi::AnyBuffer bias, ffi::AnyBuffer norm, ffi::AnyBuffer freqs,
@@ -432,7 +415,7 @@ static ffi::Error compress_decode_hca(cudaStream_t stream, ffi::AnyBuffer tails,
                                       ffi::Result<ffi::AnyBuffer> error_out, int32_t layer, int32_t ratio, float eps,
                                       int32_t storage, int32_t fault, int64_t kv_offset, int64_t score_offset,
                                       int64_t bias_offset, int64_t norm_offset) {
-  return compress_decode_ffi(stream, false, tails, pool, pool, error, kv, score, bias, norm, kv, score, bias, norm,
+  return compress_decode_ffi<false>(stream, tails, pool, pool, error, kv, score, bias, norm, kv, score, bias, norm,
                              freqs, slot, write_slot, start, num_tokens, table, tails_out, pool_out, pool_out,
                              error_out, layer, ratio, eps, storage, fault, kv_offset, score_offset, bias_offset,
                              norm_offset, 0, 0, 0, 0);
@@ -445,7 +428,7 @@ static ffi::Error compress_decode_hca(cudaStream_t stream, ffi::AnyBuffer tails,
       .Attr<int32_t>("fault").Attr<int64_t>("kv_offset").Attr<int64_t>("score_offset")                     \
       .Attr<int64_t>("bias_offset").Attr<int64_t>("norm_offset")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCompressDecodeCsa, jaxkv::compress_decode_csa,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCompressDecodeCsa, jaxkv::compress_decode_ffi<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()  // tails (aliased)

@@ -26,16 +26,12 @@ namespace jaxkv {
 
 // ---- flush-write ---------------------------------------------------------------------------
 struct FlushArgs {
-  uint8_t* pool;          // u8[num_blocks, block_size * entry_bytes]  one layer's entry pool
-  uint8_t* index_pool;    // u8[num_blocks, block_size * key_bytes]    one layer's key pool, or null
+  PoolView pools;           // one layer's entry pool and key pool (null for HCA)
   const __nv_bfloat16* x;   // bf16[n, 512]  finished entries (RMSNorm + RoPE applied)
   const __nv_bfloat16* xi;  // bf16[n, 128]  finished, rotated indexer keys, or null
   const int32_t* block;   // i32[n]  physical block; rows outside [0, num_blocks) are skipped
   const int32_t* slot;    // i32[n]  item within the block, in [0, block_size)
   int64_t n;
-  int64_t num_blocks;
-  int32_t block_size;
-  int32_t storage;
 };
 
 __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {
@@ -46,14 +42,14 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushAr
   // so the warp waits for DRAM once, not twice (block/slot, then the data).
   const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
   const uint4 raw[2] = {src[0], src[1]};
-  const uint2 raw_key = a.index_pool != nullptr ? reinterpret_cast<const uint2*>(a.xi + row * kIndexDim)[lane]
+  const PoolView& p = a.pools;
+  const uint2 raw_key = p.index_pool != nullptr ? reinterpret_cast<const uint2*>(a.xi + row * kIndexDim)[lane]
                                                 : make_uint2(0, 0);
   const int32_t blk = a.block[row];
   const int32_t sl = a.slot[row];
-  if (blk < 0 || blk >= a.num_blocks || sl < 0 || sl >= a.block_size) return;  // warp-uniform
-  const PoolView p{a.pool, a.index_pool, a.num_blocks, a.block_size, a.storage};
+  if (blk < 0 || blk >= p.num_blocks || sl < 0 || sl >= p.block_size) return;  // warp-uniform
   write_entry(p, raw, blk, sl, lane);
-  if (a.index_pool != nullptr) write_index_key(p, raw_key, blk, sl, lane);
+  if (p.index_pool != nullptr) write_index_key(p, raw_key, blk, sl, lane);
 }
 
 // ---- tail state: CSA rotation, HCA reset ----------------------------------------------------
@@ -99,8 +95,8 @@ extern "C" {
 int jaxkv_flush_write(void* stream, uint8_t* pool, uint8_t* index_pool, const void* x, const void* xi,
                       const int32_t* block, const int32_t* slot, int64_t n, int64_t num_blocks, int32_t block_size,
                       int32_t storage) {
-  jaxkv::FlushArgs a{pool, index_pool, static_cast<const __nv_bfloat16*>(x), static_cast<const __nv_bfloat16*>(xi),
-                     block, slot, n, num_blocks, block_size, storage};
+  jaxkv::FlushArgs a{{pool, index_pool, num_blocks, block_size, storage}, static_cast<const __nv_bfloat16*>(x),
+                     static_cast<const __nv_bfloat16*>(xi), block, slot, n};
   return static_cast<int>(jaxkv::launch_flush_write(static_cast<cudaStream_t>(stream), a));
 }
 
@@ -159,12 +155,13 @@ static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
     cudaMemcpyAsync(index_out->untyped_data(), index_pool.untyped_data(), index_pool.size_bytes(),
                     cudaMemcpyDeviceToDevice, stream);
   const int64_t layer_bytes = pd[1] * pd[2];
-  FlushArgs a{pool_out->typed_data() + layer * layer_bytes,
-              with_index ? index_out->typed_data() + layer * index_pool.dimensions()[1] * index_pool.dimensions()[2]
-                         : nullptr,
+  FlushArgs a{{pool_out->typed_data() + layer * layer_bytes,
+               with_index ? index_out->typed_data() + layer * index_pool.dimensions()[1] * index_pool.dimensions()[2]
+                          : nullptr,
+               pd[1], block_size, storage},
               reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
               with_index ? reinterpret_cast<const __nv_bfloat16*>(xi.untyped_data()) : nullptr,
-              block.typed_data(), slot.typed_data(), n, pd[1], block_size, storage};
+              block.typed_data(), slot.typed_data(), n};
   return check_cuda(launch_flush_write(stream, a));
 }
 
