@@ -1,11 +1,12 @@
-"""DeepSeek-V4 decode attention over the FP8 pools: the Mosaic GPU kernel
-(``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
+"""DeepSeek-V4 decode attention over the FP8 pools: the ``cuda/`` kernel
+(``kernels.pool_attention_cuda``) vs the Mosaic GPU kernel (``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
 FlashMLA's sm90 sparse decode on the same pool bytes (when ``FLASHMLA_SRC`` is set and
 torch with CUDA is importable), per shape: one token per request, top-k entries + a
 128-item window, an attention sink. Back-to-back calls (dispatch amortized), median of
 ``--reps`` rounds after warm-up; TFLOP/s counts QK and PV (4 * H * keys * 512 per token).
 
-    PYTHONPATH=$PWD python benchmarks/dsv4_attention.py [--batches 1,64] [--json out.json]
+    PYTHONPATH=$PWD python benchmarks/dsv4_attention.py [--batches 1,64] [--contenders cuda,pallas,xla]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import BLOCK, pool_attention, ref_pool_attention
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda, ref_pool_attention
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
@@ -105,6 +106,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--contenders", default="cuda,pallas,xla")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = jax.devices()[0].device_kind
@@ -117,12 +119,16 @@ def main():
             bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
             ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
             S = splits_for(B, H)
-            kern = jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S))
-            xla = jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16))
+            fns = dict(
+                cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
+                pallas=jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S)),
+                xla=jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16)))
             res = {}
-            for cname, fn in (("pallas", kern), ("xla", xla)):
+            for cname in a.contenders.split(","):
+                fn = fns[cname]
                 ms, out = time_jax(lambda: fn(q, pools, rows, nvalid, sink), a.reps)
                 res[cname] = (ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
+                print(f"{name} B={B} {cname}: {ms:.4f} ms", flush=True)
             timed, why = flashmla_contender(q, pools, rows, sink, B, H, K)
             if timed is not None:
                 ms, out = timed(a.reps)

@@ -1,6 +1,6 @@
 // The pool layout and the encoders / decoders every cuda/ kernel shares (one owner:
 // write_entry.cuh writes entries and keys with them, fp4_pack.cu packs FP4 rows,
-// dequant_gather.cu reads entries back).
+// dequant_gather.cu and pool_attention.cu read entries back).
 // Bytes equal jaxkv.formats' jnp codecs; the layout comes from jaxkv.formats.storage
 // (jaxkv.cuda.build passes it as -D flags).
 #pragma once
@@ -93,6 +93,11 @@ __device__ __forceinline__ float fp8_e4m3_value(uint8_t b) {
             : ex == 0            ? m * pow2f(-9)
                                  : (8 + m) * pow2f(ex - 10);
   return (b & 0x80) ? -v : v;
+}
+
+// 2**(b - 127) exactly (b = 0: the f32 subnormal 2**-127); NaN for 0xFF (formats.numerics.e8m0_to_float).
+__device__ __forceinline__ float e8m0_value(uint8_t b) {
+  return b == 0xFF ? __int_as_float(0x7fc00000) : b == 0 ? __int_as_float(1 << 22) : __int_as_float(int(b) << 23);
 }
 
 // 2**ceil(log2(v)) as (float, E8M0 byte); non-finite v -> (NaN, 0xFF).

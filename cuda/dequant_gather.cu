@@ -33,11 +33,6 @@ __device__ __forceinline__ uint4 load16(const uint8_t* src) {
   return v;
 }
 
-// 2**(b - 127) exactly (b = 0: the f32 subnormal 2**-127); NaN for 0xFF (formats.numerics.e8m0_to_float).
-__device__ __forceinline__ float e8m0_value(uint8_t b) {
-  return b == 0xFF ? __int_as_float(0x7fc00000) : b == 0 ? __int_as_float(1 << 22) : __int_as_float(int(b) << 23);
-}
-
 struct GatherArgs {
   const uint8_t* pool;   // u8[num_blocks, block_size * entry_bytes]  one layer
   const int32_t* block;  // i32[m]

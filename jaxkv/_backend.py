@@ -5,7 +5,7 @@ Every public function with an ``impl=`` argument resolves it here (``resolve``),
 names, the ``auto`` rule and the error for a missing one are written once. The Pallas
 kernels use the Mosaic GPU lowering (frame append and attention, the indexer scores, the
 pool attention) and run on Hopper only; the ``cuda/`` kernels (flush-write, fused decode
-compressor, FP4 packing, dequant-gather), reached through ``jax.ffi``, need a GPU and nvcc.
+compressor, FP4 packing, dequant-gather, pool attention), reached through ``jax.ffi``, need a GPU and nvcc.
 No kernel uses the Pallas Triton lowering. Off a GPU ``"auto"`` is the XLA path, and an
 explicit kernel name raises a ``ValueError`` that says why. An old name in
 ``Operation.renamed`` still resolves, with a ``DeprecationWarning``, for one release.
@@ -18,7 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why. An old name in
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
-| ``hybrid.attention`` | xla, pallas | pallas on Hopper with jax >= 0.11, heads a multiple of 64, block_size and window multiples of 32, official storage (``kernels.pool_attention``, Mosaic GPU), else xla |
+| ``hybrid.attention`` | xla, pallas, cuda | cuda on a GPU with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla |
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, 
                        f"jax {jax.__version__}, {heads} heads, block_size {block_size}, window {window}, {storage} storage")
 
 
+def _pool_cuda_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, **_) -> str | None:
+    if not heads % 64 == block_size % 32 == window % 32 == 0:
+        return (f"expected heads a multiple of 64, block_size and window multiples of 32, got {heads} heads, "
+                f"block_size {block_size}, window {window}")
+    return _cuda_missing()
+
+
+def _attention_auto(**ctx) -> str:
+    return "cuda" if _pool_cuda_missing(**ctx) is None else "pallas" if _heads_missing(**ctx) is None else "xla"
+
+
 def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: int = 64, **_) -> str | None:
     return _hopper_and("index heads a multiple of 64, index_dim 128 and block_size a multiple of 64",
                        index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0,
@@ -122,8 +133,8 @@ OPERATIONS = {op.name: op for op in (
     _cuda_op("hybrid.index_query"),
     Operation("hybrid.index_scores", ("xla", "pallas"),
               lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
-    Operation("hybrid.attention", ("xla", "pallas"),
-              lambda **ctx: "xla" if _heads_missing(**ctx) else "pallas", {"pallas": _heads_missing}),
+    Operation("hybrid.attention", ("xla", "pallas", "cuda"), _attention_auto,
+              {"pallas": _heads_missing, "cuda": _pool_cuda_missing}),
 )}
 
 

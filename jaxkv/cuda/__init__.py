@@ -22,6 +22,7 @@ FFI_TARGETS = {
     "jaxkv_compress_decode_hca": "JaxkvCompressDecodeHca",
     "jaxkv_mxfp4_pack": "JaxkvMxfp4Pack",  # cuda/fp4_pack.cu
     "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
+    "jaxkv_pool_attention": "JaxkvPoolAttention",  # cuda/pool_attention.cu
 }
 
 

@@ -9,12 +9,15 @@ denominator; K = V.
 
 ``impl="xla"`` dequantizes the rows into BF16 copies (``gather_entries`` /
 ``all_entries`` / ``window_keys``) and runs the float32 reference ``sparse_attention``;
-``impl="pallas"`` reads the FP8 rows where they are stored (``kernels.pool_attention``,
-Hopper): only the step's own tokens are encoded by XLA (the bytes ``write_window`` will
-store). ``"auto"``: pallas on Hopper, xla elsewhere.
+``impl="cuda"`` (``kernels.pool_attention_cuda``, any storage family) and ``impl="pallas"``
+(``kernels.pool_attention``, Mosaic GPU, Hopper, official storage) read the FP8 rows where
+they are stored: only the step's own tokens are encoded by XLA (the bytes ``write_window``
+will store). ``"auto"``: cuda on a GPU with nvcc, else pallas on Hopper, else xla.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 from jax import lax
@@ -26,7 +29,7 @@ from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
-from jaxkv.kernels.pool_attention import BLOCK, pool_attention
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda
 from jaxkv.stacked import row
 
 IMPLS = _backend.choices("hybrid.attention")
@@ -65,7 +68,8 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
                             window=state.config.window, storage=state.config.storage)
     scale = float(state.config.head_dim**-0.5 if scale is None else scale)
     sink = sink.astype(jnp.float32)
-    fn = _xla if impl == "xla" else _pallas
+    fn = _xla if impl == "xla" else functools.partial(_pallas, kernel=pool_attention_cuda if impl == "cuda" else
+                                                      pool_attention)
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
     return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
                       state, *args, axes=("batch",) * len(args), out="batch")
@@ -127,7 +131,7 @@ def _block_counts(count, blocks: int):
     return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
 
 
-def _pallas(state, step, layer, kind, q, kv, idx, sink, scale):
+def _pallas(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     c = state.config
     B, T, H, D = q.shape
     N = B * T
@@ -176,7 +180,7 @@ def _pallas(state, step, layer, kind, q, kv, idx, sink, scale):
     part_blocks = tuple(ids.shape[1] // BLOCK for _, ids, _ in parts)
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
-    out = pool_attention(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
+    out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
                          splits=_splits(N, H))
     return out.reshape(B, T, H, D)
 

@@ -48,27 +48,30 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.kernels.dequant_gather import ref_dequant_gather
 from jaxkv.math.attention import merge_partials
-from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets
+from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets, storage_name
 
 STAGES = 2  # raw blocks in flight (static slots: the loops run over pairs of blocks)
 BLOCK = 64  # rows per block (a wgmma N tile); also heads per program (the M tile)
 TILES = NOPE_TILES + 1  # 64-dim tiles of an entry: 7 FP8, 1 BF16 rope
 CODE_BOXES = (128, 128, 128, NOPE - 384)  # a row's FP8 codes, one TMA box (and SMEM buffer) per 128 columns
 LOG2E = math.log2(math.e)
+CUDA_PARTS = 3  # pools the cuda/ kernel takes (a V4 layer has entries, its ring, its own tokens)
 i32 = jnp.int32
 
 
-def _check(q, pools, part_blocks, rows, nvalid, sink, storage):
+def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"):
     if q.ndim != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % BLOCK or q.dtype != jnp.bfloat16:
         raise ValueError(f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got "
                          f"{q.dtype}{list(q.shape)}")
     N, H, _ = q.shape
     NB = sum(part_blocks)
-    if storage != "official":  # per_entry rows fail the GPU test (wrong output): not found yet
+    if storage != "official" and lowering == "mosaic":  # per_entry rows fail the GPU test (wrong output): not found yet
         raise ValueError(f"storage: the kernel reads the official (ds_mla) family, got {storage!r}; "
                          "hybrid.attention runs per_entry caches on impl='xla'")
     if len(pools) != len(part_blocks):
@@ -84,8 +87,10 @@ def _check(q, pools, part_blocks, rows, nvalid, sink, storage):
         raise ValueError(f"nvalid: expected int32[{N}, {NB}], got {nvalid.dtype}{list(nvalid.shape)}")
     if sink.shape != (H,):
         raise ValueError(f"sink: expected f32[{H}], got {sink.dtype}{list(sink.shape)}")
-    if 2 * NB + 1 > 256:  # the block list travels in one TMA box
+    if 2 * NB + 1 > 256:  # the block list travels in one TMA box (cuda/: 128 blocks of shared memory)
         raise ValueError(f"rows: at most {127 * BLOCK} rows per query, got {NB * BLOCK}")
+    if lowering == "cuda" and len(pools) > CUDA_PARTS:
+        raise ValueError(f"pools: the cuda/ kernel reads at most {CUDA_PARTS} pools, got {len(pools)}")
 
 
 def _part_of(part_blocks):
@@ -353,6 +358,28 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
+def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+    """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``: rows
+    fetched by ``cp.async`` (a per-thread gather), dequantized in shared memory, ``mma.sync``
+    tensor-core products; both storage families. Needs a GPU (sm_80+) and nvcc."""
+    pools = tuple(pools)
+    storage = storage_name(storage)
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
+    register_ffi_targets()
+    scale = HEAD_DIM**-0.5 if scale is None else scale
+    N, H, D = q.shape
+    blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
+    pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
+    out, lse = jax.ffi.ffi_call(
+        "jaxkv_pool_attention",
+        (jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
+    )(q, rows, nvalid, *pools, blocks0=np.int32(blocks[0]), blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]),
+      splits=np.int32(splits), scale=np.float32(scale), storage=np.int32(STORAGE_CODES[storage]))
+    out = merge_partials(out.reshape(N, splits, 1, H, D), lse.reshape(N, splits, 1, H), base2=True, sink=sink)
+    return out[:, 0].astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
@@ -366,4 +393,4 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     return out[:, 0].astype(jnp.bfloat16)
 
 
-__all__ = ["pool_attention", "ref_pool_attention", "row_scales"]
+__all__ = ["pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]

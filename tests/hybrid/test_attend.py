@@ -1,7 +1,8 @@
 """hybrid.attention: the XLA path, the kernel path's row building (CPU, through the kernel's
-float32 reference) and the Mosaic GPU kernel (Hopper), on caches filled by prepare_forward /
+float32 reference) and the kernels (Mosaic GPU on Hopper, cuda/), on caches filled by prepare_forward /
 compress / write_window with random inputs, requests at different positions."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -29,12 +30,12 @@ def filled():
     return _filled(np.random.default_rng(21), LENGTHS)
 
 
-def _filled(rng, lengths):
+def _filled(rng, lengths, cfg=CFG):
     """(a cache whose requests (slots 0..) hold ``lengths`` tokens, fed in ragged chunks, params)."""
-    params = D.make_params(CFG, rng)
-    state = H.init(CFG)
+    params = D.make_params(cfg, rng)
+    state = H.init(cfg)
     B, T = len(lengths), max(lengths)
-    inputs = D.make_inputs(CFG, rng, B, T)
+    inputs = D.make_inputs(cfg, rng, B, T)
     state, step = H.prepare_forward(state, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.array(lengths), chunk=T)
     state, _, _ = D.model_step(state, step, inputs, params)
     return state, params
@@ -87,9 +88,8 @@ def _valid_rows(out, step):
     return [np.asarray(out[b, :n[b]], np.float32) for b in range(out.shape[0])]
 
 
-def _assert_paths_agree(rng, filled):
-    """impl="pallas" equals impl="xla" for every layer kind, decode and a ragged chunk
-    (official storage: the kernel reads no other)."""
+def _assert_paths_agree(rng, filled, impl="pallas"):
+    """``impl`` equals impl="xla" for every layer kind, decode and a ragged chunk."""
     for state, step, T, params in _steps(filled):
         for layer in range(state.config.num_layers):
             st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
@@ -98,7 +98,7 @@ def _assert_paths_agree(rng, filled):
             # another test, whose kernel may be patched
             run = jax.jit(lambda *a, impl: H.attention(*a[:2], layer, *a[2:], impl=impl), static_argnames="impl")
             x = run(st, step, q, sink, kv, idx, impl="xla")
-            k = run(st, step, q, sink, kv, idx, impl="pallas")
+            k = run(st, step, q, sink, kv, idx, impl=impl)
             for a, b in zip(_valid_rows(x, step), _valid_rows(k, step)):
                 np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")
 
@@ -152,9 +152,21 @@ def test_bad_inputs(rng, filled):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
-def test_kernel_equals_xla_on_gpu(rng, filled):
-    _assert_paths_agree(rng, filled)
+@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+def test_kernel_equals_xla_on_gpu(rng, filled, impl):
+    why = attend._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
+    if why:
+        pytest.skip(why)
+    _assert_paths_agree(rng, filled, impl)
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_reads_per_entry_caches(rng):
+    why = attend._backend.OPERATIONS["hybrid.attention"].missing["cuda"](heads=HEADS)
+    if why:
+        pytest.skip(why)
+    cfg = dataclasses.replace(CFG, storage="per_entry")
+    _assert_paths_agree(rng, _filled(np.random.default_rng(22), LENGTHS, cfg), "cuda")
 
 
 def _decode_step(state, slots, inputs, params, q, ordered):

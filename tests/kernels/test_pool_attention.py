@@ -1,15 +1,18 @@
-"""kernels.pool_attention (Mosaic GPU, Hopper) against its float32 reference on fresh random pools."""
+"""kernels.pool_attention (Mosaic GPU, Hopper) and pool_attention_cuda (cuda/) against their float32
+reference on fresh random pools."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv._backend import is_hopper
+from jaxkv._backend import _cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import BLOCK, _decode_rows, pool_attention, ref_pool_attention, row_scales
+from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda, ref_pool_attention,
+                                          row_scales)
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
+cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=f"the cuda/ kernel: {_cuda_missing()}")
 
 
 def _pool(rng, storage, blocks, bs):
@@ -71,6 +74,13 @@ def test_bad_inputs(rng):
         pool_attention(q, (pools[0][:, :100],), pb, rows, nvalid, sink)
     with pytest.raises(ValueError, match="storage: the kernel reads the official"):
         pool_attention(q, pools, pb, rows, nvalid, sink, storage="per_entry")
+    # the cuda/ kernel's checks run before it looks for a GPU
+    with pytest.raises(ValueError, match="q: expected bf16"):
+        pool_attention_cuda(q.astype(jnp.float32), pools, pb, rows, nvalid, sink)
+    with pytest.raises(ValueError, match="pools: the cuda/ kernel reads at most 3"):
+        pool_attention_cuda(q, pools * 4, pb * 4, jnp.tile(rows, (1, 4)), jnp.tile(nvalid, (1, 4)), sink)
+    with pytest.raises(ValueError, match="storage: expected one of"):
+        pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage="fp8")
 
 
 @pytest.mark.gpu
@@ -85,4 +95,23 @@ def test_kernel_matches_reference(rng, H, splits):
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
     assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
     again = pool_attention(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+@pytest.mark.parametrize("H,splits", [(64, 1), (128, 3), (64, 8)])
+def test_cuda_kernel_matches_reference(rng, storage, H, splits):
+    """Three parts as a V4 layer has them, ragged counts (full, partial, empty blocks; a query
+    with no key), out-of-range ids past the counts, more splits than some queries have blocks.
+    Error bound: P and the output round to bf16 (8 bits), so |err| <= 2e-2 max|ref| + 1e-3."""
+    q, pools, pb, rows, nvalid, sink = _case(rng, storage, 7, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
+    rows = jnp.where(jnp.arange(rows.shape[1])[None] % BLOCK >= jnp.repeat(nvalid, BLOCK, axis=1), 1 << 30, rows)
+    ref = ref_pool_attention(q, pools, pb, jnp.where(rows < (1 << 30), rows, 0), nvalid, sink, storage=storage)
+    out = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+    assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
+    assert bool(jnp.all(out[-1] == 0))  # no valid key
+    again = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
