@@ -12,7 +12,8 @@ windows, the compressed entries, the indexer keys) holds random rows in the stor
 format (the step's cost does not depend on them; random, so no path is special-cased).
 Contenders per (requests, context), in one process:
 
-* ``step``: the whole step, attention ``impl="auto"`` (the Mosaic GPU kernel on Hopper);
+* ``step``: the whole step, attention ``impl="auto"`` (the ``cuda/`` kernel on a GPU with nvcc);
+* ``pallas`` (opt-in): the same with the Mosaic GPU attention kernel;
 * ``xla`` (opt-in): the same with the attention's dequantize + float32 path;
 * ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
 * ``indexer-xla`` (opt-in): the same with the indexer's scores on XLA instead of the kernel;
@@ -50,6 +51,7 @@ from jaxkv.formats.storage import pack_items
 HEADS = 64  # V4-Flash attention heads
 CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "step": ("step (attention impl=auto)", dict(index=True, attend=True, impl="auto")),
+    "pallas": ("step (attention impl=pallas)", dict(index=True, attend=True, impl="pallas")),
     "xla": ("step (attention impl=xla)", dict(index=True, attend=True, impl="xla")),
     "indexer": ("bookkeeping + indexer (no attention)", dict(index=True, attend=False, impl="auto")),
     "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),

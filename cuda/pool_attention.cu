@@ -4,16 +4,17 @@
 // split's normalized partial and its base-2 log-sum-exp, merged with the sink by XLA
 // (jaxkv.kernels.pool_attention: shapes, reference, the merge).
 //
-// One CTA of 8 warps per (query row, 64 heads, key split), 1 CTA per SM (175 KiB of shared
-// memory). Per block of 64 key rows:
+// One CTA of 8 warps (2 warpgroups) per (query row, 64 heads, key split), 1 CTA per SM
+// (176 KiB of shared memory). Per block of 64 key rows:
 //   1. the raw row bytes (576 B of codes + rope, the scale bytes) arrive by cp.async into a
 //      staging buffer, issued one block ahead so the loads overlap the previous block's math;
 //   2. all threads dequantize the block into a BF16 K tile (f32 product, round to BF16: the
-//      bytes of jaxkv.formats' decoders), 16-byte chunks XOR-swizzled so ldmatrix is
-//      conflict-free;
-//   3. S = Q K^T on the tensor cores (mma.sync m16n8k16, bf16 in, f32 out): warp (g, h) takes
-//      heads 16 g.. and keys 32 h..; the online softmax (base 2) shares row maxima and P
-//      (bf16) through shared memory; O += P V: warp (g, h) owns output dims 256 h.. .
+//      bytes of jaxkv.formats' decoders) in the wgmma 128-byte-swizzle layout (``swz``);
+//   3. S = Q K^T: warpgroup h takes keys 32 h.. with wgmma m64n32k16 straight from shared
+//      memory (sm_90a; mma.sync on other archs); the online softmax (base 2) shares row maxima,
+//      the row rescales and P (bf16) through shared memory;
+//   4. O = alpha O + P V with mma.sync: warp w owns output dims 64 w.. of all 64 heads, so V
+//      (K read transposed) and P are each read from shared memory once per warp.
 // Rows past a block's count, and ids outside their pool, are zero-filled and masked: no read
 // outside a pool. Deterministic: a fixed order of every sum.
 // Why CUDA and not Mosaic GPU: a block's rows are scattered over the pool and Mosaic GPU has
@@ -47,7 +48,7 @@ constexpr int kQBytes = kBlock * kHeadDim * 2;
 constexpr int kKBytes = kBlock * kHeadDim * 2;
 constexpr int kRawBytes = kBlock * kOffData;
 constexpr int kPBytes = kBlock * kBlock * 2;
-constexpr int kSmem = kQBytes + kKBytes + kRawBytes + kBlock * kScaleBytes + kPBytes + 4 * kBlock * 4 +
+constexpr int kSmem = 1024 + kQBytes + kKBytes + kRawBytes + kBlock * kScaleBytes + kPBytes + 5 * kBlock * 4 +
                       2 * kBlock + 2 * kMaxBlocks * 4 + 16;
 
 struct Part {
@@ -109,11 +110,68 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
   return y;
 }
 
-// byte offset of 16-byte chunk ``c`` of row ``r`` in a tile of ``chunks`` chunks per row
-// (chunk index XOR the row's low 3 bits: 8 consecutive rows at one chunk hit 8 bank groups)
-template <int chunks>
+// Byte offset of 16-byte chunk ``c`` of row ``r`` in a tile of 64 rows: the tile is stored
+// as column groups of 64 BF16 (128 B) x 64 rows, each 8 KiB, and a chunk's index inside its
+// 128-byte row is XORed with the row's low 3 bits. This is the wgmma "128-byte swizzle"
+// K-major layout (so the tensor cores read Q and K straight from it), and 8 consecutive rows
+// at one chunk hit 8 bank groups (ldmatrix and the dequant stores are conflict-free). The
+// [64, 64] P tile is one column group.
 __device__ __forceinline__ uint32_t swz(int r, int c) {
-  return 16u * (r * chunks + (c ^ (r & 7)));
+  return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // sm_90a: S = Q K^T by wgmma
+#define JAXKV_WGMMA 1
+// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled operand starting at ``addr``:
+// 8-row core matrices 1024 B apart (stride), leading offset unused for this layout (1).
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// d (+)= a b^T for one warpgroup: a bf16[64, 16], b bf16[32, 16] (both K-major in shared
+// memory), d f32[64, 32] in the mma.sync C layout per 8 columns (warp w of the group: rows 16 w..)
+__device__ __forceinline__ void wgmma_64x32(float (&d)[4][4], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
+        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
+        "+f"(d[3][2]), "+f"(d[3][3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+#endif
+
+// S = Q K^T for warpgroup h: heads 16 g + (rows of this thread), keys 32 h.. (C layout per 8 keys)
+__device__ __forceinline__ void qk_block(float (&S)[4][4], uint32_t q_s, uint32_t k_s, int g, int h, int lane) {
+#ifdef JAXKV_WGMMA
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    const uint32_t off = (kk >> 2) * (kBlock * 128) + (kk & 3) * 32;
+    wgmma_64x32(S, wgmma_desc(q_s + off), wgmma_desc(k_s + off + h * 32 * 128), kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait();
+#else  // other archs: mma.sync, operands by ldmatrix
+#pragma unroll
+  for (int i = 0; i < 4; ++i) S[i][0] = S[i][1] = S[i][2] = S[i][3] = 0.f;
+#pragma unroll 4
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t qa[4];
+    ldmatrix_x4(qa, q_s + swz(16 * g + (lane & 15), 2 * kk + (lane >> 4)));
+#pragma unroll
+    for (int np = 0; np < 2; ++np) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, k_s + swz(32 * h + 16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
+      mma(S[2 * np], qa, kb[0], kb[1]);
+      mma(S[2 * np + 1], qa, kb[2], kb[3]);
+    }
+  }
+#endif
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -178,27 +236,29 @@ __device__ __forceinline__ void dequant_block(const uint8_t* raw, const uint8_t*
         o[2 * i + h] = pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
       }
     }
-    *reinterpret_cast<uint4*>(K + swz<kChunks>(r, 2 * c)) = make_uint4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<uint4*>(K + swz<kChunks>(r, 2 * c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+    *reinterpret_cast<uint4*>(K + swz(r, 2 * c)) = make_uint4(o[0], o[1], o[2], o[3]);
+    *reinterpret_cast<uint4*>(K + swz(r, 2 * c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
   }
 #pragma unroll
   for (int k = 0; k < kRopeChunks / 4; ++k) {
     const int c = q4 + 4 * k;
-    *reinterpret_cast<uint4*>(K + swz<kChunks>(r, 2 * kCodeChunks + c)) =
+    *reinterpret_cast<uint4*>(K + swz(r, 2 * kCodeChunks + c)) =
         *reinterpret_cast<const uint4*>(row + 16 * (kCodeChunks + c));
   }
 }
 
 __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint8_t* Q = smem;                                    // bf16[64, 512] swizzled; the output at the end
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // the swizzled tiles need 1024-byte alignment (the swizzle reads address bits 7..9)
+  uint8_t* Q = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // bf16[64, 512]; the output at the end
   uint8_t* K = Q + kQBytes;                             // bf16[64, 512] swizzled
   uint8_t* raw = K + kKBytes;                           // u8[64, 576]
   uint8_t* scales = raw + kRawBytes;                    // u8[64, 8]
   uint8_t* P = scales + kBlock * kScaleBytes;           // bf16[64, 64] swizzled
   float* red_max = reinterpret_cast<float*>(P + kPBytes);  // f32[2, 64]
   float* red_sum = red_max + 2 * kBlock;                // f32[2, 64]
-  uint8_t* ok = reinterpret_cast<uint8_t*>(red_sum + 2 * kBlock);  // u8[2, 64]
+  float* alpha_s = red_sum + 2 * kBlock;                // f32[64] the block's rescale of each row
+  uint8_t* ok = reinterpret_cast<uint8_t*>(alpha_s + kBlock);  // u8[2, 64]
   int* nv_s = reinterpret_cast<int*>(ok + 2 * kBlock);  // i32[128]
   int* list = nv_s + kMaxBlocks;                        // i32[128] non-empty blocks, in order
   int* total_s = list + kMaxBlocks;
@@ -212,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
   const __nv_bfloat16* qn = a.q + (n * a.heads + hg * kBlock) * kHeadDim;
   for (int i = t; i < kBlock * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
-    cp_async<16>(smem_addr(Q + swz<kChunks>(r, c)), qn + r * kHeadDim + 8 * c, true);
+    cp_async<16>(smem_addr(Q + swz(r, c)), qn + r * kHeadDim + 8 * c, true);
   }
   // the non-empty blocks, in order (warp 0: a ballot per 32)
   if (t < a.nb) nv_s[t] = min(max(__ldg(a.nvalid + n * a.nb + t), 0), kBlock);
@@ -236,40 +296,33 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
   if (j0 < j1) issue_block(a, n, list[j0], nv_s[list[j0]], raw, scales, ok);
   cp_async_commit();
 
-  float O[32][4];
+  // Roles: for S = Q K^T and the softmax, warpgroup h takes keys 32 h.. and its warp g heads
+  // 16 g.. (rows row0, row0 + 8 of this thread); for O += P V, warp w takes output dims 64 w..
+  // of all 64 heads (rows 16 mt + lane / 4 (+ 8)).
+  float O[4][8][4];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) O[i][0] = O[i][1] = O[i][2] = O[i][3] = 0.f;
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) O[mt][nt][0] = O[mt][nt][1] = O[mt][nt][2] = O[mt][nt][3] = 0.f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
   const uint32_t q_s = smem_addr(Q), k_s = smem_addr(K), p_s = smem_addr(P);
-  const int row0 = 16 * g + (lane >> 2);  // this thread's rows: row0, row0 + 8
+  const int row0 = 16 * g + (lane >> 2);
 
   for (int j = j0; j < j1; ++j) {
     cp_async_wait_all();
     __syncthreads();  // block j (and Q) landed; the previous block's reads of K and P are done
     dequant_block(raw, scales, K, official);
-    __syncthreads();  // K ready; staging free
+#ifdef JAXKV_WGMMA
+    fence_async_smem();  // K (and Q) written by this thread -> visible to wgmma's reads
+#endif
+    __syncthreads();     // K ready; staging free
     if (j + 1 < j1) issue_block(a, n, list[j + 1], nv_s[list[j + 1]], raw, scales, ok + kBlock * ((j + 1 - j0) & 1));
     cp_async_commit();
     const uint8_t* okj = ok + kBlock * ((j - j0) & 1);
 
-    // S = Q K^T: heads 16 g.., keys 32 h..
     float S[4][4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) S[i][0] = S[i][1] = S[i][2] = S[i][3] = 0.f;
-#pragma unroll 4
-    for (int kk = 0; kk < kChunks / 2; ++kk) {
-      uint32_t qa[4];
-      ldmatrix_x4(qa, q_s + swz<kChunks>(16 * g + (lane & 15), 2 * kk + (lane >> 4)));
-#pragma unroll
-      for (int np = 0; np < 2; ++np) {
-        uint32_t kb[4];
-        ldmatrix_x4(kb, k_s + swz<kChunks>(32 * h + 16 * np + (lane & 7) + ((lane >> 4) << 3),
-                                           2 * kk + ((lane >> 3) & 1)));
-        mma(S[2 * np], qa, kb[0], kb[1]);
-        mma(S[2 * np + 1], qa, kb[2], kb[3]);
-      }
-    }
-    // online softmax over the block's 64 keys (base 2), maxima shared with the partner warp
+    qk_block(S, q_s, k_s, g, h, lane);
+    // online softmax over the block's 64 keys (base 2), maxima shared with the other warpgroup
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -292,14 +345,15 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
       red_max[h * kBlock + row0 + 8] = mx[1];
     }
     __syncthreads();
-    float alpha[2], use[2];
+    float use[2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const float m_new = fmaxf(m_run[i], fmaxf(mx[i], red_max[(1 - h) * kBlock + row0 + 8 * i]));
       use[i] = m_new == -INFINITY ? 0.f : m_new;
-      alpha[i] = ex2(m_run[i] - use[i]);
+      const float alpha = ex2(m_run[i] - use[i]);
       m_run[i] = m_new;
-      l_run[i] *= alpha[i];
+      l_run[i] *= alpha;
+      if (h == 0 && (lane & 3) == 0) alpha_s[row0 + 8 * i] = alpha;
     }
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -310,29 +364,36 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
         l_run[e >> 1] += p[e];
       }
       const uint32_t col = 4 * (lane & 3);
-      *reinterpret_cast<uint32_t*>(P + swz<kBlock / 8>(row0, 4 * h + nt) + col) = pack_bf16(p[0], p[1]);
-      *reinterpret_cast<uint32_t*>(P + swz<kBlock / 8>(row0 + 8, 4 * h + nt) + col) = pack_bf16(p[2], p[3]);
+      *reinterpret_cast<uint32_t*>(P + swz(row0, 4 * h + nt) + col) = pack_bf16(p[0], p[1]);
+      *reinterpret_cast<uint32_t*>(P + swz(row0 + 8, 4 * h + nt) + col) = pack_bf16(p[2], p[3]);
     }
+    __syncthreads();  // P and the row rescales complete
+    // O = alpha O + P V: warp w, output dims 64 w.. (mma.sync; V is K read transposed)
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      O[i][0] *= alpha[0];
-      O[i][1] *= alpha[0];
-      O[i][2] *= alpha[1];
-      O[i][3] *= alpha[1];
+    for (int mt = 0; mt < 4; ++mt) {
+      const float a0 = alpha_s[16 * mt + (lane >> 2)], a1 = alpha_s[16 * mt + (lane >> 2) + 8];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        O[mt][nt][0] *= a0;
+        O[mt][nt][1] *= a0;
+        O[mt][nt][2] *= a1;
+        O[mt][nt][3] *= a1;
+      }
     }
-    __syncthreads();  // P complete
-    // O += P V: heads 16 g.., output dims 256 h..
 #pragma unroll
     for (int ks = 0; ks < kBlock / 16; ++ks) {
-      uint32_t pa[4];
-      ldmatrix_x4(pa, p_s + swz<kBlock / 8>(16 * g + (lane & 15), 2 * ks + (lane >> 4)));
+      uint32_t pa[4][4];
 #pragma unroll
-      for (int dp = 0; dp < 16; ++dp) {
+      for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(pa[mt], p_s + swz(16 * mt + (lane & 15), 2 * ks + (lane >> 4)));
+#pragma unroll
+      for (int dp = 0; dp < 4; ++dp) {
         uint32_t vb[4];
-        ldmatrix_x4_trans(vb, k_s + swz<kChunks>(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3),
-                                                 32 * h + 2 * dp + (lane >> 4)));
-        mma(O[2 * dp], pa, vb[0], vb[1]);
-        mma(O[2 * dp + 1], pa, vb[2], vb[3]);
+        ldmatrix_x4_trans(vb, k_s + swz(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), 8 * warp + 2 * dp + (lane >> 4)));
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          mma(O[mt][2 * dp], pa[mt], vb[0], vb[1]);
+          mma(O[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+        }
       }
     }
   }
@@ -349,27 +410,37 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
     red_sum[h * kBlock + row0 + 8] = l_run[1];
   }
   __syncthreads();
-  float inv[2];
   const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
+  if (h == 0 && (lane & 3) == 0) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int r = row0 + 8 * i;
-    const float l = red_sum[r] + red_sum[kBlock + r];
-    inv[i] = l > 0.f ? 1.f / l : 0.f;
-    if (h == 0 && (lane & 3) == 0) a.lse[orow + r] = l > 0.f ? m_run[i] + __log2f(l) : -INFINITY;
+    for (int i = 0; i < 2; ++i) {
+      const int r = row0 + 8 * i;
+      const float l = red_sum[r] + red_sum[kBlock + r];
+      a.lse[orow + r] = l > 0.f ? m_run[i] + __log2f(l) : -INFINITY;
+    }
   }
 #pragma unroll
-  for (int nt = 0; nt < 32; ++nt) {
-    const uint32_t col = 4 * (lane & 3);
-    *reinterpret_cast<uint32_t*>(Q + swz<kChunks>(row0, 32 * h + nt) + col) =
-        pack_bf16(O[nt][0] * inv[0], O[nt][1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(Q + swz<kChunks>(row0 + 8, 32 * h + nt) + col) =
-        pack_bf16(O[nt][2] * inv[1], O[nt][3] * inv[1]);
+  for (int mt = 0; mt < 4; ++mt) {
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = 16 * mt + (lane >> 2) + 8 * i;
+      const float l = red_sum[r] + red_sum[kBlock + r];
+      inv[i] = l > 0.f ? 1.f / l : 0.f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const int r = 16 * mt + (lane >> 2);
+      const uint32_t col = 4 * (lane & 3);
+      *reinterpret_cast<uint32_t*>(Q + swz(r, 8 * warp + nt) + col) = pack_bf16(O[mt][nt][0] * inv[0], O[mt][nt][1] * inv[0]);
+      *reinterpret_cast<uint32_t*>(Q + swz(r + 8, 8 * warp + nt) + col) =
+          pack_bf16(O[mt][nt][2] * inv[1], O[mt][nt][3] * inv[1]);
+    }
   }
   __syncthreads();
   uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
   for (int i = t; i < kBlock * kChunks; i += kThreads)
-    out[i] = *reinterpret_cast<const uint4*>(Q + swz<kChunks>(i / kChunks, i % kChunks));
+    out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
 }
 
 }  // namespace

@@ -1,17 +1,25 @@
 """Pool attention: DeepSeek-V4 MQA (K = V, head_dim 512) over FP8 pool rows read in place,
-with an attention sink (Hopper, Mosaic GPU lowering).
+with an attention sink. Two lowerings of one contract (shapes below):
+
+* ``pool_attention_cuda``: ``cuda/pool_attention.cu`` through ``jax.ffi`` (any GPU with
+  nvcc; both storage families). Every thread fetches its share of a block's scattered rows
+  with ``cp.async`` one block ahead, the CTA dequantizes them into a swizzled BF16 tile,
+  ``S = Q K^T`` runs on ``wgmma`` (sm_90a) and ``P V`` on ``mma.sync``. The faster of the
+  two (``benchmarks/RESULTS.md``, DeepSeek-V4 decode attention), and ``hybrid.attention``'s
+  ``auto``.
+* ``pool_attention``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
 
 A DeepSeek-V4 query attends to rows of up to three pools: a CSA / HCA layer's compressed
 entries (picked by ``index_topk``, or all visible), its SWA ring, and the step's own
-tokens. This kernel reads those rows where they are stored (FP8 codes, BF16 RoPE dims)
-and never writes BF16 copies: per block of 64 rows a producer warpgroup issues one TMA
+tokens. Both kernels read those rows where they are stored (FP8 codes, BF16 RoPE dims)
+and never write BF16 copies. In the Mosaic GPU kernel, per block of 64 rows a producer warpgroup issues one TMA
 per row segment (Hopper's TMA has no row gather; the rows of a block are scattered over
 the pool), the two compute warpgroups dequantize the block into one swizzled BF16 tile
 in shared memory (each half the tiles), then each computes the full ``S = Q K^T`` for
 the program's 64 heads and ``P V`` for its half of the 512 output dims on the tensor
 cores (``wgmma``), with an online softmax in registers.
 
-Where the time goes (issue 21, ablations on an H100): the per-row copies dominate (five per
+Where the Mosaic GPU kernel's time goes (issue 21, ablations on an H100): the per-row copies dominate (five per
 row: four 128-byte code boxes and the rope), and they do not overlap the compute path. Fewer,
 wider copies per row are faster but were not correct on jax 0.11.2's Mosaic GPU. Each of the
 following read back wrong values, although the bytes always landed right:
@@ -22,8 +30,8 @@ following read back wrong values, although the bytes always landed right:
 A 448-byte row pitch faults with ``CUDA_ERROR_MISALIGNED_ADDRESS``. So the code stays in
 128-column buffers.
 
-Official (``ds_mla``) storage only: per_entry pools are refused (its GPU test failed;
-open). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
+The Mosaic GPU kernel reads official (``ds_mla``) storage only: per_entry pools are refused
+(its GPU test failed; open). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
 multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
@@ -37,8 +45,8 @@ merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut 
     sink: f32[H]                 per-head logit added to the denominator
     -> bf16[N, H, 512]           zeros for a row with no valid key and sink -inf
 
-``ref_pool_attention`` is the float32 reference with the same contract. Mosaic GPU only
-(no interpret mode): the tests run it on a GPU; off Hopper the hybrid cache uses XLA.
+``ref_pool_attention`` is the float32 reference with the same contract. Neither kernel has
+an interpret mode: the tests run them on a GPU; off a GPU the hybrid cache uses XLA.
 """
 
 from __future__ import annotations
@@ -359,9 +367,9 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``: rows
-    fetched by ``cp.async`` (a per-thread gather), dequantized in shared memory, ``mma.sync``
-    tensor-core products; both storage families. Needs a GPU (sm_80+) and nvcc."""
+    """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``
+    (module docstring); both storage families, at most ``CUDA_PARTS`` pools. Needs a GPU
+    and nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")

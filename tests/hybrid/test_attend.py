@@ -149,6 +149,9 @@ def test_bad_inputs(rng, filled):
     if not is_hopper():
         with pytest.raises(ValueError, match="Hopper"):
             H.attention(st, step, 0, q, sink, kv, None, impl="pallas")
+    if attend._backend.OPERATIONS["hybrid.attention"].missing["cuda"](heads=HEADS):
+        with pytest.raises(ValueError, match="impl='cuda' for hybrid.attention: expected"):
+            H.attention(st, step, 0, q, sink, kv, None, impl="cuda")
 
 
 @pytest.mark.gpu
