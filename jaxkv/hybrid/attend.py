@@ -68,8 +68,10 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
                             window=state.config.window, storage=state.config.storage)
     scale = float(state.config.head_dim**-0.5 if scale is None else scale)
     sink = sink.astype(jnp.float32)
-    fn = _xla if impl == "xla" else functools.partial(_pallas, kernel=pool_attention_cuda if impl == "cuda" else
-                                                      pool_attention)
+    if impl == "xla":
+        fn = _xla
+    else:  # the kernel looked up now: tests swap pool_attention for its reference
+        fn = functools.partial(_in_place, kernel=pool_attention_cuda if impl == "cuda" else pool_attention)
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
     return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
                       state, *args, axes=("batch",) * len(args), out="batch")
@@ -131,7 +133,8 @@ def _block_counts(count, blocks: int):
     return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
 
 
-def _pallas(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
+def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
+    """The kernel path: each part's row ids (through the block tables), then ``kernel``."""
     c = state.config
     B, T, H, D = q.shape
     N = B * T
@@ -181,7 +184,7 @@ def _pallas(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
     out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
-                         splits=_splits(N, H))
+                 splits=_splits(N, H))
     return out.reshape(B, T, H, D)
 
 
