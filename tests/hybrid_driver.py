@@ -89,6 +89,15 @@ def _model_step(state, step, inputs, params):
 model_step = jax.jit(_model_step, donate_argnums=0)  # one executable per shape: fast tests
 
 
+def compress_all(state, step, x, params, impl):
+    """Every compressed layer's ``compress`` (with its indexer stream on CSA) for ``x``."""
+    for layer in state.config.compressed_layers:
+        xl, p = x[layer], params[layer]
+        index = (xl["ikv"], xl["iscore"], p["index"]) if "index" in p else None
+        state = H.compress(state, step, layer, xl["ckv"], xl["cscore"], p["main"], index, impl=impl)
+    return state
+
+
 def entries_bytes(state, layer, slot, count):
     """u8[count, E] of a request's first ``count`` entries, read through its block table."""
     c = state.config

@@ -173,23 +173,15 @@ def test_compress_cuda_equals_xla(rng, storage):
         st = H.init(c)
         lens = np.array([300, 131, 257])
         st, step = H.prepare_forward(st, jnp.arange(B), jnp.zeros(B, jnp.int32), jnp.asarray(lens), chunk=300)
-        st = _compress_all(st, step, pre, params, impl)
+        st = D.compress_all(st, step, pre, params, impl)
         pos = lens.copy()
         for t in range(12):
             st, step = H.prepare_forward(st, jnp.arange(B), jnp.asarray(pos), chunk=1)
-            st = _compress_all(st, step, D.slice_tokens(pre, t, t + 1), params, impl)
+            st = D.compress_all(st, step, D.slice_tokens(pre, t, t + 1), params, impl)
             pos += 1
         states[impl] = st
     for a, b in zip(jax.tree_util.tree_leaves(states["xla"]), jax.tree_util.tree_leaves(states["cuda"])):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
-
-
-def _compress_all(st, step, x, params, impl):
-    for layer in st.config.compressed_layers:
-        xl, p = x[layer], params[layer]
-        index = (xl["ikv"], xl["iscore"], p["index"]) if "index" in p else None
-        st = H.compress(st, step, layer, xl["ckv"], xl["cscore"], p["main"], index, impl=impl)
-    return st
 
 
 # --- the same kernels from torch, on views of jax buffers ----------------------------------------

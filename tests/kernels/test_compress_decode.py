@@ -11,8 +11,6 @@ import pytest
 def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
     """Prefill with the XLA path to ``pos0``, then ``steps`` decode steps (all layers) with
     ``impl``; ``drop_block = (slot, block)`` clears a table cell before every decode flush."""
-    from test_cuda import _compress_all
-
     from jaxkv import hybrid as H
     import hybrid_driver as D
 
@@ -20,7 +18,7 @@ def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
     T = max(pos0)
     st = H.init(c)
     st, step = H.prepare_forward(st, slots, jnp.zeros(B, jnp.int32), jnp.asarray(pos0), chunk=T)
-    st = _compress_all(st, step, D.slice_tokens(x, 0, T), params, "xla")
+    st = D.compress_all(st, step, D.slice_tokens(x, 0, T), params, "xla")
     before = jax.tree.map(np.array, st)  # a host copy: st is donated below
     pos = np.array(pos0)
     for t in range(steps):
@@ -31,7 +29,7 @@ def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
         for layer in range(c.num_layers):
             xl = D.slice_tokens(x, T + t, T + t + 1)[layer]
             st = H.write_window(st, step, layer, xl["kv"], impl=impl)
-        st = _compress_all(st, step, D.slice_tokens(x, T + t, T + t + 1), params, impl)
+        st = D.compress_all(st, step, D.slice_tokens(x, T + t, T + t + 1), params, impl)
         pos += 1
     return before, st
 

@@ -31,8 +31,6 @@ def test_dequant_gather_matches_reference(rng, m, storage):
 def test_reads_cuda_equal_xla(rng, storage):
     """window_keys, gather_entries and all_entries through the dequant-gather kernel: the
     jnp reads' values, in both storage families."""
-    from test_cuda import _compress_all
-
     from jaxkv import hybrid as H
     import hybrid_driver as D
 
@@ -43,7 +41,7 @@ def test_reads_cuda_equal_xla(rng, storage):
     st, step = H.prepare_forward(st, jnp.arange(2), jnp.zeros(2, jnp.int32), jnp.asarray([140, 61]), chunk=140)
     for layer in range(2):
         st = H.write_window(st, step, layer, x[layer]["kv"])
-    st = _compress_all(st, step, x, D.make_params(c, rng), "xla")
+    st = D.compress_all(st, step, x, D.make_params(c, rng), "xla")
     st, step = H.prepare_forward(st, jnp.arange(2), jnp.asarray([140, 61]), chunk=1)
     kv = jnp.asarray(rng.normal(size=(2, 1, 512)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-1, 36, size=(2, 1, 8)), jnp.int32)

@@ -10,8 +10,6 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import HAS_GPU
-
 S = jax.ShapeDtypeStruct
 
 
