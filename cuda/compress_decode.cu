@@ -23,6 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
+#include "in_place.cuh"
 #include "write_entry.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -318,12 +319,6 @@ static bool is_float_input(const ffi::AnyBuffer& x) {
   return x.element_type() == ffi::F32 || x.element_type() == ffi::BF16;
 }
 
-static void alias(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in, cudaStream_t stream) {
-  // XLA hands the same buffer in and out (input_output_aliases); copy if it ever does not.
-  if (out->untyped_data() != in.untyped_data())
-    cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-}
-
 // All float operands come in as their whole (flattened) stacks; the *_offset attributes say
 // where this layer's row starts, in elements.
 template <bool csa>
@@ -363,10 +358,10 @@ static ffi::Error compress_decode_ffi(cudaStream_t stream, ffi::AnyBuffer tails,
   e = compress_check(tb.size() == 2 && tb[0] == td[1] && error.dimensions()[0] == td[1] + 1,
                      "table, error: expected i32[R, max_blocks] and u32[R + 1]");
   if (e.failure()) return e;
-  alias(tails_out, tails, stream);
-  alias(pool_out, pool, stream);
-  alias(error_out, error, stream);
-  if (csa) alias(index_out, index_pool, stream);
+  in_place(tails_out, tails, stream);
+  in_place(pool_out, pool, stream);
+  in_place(error_out, error, stream);
+  if (csa) in_place(index_out, index_pool, stream);
 
   CompressArgs a{};
   a.tails = static_cast<float*>(tails_out->untyped_data()) + static_cast<int64_t>(layer) * td[1] * streams * 3 * width;

@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
+#include "in_place.cuh"
 #include "write_entry.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -148,12 +149,8 @@ static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
     if (id[0] != pd[0] || id[1] != pd[1] || id[2] != static_cast<int64_t>(block_size) * key_bytes(storage))
       return ffi::Error::InvalidArgument("index_pool: expected u8[layers, num_blocks, block_size * key bytes]");
   }
-  // Aliased: XLA hands the same buffer in and out. Copy if it ever does not.
-  if (pool_out->untyped_data() != pool.untyped_data())
-    cudaMemcpyAsync(pool_out->untyped_data(), pool.untyped_data(), pool.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-  if (with_index && index_out->untyped_data() != index_pool.untyped_data())
-    cudaMemcpyAsync(index_out->untyped_data(), index_pool.untyped_data(), index_pool.size_bytes(),
-                    cudaMemcpyDeviceToDevice, stream);
+  in_place(pool_out, pool, stream);
+  if (with_index) in_place(index_out, index_pool, stream);
   const int64_t layer_bytes = pd[1] * pd[2];
   FlushArgs a{{pool_out->typed_data() + layer * layer_bytes,
                with_index ? index_out->typed_data() + layer * index_pool.dimensions()[1] * index_pool.dimensions()[2]
@@ -187,8 +184,7 @@ static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> t
   if (d[1] != streams || d[2] != 3)
     return ffi::Error::InvalidArgument(streams == 3 ? "tails: expected f32[R, 3, 3, width] (a CSA tail)"
                                                     : "tails: expected f32[R, 1, 3, width] (an HCA tail)");
-  if (out->untyped_data() != tails.untyped_data())
-    cudaMemcpyAsync(out->untyped_data(), tails.untyped_data(), tails.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+  in_place(out, tails, stream);
   return check_cuda(launch_tail_state(stream, out->typed_data(), d[0], streams, static_cast<int32_t>(d[3]),
                                       slot.typed_data(), slot.dimensions()[0]));
 }

@@ -241,9 +241,6 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     return _write_layer_traced(state, jnp.asarray(layer, jnp.int32), k, v)
 
 
-APPEND_IMPLS = _backend.choices("frame.append")
-
-
 def default_append_impl() -> str:
     """``pallas`` on a GPU (one launch for every layer; figures in ``benchmarks/RESULTS.md``),
     ``xla`` elsewhere (``jaxkv._backend``)."""

@@ -32,7 +32,6 @@ from jaxkv.hybrid.step import Step, on_devices
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda
 from jaxkv.stacked import row
 
-IMPLS = _backend.choices("hybrid.attention")
 OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
 
 
@@ -194,4 +193,4 @@ def _splits(rows: int, heads: int) -> int:
     return max(1, min(8, 132 // max(programs, 1)))
 
 
-__all__ = ["IMPLS", "attention"]
+__all__ = ["attention"]

@@ -23,9 +23,6 @@ from jaxkv.formats.storage import as_bytes
 _HI = jax.lax.Precision.HIGHEST
 
 
-QUERY_IMPLS = _backend.choices("hybrid.index_query")
-
-
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].

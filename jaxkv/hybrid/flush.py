@@ -33,8 +33,6 @@ from jaxkv.math.compressor import CUR_B, empty_tail
 from jaxkv.stacked import check_stacked, row
 from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, write_items
 
-IMPLS = _backend.choices("hybrid.write")
-
 
 # --- validators -----------------------------------------------------------------------------
 def check_impl(impl: str) -> str:

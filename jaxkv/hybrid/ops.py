@@ -323,9 +323,6 @@ def entry_count(step: Step, ratio: int):
     return (step.start + step.num_tokens) // ratio
 
 
-GATHER_IMPLS = _backend.choices("hybrid.gather")
-
-
 def _read(pool, j, blk, item, codec, storage, impl):
     """Items ``(blk, item)`` of layer ``j`` of a pool, dequantized: bf16[..., 512]; zeros
     where ``blk < 0``. impl "cuda": one gather-dequantize kernel (entry codecs only)."""
