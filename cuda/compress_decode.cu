@@ -23,7 +23,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
-#include "in_place.cuh"
+#include "ffi_handler.cuh"
 #include "write_entry.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -396,9 +396,7 @@ static ffi::Error compress_decode_ffi(cudaStream_t stream, ffi::AnyBuffer tails,
   a.dtypes = (kv.element_type() == ffi::BF16 ? kKvBf16 : 0) | (score.element_type() == ffi::BF16 ? kScoreBf16 : 0) |
              (csa && ikv.element_type() == ffi::BF16 ? kIkvBf16 : 0) |
              (csa && iscore.element_type() == ffi::BF16 ? kIscoreBf16 : 0);
-  const cudaError_t err = launch_compress_decode(stream, a, B, csa);
-  if (err != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv compress_decode: ") + cudaGetErrorString(err));
-  return ffi::Error::Success();
+  return launch_status(launch_compress_decode(stream, a, B, csa), "compress_decode");
 }
 
 static ffi::Error compress_decode_hca(cudaStream_t stream, ffi::AnyBuffer tails, ffi::AnyBuffer pool,

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
+#include "ffi_handler.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -95,9 +96,7 @@ static ffi::Error dequant_gather(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> po
   GatherArgs a{pool.typed_data() + layer * pd[1] * pd[2], block.typed_data(), slot.typed_data(),
                reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), m, pd[1], block_size, storage};
   dequant_gather_kernel<<<static_cast<unsigned>((m + kGatherRows - 1) / kGatherRows), 32 * kGatherRows, 0, stream>>>(a);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv dequant_gather: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return launch_status(cudaGetLastError(), "dequant_gather");
 }
 
 }  // namespace jaxkv

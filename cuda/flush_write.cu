@@ -19,7 +19,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
-#include "in_place.cuh"
+#include "ffi_handler.cuh"
 #include "write_entry.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -122,10 +122,6 @@ using S32x1 = ffi::Buffer<ffi::S32, 1>;
 using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
-static ffi::Error check_cuda(cudaError_t e) {
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv CUDA kernel: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
-}
 
 static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::U8, 3> index_pool,
                                   ffi::Buffer<ffi::BF16, 2> x, ffi::Buffer<ffi::BF16, 2> xi,
@@ -159,7 +155,7 @@ static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
               reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
               with_index ? reinterpret_cast<const __nv_bfloat16*>(xi.untyped_data()) : nullptr,
               block.typed_data(), slot.typed_data(), n};
-  return check_cuda(launch_flush_write(stream, a));
+  return launch_status(launch_flush_write(stream, a), "flush_write");
 }
 
 static ffi::Error flush_write_csa(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::U8, 3> index_pool,
@@ -185,8 +181,9 @@ static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> t
     return ffi::Error::InvalidArgument(streams == 3 ? "tails: expected f32[R, 3, 3, width] (a CSA tail)"
                                                     : "tails: expected f32[R, 1, 3, width] (an HCA tail)");
   in_place(out, tails, stream);
-  return check_cuda(launch_tail_state(stream, out->typed_data(), d[0], streams, static_cast<int32_t>(d[3]),
-                                      slot.typed_data(), slot.dimensions()[0]));
+  return launch_status(launch_tail_state(stream, out->typed_data(), d[0], streams, static_cast<int32_t>(d[3]),
+                                         slot.typed_data(), slot.dimensions()[0]),
+                       "tail_state");
 }
 
 static ffi::Error csa_rotate_state(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
+#include "ffi_handler.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -104,9 +105,7 @@ static ffi::Error fp4_pack(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ff
   } else {
     fp4_pack_kernel<false><<<grid, kPackThreads, 0, stream>>>(a);
   }
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv fp4_pack: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return launch_status(cudaGetLastError(), "fp4_pack");
 }
 
 static ffi::Error mxfp4_pack(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32, 1> g,

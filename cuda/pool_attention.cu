@@ -26,6 +26,7 @@
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
+#include "ffi_handler.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -493,9 +494,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   cudaFuncSetAttribute(pool_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   pool_attention_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem,
                           stream>>>(a);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("jaxkv pool_attention: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return launch_status(cudaGetLastError(), "pool_attention");
 }
 
 }  // namespace jaxkv
