@@ -365,6 +365,14 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
     )(q, meta, rows, scales.reshape(N, -1), *codes_in, *rope_in)
 
 
+def _merge_splits(out, lse, N: int, splits: int, sink):
+    """Both kernels' partials (out bf16[N * splits, H, 512], each split normalized by its own
+    sum; lse2 f32[N * splits, H]) merged with the sink in the denominator -> bf16[N, H, 512]."""
+    _, H, D = out.shape
+    out = merge_partials(out.reshape(N, splits, 1, H, D), lse.reshape(N, splits, 1, H), base2=True, sink=sink)
+    return out[:, 0].astype(jnp.bfloat16)
+
+
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``
@@ -383,8 +391,7 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
         (jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
     )(q, rows, nvalid, *pools, blocks0=np.int32(blocks[0]), blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]),
       splits=np.int32(splits), scale=np.float32(scale), storage=np.int32(STORAGE_CODES[storage]))
-    out = merge_partials(out.reshape(N, splits, 1, H, D), lse.reshape(N, splits, 1, H), base2=True, sink=sink)
-    return out[:, 0].astype(jnp.bfloat16)
+    return _merge_splits(out, lse, N, splits, sink)
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
@@ -393,12 +400,10 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     pools = tuple(pools)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
-    N, H, D = q.shape
     scales = row_scales(pools, part_blocks, rows, storage)
     out, lse = _partials(q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale),
                          splits=splits)
-    out = merge_partials(out.reshape(N, splits, 1, H, D), lse.reshape(N, splits, 1, H), base2=True, sink=sink)
-    return out[:, 0].astype(jnp.bfloat16)
+    return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
 __all__ = ["pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
