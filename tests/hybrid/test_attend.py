@@ -82,6 +82,11 @@ def reference_kernel(monkeypatch):
                         lambda op, impl, **kw: impl if op == "hybrid.attention" else resolve(op, impl, **kw))
 
 
+def _missing(impl):
+    """Why the kernel ``impl`` cannot run here for this module's caches, or None."""
+    return attend._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
+
+
 def _valid_rows(out, step):
     """Only rows of real tokens carry meaning."""
     n = np.asarray(step.num_tokens)
@@ -149,7 +154,7 @@ def test_bad_inputs(rng, filled):
     if not is_hopper():
         with pytest.raises(ValueError, match="Hopper"):
             H.attention(st, step, 0, q, sink, kv, None, impl="pallas")
-    if attend._backend.OPERATIONS["hybrid.attention"].missing["cuda"](heads=HEADS):
+    if _missing("cuda"):
         with pytest.raises(ValueError, match="impl='cuda' for hybrid.attention: expected"):
             H.attention(st, step, 0, q, sink, kv, None, impl="cuda")
 
@@ -157,7 +162,7 @@ def test_bad_inputs(rng, filled):
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
 def test_kernel_equals_xla_on_gpu(rng, filled, impl):
-    why = attend._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
+    why = _missing(impl)
     if why:
         pytest.skip(why)
     _assert_paths_agree(rng, filled, impl)
@@ -165,7 +170,7 @@ def test_kernel_equals_xla_on_gpu(rng, filled, impl):
 
 @pytest.mark.gpu
 def test_cuda_kernel_reads_per_entry_caches(rng):
-    why = attend._backend.OPERATIONS["hybrid.attention"].missing["cuda"](heads=HEADS)
+    why = _missing("cuda")
     if why:
         pytest.skip(why)
     cfg = dataclasses.replace(CFG, storage="per_entry")
