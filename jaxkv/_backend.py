@@ -12,7 +12,7 @@ explicit kernel name raises a ``ValueError`` that says why. An old name in
 
 | operation | names | auto |
 | --- | --- | --- |
-| ``frame.attention`` | reference, xla, cudnn, pallas | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches |
+| ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 and head_dim 64 |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
@@ -93,6 +93,12 @@ def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: i
                        f"{index_heads} heads, index_dim {index_dim}, block_size {block_size}")
 
 
+def _prefix_cuda_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str | None:
+    why = _hopper_and("bfloat16 and head_dim 64", dtype == "bfloat16" and head_dim == 64,
+                      f"{dtype}, head_dim {head_dim}")
+    return why or _cuda_missing()
+
+
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
@@ -124,8 +130,8 @@ def _cuda_op(name: str, names: tuple[str, ...] = ("xla", "cuda")) -> Operation:
 
 
 OPERATIONS = {op.name: op for op in (
-    Operation("frame.attention", ("reference", "xla", "cudnn", "pallas"), _frame_attention_auto,
-              {"pallas": _hopper_missing}),
+    Operation("frame.attention", ("reference", "xla", "cudnn", "pallas", "cuda"), _frame_attention_auto,
+              {"pallas": _hopper_missing, "cuda": _prefix_cuda_missing}),
     Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
               {"pallas": _sm90_missing}),
     _cuda_op("hybrid.write"),

@@ -183,8 +183,9 @@ def _torch() -> bool:
 
 
 # The pool layout's numbers (entry / key bytes, the ds_mla data segment) belong to
-# jaxkv.formats (storage.py, ds_mla.py); everywhere else reads them from there.
-LAYOUT_LITERALS = re.compile(r"(?<![\w.])(584|580|576|68|76)(?![\w.])")
+# jaxkv.formats (storage.py, ds_mla.py); everywhere else reads them from there. (Inline PTX
+# operands, ``%68`` and ``d[68]`` in the wgmma wrappers, are not layout numbers.)
+LAYOUT_LITERALS = re.compile(r"(?<![\w.%\[])(584|580|576|68|76)(?![\w.])")
 
 
 def test_layout_numbers_have_one_owner():

@@ -1,6 +1,7 @@
 """The ``cuda/`` kernels for PyTorch callers, in place on torch tensors: the hybrid
-cache's flush (``flush_write``, the tail-state updates) and the frame cache's append
-(``frame_append``, the drop-in manager's write).
+cache's flush (``flush_write``, the tail-state updates), the frame cache's append
+(``frame_append``, the drop-in manager's write) and attention over a buffer's visible
+prefix (``prefix_attention``, the drop-in's ``backend="cuda"``).
 
 The tensors may be views of jaxkv state (``torch_bridge.to_torch``): the kernels then
 write the very buffers the JAX side owns. Each call is enqueued on torch's current
@@ -17,11 +18,13 @@ use, cached under ``~/.cache/jaxkv``); its bytes equal ``jaxkv.hybrid.flush``'s 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from jaxkv.cuda import STORAGE_CODES, BuildError, arch_of, library
 from jaxkv.formats.storage import STORAGES, storage_name
+from jaxkv.kernels.tuning import DEFAULT, TABLES
 
 
 def _lib(device: torch.device):
@@ -31,7 +34,10 @@ def _lib(device: torch.device):
         lib.jaxkv_flush_write.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.jaxkv_tail_state.argtypes = [p, p, i64, i32, i32, p, i64]
         lib.jaxkv_frame_append.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, p, p]
-        lib.jaxkv_flush_write.restype = lib.jaxkv_tail_state.restype = lib.jaxkv_frame_append.restype = ctypes.c_int
+        lib.jaxkv_prefix_attention.argtypes = [p, p, p, p, p, i32, p, p, p, i64, i32, i32, i32, i32, i64, i64, i64,
+                                               i64, i32, ctypes.c_float, i32, i32]
+        for f in (lib.jaxkv_flush_write, lib.jaxkv_tail_state, lib.jaxkv_frame_append, lib.jaxkv_prefix_attention):
+            f.restype = ctypes.c_int
         lib._jaxkv_typed = True
     return lib
 
@@ -156,5 +162,89 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
     _ok(code, "frame_append")
 
 
-__all__ = ["APPEND_SCRATCH", "csa_rotate_state", "flush_write", "frame_append", "frame_append_available",
-           "hca_reset_state"]
+PREFIX_HEAD_DIM = 64  # cuda/prefix_attention.cu
+
+
+def prefix_attention_available(device) -> bool:
+    """Whether ``prefix_attention`` runs on ``device``: an sm_90 GPU, and the library builds."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.get_device_capability(device)[0] != 9:
+        return False
+    return frame_append_available(device)
+
+
+def _strides(name, t, rank):
+    """(batch, row) strides in elements of a [.., rows, heads, 64] tensor whose heads are contiguous."""
+    if t.stride(-1) != 1 or t.stride(-2) != PREFIX_HEAD_DIM:
+        raise ValueError(f"{name}: expected its last two dims [heads, {PREFIX_HEAD_DIM}] contiguous, got strides "
+                         f"{tuple(t.stride())}")
+    return (t.stride(0) if rank == 4 else 0), t.stride(-3)
+
+
+@functools.lru_cache(maxsize=None)
+def _prefix_launch(device_name: str) -> tuple[int, int]:
+    shape = TABLES.get(device_name, TABLES[DEFAULT]).get("prefix_attention_cuda", TABLES[DEFAULT]["prefix_attention_cuda"])
+    return shape["block_kv"], shape["stages"]
+
+
+def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=None, launch=None):
+    """Attention of ``q`` over the keys ``[0, kv_len)`` of ``k`` / ``v`` (``cuda/prefix_attention.cu``,
+    on torch's current stream; ``jaxkv.kernels.prefix_attention_cuda``'s kernel). bf16,
+    head_dim 64, sm_90.
+
+        q:      bf16[Tq, Hq, 64]   (or [B, Tq, Hq, 64]) heads contiguous, rows strided
+        k, v:   bf16[T, H, 64]     (or [B, T, H, 64]) likewise; Hq a multiple of H (GQA)
+        kv_len: int                visible keys, the same for every batch entry (clipped to T)
+        splits: key chunks run by separate CTAs and merged (few queries: fills the SMs)
+        out:    bf16 like q, contiguous (written and returned), or None
+        launch: (block_kv, stages), one of the shapes the kernel builds; None: the device's
+                row of ``jaxkv.kernels.tuning`` ("prefix_attention_cuda")
+    -> bf16 like q; zeros where kv_len == 0
+    """
+    batched = q.ndim == 4
+    rank = 4 if batched else 3
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.ndim != rank or t.dtype != torch.bfloat16 or not t.is_cuda \
+                or t.shape[-1] != PREFIX_HEAD_DIM:
+            raise ValueError(f"{name}: expected a CUDA bfloat16 tensor [{'B, ' if batched else ''}rows, heads, "
+                             f"{PREFIX_HEAD_DIM}], got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', '?')}")
+    dev = q.device
+    if k.device != dev or v.device != dev or k.shape != v.shape or k.stride() != v.stride():
+        raise ValueError(f"k, v: expected alike and on {dev}, got {tuple(k.shape)} on {k.device} and "
+                         f"{tuple(v.shape)} on {v.device}")
+    B = q.shape[0] if batched else 1
+    Tq, Hq = q.shape[-3], q.shape[-2]
+    T, H = k.shape[-3], k.shape[-2]
+    if (batched and k.shape[0] != B) or Hq % H:
+        raise ValueError(f"k: expected [{f'{B}, ' if batched else ''}T, H, 64] with {Hq} a multiple of H, got "
+                         f"{tuple(k.shape)}")
+    if splits < 1:
+        raise ValueError(f"splits: expected >= 1, got {splits}")
+    qb, qr = _strides("q", q, rank)
+    kb, kr = _strides("k", k, rank)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=dev)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous bf16 tensor {tuple(q.shape)} on {dev}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    part = lse = None
+    if splits > 1:
+        part = torch.empty((B * splits, Tq, Hq, PREFIX_HEAD_DIM), dtype=torch.float32, device=dev)
+        lse = torch.empty((B * splits, Hq, Tq), dtype=torch.float32, device=dev)
+    scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
+    block_kv, stages = launch or _prefix_launch(torch.cuda.get_device_name(dev))
+    code = _lib(dev).jaxkv_prefix_attention(
+        torch.cuda.current_stream(dev).cuda_stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), None,
+        max(0, min(int(kv_len), T)), out.data_ptr(), None if part is None else part.data_ptr(),
+        None if lse is None else lse.data_ptr(), B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, block_kv, stages)
+    if code == 801:
+        raise ValueError(f"prefix_attention: expected an sm_90 GPU, got {torch.cuda.get_device_name(dev)}")
+    if code == 1:
+        raise ValueError(f"launch: expected a shape cuda/prefix_attention.cu builds, got {(block_kv, stages)}")
+    _ok(code, "prefix_attention")
+    return out
+
+
+__all__ = ["APPEND_SCRATCH", "PREFIX_HEAD_DIM", "csa_rotate_state", "flush_write", "frame_append",
+           "frame_append_available", "hca_reset_state", "prefix_attention", "prefix_attention_available"]

@@ -20,6 +20,9 @@ upstream's model). Underneath:
   - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` over the views
     ``k[:n]``, ``v[:n]`` (no copy; torch picks its kernel). CPU and CUDA, any dtype;
     ``force_fp32`` runs it in float32 as the seed's fp32 path (gather + fp32 SDPA) does.
+  - ``"cuda"``: jaxkv's ``cuda/prefix_attention.cu`` (``torch_bridge.kernels.prefix_attention``,
+    the kernel of ``frame.attention(impl="cuda")``) over the same views, launched by ctypes on
+    torch's stream: no plan, no page table, no JAX dispatch. sm_90, bf16, head_dim 64.
   - ``"flashinfer"``: ``flashinfer.single_prefill_with_kv_cache`` over the same views: no
     plan, no page table. CUDA.
   - ``"flashinfer-paged-fa2"`` / ``"flashinfer-paged-fa3"``: the seed's paged prefill
@@ -28,9 +31,8 @@ upstream's model). Underneath:
     each plan the previous plan's event is waited on (one host sync per frame at most):
     ``plan()`` refills a pinned host buffer that the previous plan's asynchronous copy may
     not have read yet.
-  - ``"auto"``: ``choose_backend`` (CPU, or CUDA without FlashInfer: sdpa; CUDA: by the
-    frame's token count from the measured ``AUTO_CUDA``, or paged FA3 when ``fa3=True`` as
-    the seed).
+  - ``"auto"``: ``choose_backend`` (CPU: sdpa; CUDA: by the frame's token count from the
+    measured ``AUTO_CUDA``, or paged FA3 when ``fa3=True`` as the seed).
 
   Pages are power-of-two only under ``"flashinfer-paged-fa3"``; every other backend gets
   exact pages, so a prefix backend never sees padding.
@@ -86,15 +88,14 @@ except ImportError:  # the prefix backend "sdpa" is used instead
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
-BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
-PREFIX_BACKENDS = ("sdpa", "flashinfer")  # attend the prefix views k[:n], v[:n]
-CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
-# "auto" on CUDA with FlashInfer (fa3=False): the first row whose tokens_per_frame bound the
-# frame reaches. Measured (benchmarks/RESULTS.md, H100, 24 blocks, 72 frames visible, ms/frame
-# vs the seed's 5.00 / 31.11): 262 tokens (224x224): paged FA2 4.57, single prefill 5.77,
-# sdpa 25.2; 1005 tokens (518x378): single prefill 21.29, paged FA3 25.82, paged FA2 31.17,
-# sdpa 40.37. One 262-query request fills too few SMs without the paged kernel's KV split;
-# the 512 bound lies between the two measured sizes.
+BACKENDS = ("auto", "sdpa", "cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
+PREFIX_BACKENDS = ("sdpa", "cuda", "flashinfer")  # attend the prefix views k[:n], v[:n]
+CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
+# "auto" on CUDA (fa3=False): the first row whose tokens_per_frame bound the frame reaches
+# and whose backend can run (the cuda kernel: sm_90, bf16, head_dim 64, nvcc; FlashInfer:
+# importable); sdpa if none. Measured (benchmarks/RESULTS.md, H100, 24 blocks, 72 frames
+# visible): see the bridge.py table there. One 262-query request fills too few SMs without a
+# KV split; the 512 bound lies between the two measured sizes.
 # Tried and not taken (H100, 2026-11-24, one layer at 1005 / 262 queries over 72 frames):
 # jaxkv's Mosaic GPU prefix kernel on the JAX arrays behind these buffers (q in and the
 # output out through DLPack per block) took 26.2 / 25.0 ms per 24-layer frame, because
@@ -103,29 +104,51 @@ CUDA_ONLY = ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 # per layer at 1005 queries against FlashInfer's 0.94) but torch caches its graphs by
 # shape, key length included (read, not timed), and the length changes every frame; its
 # ragged form (cum_seq_k, for a KV split) took 45-70 ms per call.
-AUTO_CUDA = ((512, "flashinfer"), (0, "flashinfer-paged-fa2"))
+AUTO_CUDA = ((512, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"), (0, "cuda"))
 # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
 FLASHINFER_PREFIX_KERNEL = "auto"
 
 
 def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
-                   flashinfer_available: bool = FLASHINFER_AVAILABLE, tokens_per_frame: int = 0) -> str:
+                   flashinfer_available: bool = FLASHINFER_AVAILABLE, tokens_per_frame: int = 0,
+                   cuda_available: bool | None = None, dtype=torch.bfloat16, head_dim: int = 64) -> str:
     """The backend ``backend="auto"`` resolves to.
 
     * ``force_fp32``: ``"sdpa"`` in float32 (the seed's fp32 path is a gather + fp32 SDPA;
       FlashInfer has no float32 kernels);
     * CPU: ``"sdpa"``;
-    * CUDA with FlashInfer importable: ``"flashinfer-paged-fa3"`` if ``fa3`` (the seed's
-      choice: power-of-two pages), else ``AUTO_CUDA``'s row for ``tokens_per_frame``;
-    * CUDA without FlashInfer: ``"sdpa"``.
+    * CUDA: ``"flashinfer-paged-fa3"`` if ``fa3`` and FlashInfer is importable (the seed's
+      choice: power-of-two pages), else the first ``AUTO_CUDA`` row for ``tokens_per_frame``
+      whose backend can run here (``cuda_available``: None asks ``kernels``), else ``"sdpa"``.
     """
     if force_fp32 or torch.device(device).type != "cuda":
         return "sdpa"
-    if not flashinfer_available:
-        return "sdpa"
-    if fa3:
+    if fa3 and flashinfer_available:
         return "flashinfer-paged-fa3"
-    return next(b for least, b in AUTO_CUDA if tokens_per_frame >= least)
+    if cuda_available is None:
+        cuda_available = kernels.prefix_attention_available(device)
+    can = {"cuda": cuda_available and dtype == torch.bfloat16 and head_dim == kernels.PREFIX_HEAD_DIM,
+           "flashinfer": flashinfer_available, "flashinfer-paged-fa2": flashinfer_available}
+    return next((b for least, b in AUTO_CUDA if tokens_per_frame >= least and can[b]), "sdpa")
+
+
+CUDA_MAX_SPLITS = 8
+CUDA_MIN_CHUNK = 2048  # keys per split at least (a split's fixed cost is its Q load and epilogue)
+
+
+def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
+    """Key splits for ``backend="cuda"``: the count in 1..``CUDA_MAX_SPLITS`` whose CTAs
+    (128-query tiles x heads x splits) fill the SMs' waves best, the smallest on a tie, with
+    chunks of at least ``CUDA_MIN_CHUNK`` keys."""
+    programs = -(-q_len // 128) * heads
+    best, best_fill = 1, 0.0
+    for n in range(1, CUDA_MAX_SPLITS + 1):
+        if n > 1 and keys < n * CUDA_MIN_CHUNK:
+            break
+        fill = programs * n / (-(-programs * n // max(sm_count, 1)) * max(sm_count, 1))
+        if fill > best_fill + 1e-9:
+            best, best_fill = n, fill
+    return best
 
 
 def _check_backend(backend, device, force_fp32: bool) -> None:
@@ -137,6 +160,10 @@ def _check_backend(backend, device, force_fp32: bool) -> None:
         why = f"it needs a CUDA device, and device is {device}"
     elif backend.startswith("flashinfer") and not FLASHINFER_AVAILABLE:
         why = "flashinfer is not importable"
+    elif backend == "cuda" and not kernels.prefix_attention_available(device):
+        why = "jaxkv's cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
+    elif backend in ("cuda",) and force_fp32:
+        why = "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
     elif backend.startswith("flashinfer") and force_fp32:
         why = "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
     if why:
@@ -266,8 +293,11 @@ class FlashInferKVCacheManager:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         _check_backend(backend, device, force_fp32)
-        self.backend = (choose_backend(device, fa3, force_fp32, tokens_per_frame=tokens_per_frame)
-                        if backend == "auto" else backend)
+        self.backend = (choose_backend(device, fa3, force_fp32, tokens_per_frame=tokens_per_frame, dtype=dtype,
+                                       head_dim=head_dim) if backend == "auto" else backend)
+        if self.backend == "cuda" and (dtype != torch.bfloat16 or head_dim != kernels.PREFIX_HEAD_DIM):
+            raise ValueError(f"backend: 'cuda' expects bfloat16 storage and head_dim {kernels.PREFIX_HEAD_DIM}, got "
+                             f"{dtype} and head_dim {head_dim}")
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
@@ -300,8 +330,9 @@ class FlashInferKVCacheManager:
         self._defer_eviction: bool = False
         self._planned = None
         self._plan_done = None  # CUDA event recorded after the last plan() (paged backends)
-        self._attend = {"sdpa": self._attend_sdpa, "flashinfer": self._attend_flashinfer}.get(
-            self.backend, self._attend_paged)
+        self._attend = {"sdpa": self._attend_sdpa, "cuda": self._attend_cuda,
+                        "flashinfer": self._attend_flashinfer}.get(self.backend, self._attend_paged)
+        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if device.type == "cuda" else 0
         if self.backend.startswith("flashinfer-paged"):
             self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
             self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -533,6 +564,13 @@ class FlashInferKVCacheManager:
         k, v = self._k[b][:n].transpose(0, 1)[None], self._v[b][:n].transpose(0, 1)[None]  # [1, H, n, D] views
         out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v)
         return out[0].transpose(0, 1).contiguous()
+
+    def _attend_cuda(self, b: int, q: torch.Tensor) -> torch.Tensor:
+        n = self._pages.visible_rows()
+        if q.stride(-1) != 1 or q.stride(-2) != self.head_dim:
+            q = q.contiguous()
+        splits = cuda_splits(q.shape[0], self.num_heads, n, self._sms)
+        return kernels.prefix_attention(q, self._k[b][:n], self._v[b][:n], n, splits=splits)
 
     def _attend_flashinfer(self, b: int, q: torch.Tensor) -> torch.Tensor:
         n = self._pages.visible_rows()

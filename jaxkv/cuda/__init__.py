@@ -23,6 +23,7 @@ FFI_TARGETS = {
     "jaxkv_mxfp4_pack": "JaxkvMxfp4Pack",  # cuda/fp4_pack.cu
     "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
     "jaxkv_pool_attention": "JaxkvPoolAttention",  # cuda/pool_attention.cu
+    "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # cuda/prefix_attention.cu
 }
 
 

@@ -1,4 +1,4 @@
-"""Attention of a query frame over a frame cache: ``reference``, ``xla``, ``cudnn`` and ``pallas``.
+"""Attention of a query frame over a frame cache: ``reference``, ``xla``, ``cudnn``, ``pallas`` and ``cuda``.
 
 Non-causal, no positional encoding (RoPE is applied before append). The visible keys of
 each stream are the prefix ``[0, num_valid)`` of its buffer (see ``FrameSpec``), so no
@@ -18,6 +18,9 @@ backend gathers anything:
 * ``pallas``: ``jaxkv.kernels.prefix_attention``, a FlashAttention-3-style Mosaic GPU
   kernel (Hopper) whose key loop stops at the prefix length and masks only the last
   block, so the length costs nothing; split-KV as above where the queries are few.
+* ``cuda``: ``jaxkv.kernels.prefix_attention_cuda``, the same design in CUDA
+  (``cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
+  launches on the same buffers.
 
 ``auto`` is ``pallas`` on a Hopper GPU, ``cudnn`` on other NVIDIA GPUs, ``xla`` elsewhere.
 With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` nor
@@ -36,7 +39,7 @@ from jaxkv import _backend
 from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState, on_devices
 from jaxkv.frame.views import visible_mask
-from jaxkv.kernels.prefix_attention import prefix_attention
+from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda
 from jaxkv.math.attention import HIGHEST, merge_partials, ref_attention
 
 IMPLS = _backend.choices("frame.attention")
@@ -224,10 +227,11 @@ def _local(state: FrameCacheState, q, layer, impl: str, scale):
         return xla_attention(q, k, v, n, state.token_id >= 0 if state.spec.pow2_pages else None, scale)
     if state.spec.pow2_pages:
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
-    if impl == "pallas":
+    if impl in ("pallas", "cuda"):
         dev = jax.devices()[0]
         splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1], getattr(dev, "core_count", 132) or 132)
-        return prefix_attention(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
+        kernel = prefix_attention if impl == "pallas" else prefix_attention_cuda
+        return kernel(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
     out = cudnn_attention(q, k, v, n, scale)
     return jnp.where((n > 0)[:, None, None, None], out, jnp.zeros_like(out))
 

@@ -15,7 +15,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   (``hybrid.compress(impl="cuda")`` with one token per request; ``cuda/compress_decode.cu``).
 * ``prefix_attention``: attention over the key prefix ``[0, kv_len)`` of a buffer, a
   FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
-  (``frame.attention(impl="pallas")``).
+  (``frame.attention(impl="pallas")``); ``prefix_attention_cuda`` is the same design in
+  ``cuda/prefix_attention.cu`` (``impl="cuda"``; PyTorch launches it too).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
 * ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
@@ -31,8 +32,9 @@ from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 from jaxkv.kernels.index_scores import index_scores, ref_index_scores
 from jaxkv.kernels.pool_attention import pool_attention, ref_pool_attention
-from jaxkv.kernels.prefix_attention import prefix_attention, ref_prefix_attention
+from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
 
-__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention", "quantize_mxfp4",
+__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention",
+           "prefix_attention_cuda", "quantize_mxfp4",
            "quantize_nvfp4", "ref_dequant_gather", "ref_index_scores", "ref_pool_attention", "ref_prefix_attention",
            "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]

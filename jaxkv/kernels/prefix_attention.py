@@ -21,6 +21,10 @@ a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` block
 few queries: 262 at 224x224 fill 48 of 132 SMs) and merges them by their log-sum-exp.
 ``ref_prefix_attention`` is the float32 reference with the same contract. Mosaic GPU only
 (no interpret mode): the tests run it on a GPU.
+
+``prefix_attention_cuda`` is the same contract on ``cuda/prefix_attention.cu`` through
+``jax.ffi`` (bf16, head_dim 64, sm_90): the same warp-specialized design written in CUDA,
+which is also what PyTorch callers launch on torch's stream (``torch_bridge.kernels``).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxkv.cuda import register_ffi_targets
 from jaxkv.math.attention import merge_partials, ref_attention
 from jaxkv.kernels.tuning import launch
 
@@ -224,3 +230,29 @@ def prefix_attention(q, k, v, kv_len, *, scale=None, splits: int = 1):
         lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq + pad), (0, 1, 3, 2))  # [B, n, Tq, Hq]
         out = merge_partials(out, lse, base2=True).astype(q.dtype)
     return out[:, :Tq] if pad else out
+
+
+CUDA_HEAD_DIM = 64  # cuda/prefix_attention.cu: one 128-byte swizzle row per key
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "splits"))
+def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
+    """``prefix_attention``'s contract on ``cuda/prefix_attention.cu`` (module docstring); bf16
+    and head_dim 64 only; the kernel merges the splits itself. Needs an sm_90 GPU and nvcc
+    (the first use builds ``cuda/``)."""
+    _check(q, k, v, kv_len, splits)
+    if q.dtype != jnp.bfloat16 or q.shape[3] != CUDA_HEAD_DIM:
+        raise ValueError(f"q: expected bfloat16 with head_dim {CUDA_HEAD_DIM} for the cuda kernel, got {q.dtype} "
+                         f"with head_dim {q.shape[3]}")
+    register_ffi_targets()
+    B, Tq, Hq, D = q.shape
+    scale = D**-0.5 if scale is None else scale
+    n = B * splits if splits > 1 else 1  # the split partials' workspace (unused for one split)
+    out, _, _ = jax.ffi.ffi_call(
+        "jaxkv_prefix_attention",
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((n, Tq if splits > 1 else 1, Hq if splits > 1 else 1, D), jnp.float32),
+         jax.ShapeDtypeStruct((n, Hq if splits > 1 else 1, Tq if splits > 1 else 1), jnp.float32)),
+    )(q, k, v, kv_len, splits=np.int32(splits), scale=np.float32(scale),
+      **{name: np.int32(x) for name, x in launch("prefix_attention_cuda").items()})
+    return out

@@ -1,9 +1,10 @@
 """Launch parameters of the Pallas kernels, as data keyed by device.
 
 ``rows``: the frame append's rows per bulk copy; ``slots``: its copies per program;
-``block_kv`` / ``stages``: the Mosaic GPU attention's keys per TMA block and blocks in
-flight; ``tiles``: 64-key tiles per indexer-scores program. (The ``cuda/`` kernels' launch
-shapes are constants in their sources.) A device without its own table uses ``DEFAULT``'s, the
+``block_kv`` / ``stages``: the prefix attention's keys per block and blocks in flight
+(Mosaic GPU; ``prefix_attention_cuda``: one of the shapes ``cuda/prefix_attention.cu``
+builds); ``tiles``: 64-key tiles per indexer-scores program. (The other ``cuda/`` kernels'
+launch shapes are constants in their sources.) A device without its own table uses ``DEFAULT``'s, the
 device the sweeps ran on; their figures are in ``benchmarks/RESULTS.md``
 ("Launch-parameter sweeps"). Add a table for another GPU by its ``device_kind``.
 """
@@ -18,6 +19,7 @@ TABLES = {
     "NVIDIA H100 80GB HBM3": {
         "frame_append": dict(rows=16, slots=4),  # not swept
         "prefix_attention": dict(block_kv=256, stages=2),
+        "prefix_attention_cuda": dict(block_kv=192, stages=2),  # one of the shapes cuda/prefix_attention.cu builds
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
     },
 }

@@ -19,11 +19,14 @@ from frame_model import FrameModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_FLASHINFER_GPU = DEVICE == "cuda" and M.FLASHINFER_AVAILABLE
+HAS_CUDA_KERNEL = DEVICE == "cuda" and M.kernels.prefix_attention_available(DEVICE)
 on_gpu = pytest.mark.skipif(not HAS_FLASHINFER_GPU, reason="needs CUDA torch and FlashInfer")
 
 
 def _backends_here():
     out = ["sdpa"]
+    if HAS_CUDA_KERNEL:
+        out.append("cuda")
     if HAS_FLASHINFER_GPU:
         out += ["flashinfer", "flashinfer-paged-fa2"]
         if torch.cuda.get_device_capability()[0] >= 9:  # FlashInfer's FA3 kernels are sm90+
@@ -156,12 +159,20 @@ def _sdpa(q, k, v):
     return out[0].transpose(0, 1).contiguous()
 
 
+def _prefix_stand_in(q, k, v, kv_len, *, splits=1):
+    """``kernels.prefix_attention``'s semantics on CPU: the views are the visible prefix."""
+    assert k._is_view() and v._is_view() and k.shape[0] == v.shape[0] == kv_len and splits >= 1
+    return _sdpa(q, k[:kv_len], v[:kv_len])
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
-    """Pretend FlashInfer is importable and CUDA-only backends run here (with ``StandIn``)."""
+    """Pretend FlashInfer and the cuda kernel run here, with ``StandIn`` and dense torch attention."""
     monkeypatch.setattr(M, "flashinfer", StandIn)
     monkeypatch.setattr(M, "FLASHINFER_AVAILABLE", True)
     monkeypatch.setattr(M, "CUDA_ONLY", ())
+    monkeypatch.setattr(M.kernels, "prefix_attention", _prefix_stand_in)
+    monkeypatch.setattr(M.kernels, "prefix_attention_available", lambda device: True)
     StandIn.plans = 0
     return StandIn
 
@@ -170,7 +181,8 @@ STAND_INS = [f"stand-in:{b}" for b in M.CUDA_ONLY]
 # (backend, storage dtype, force_fp32): bf16 and fp16 on every backend, float32 (the seed's
 # force_fp32 path) on "sdpa", the only float32 one; on CPU the FlashInfer backends' code
 # paths with stand-in kernels.
-CASES = [(b, dt, False) for b in BACKENDS_HERE for dt in (torch.bfloat16, torch.float16)] + \
+CASES = [(b, dt, False) for b in BACKENDS_HERE for dt in (torch.bfloat16, torch.float16)
+         if b != "cuda" or dt == torch.bfloat16] + \
         [("sdpa", torch.float32, True)] + ([] if DEVICE == "cuda" else [(b, torch.bfloat16, False) for b in STAND_INS])
 
 
@@ -492,10 +504,14 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(backend):
 
 def test_backend_errors_and_choice():
     for bad in ("jaxkv", "fa2", "SDPA", None):
-        with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'sdpa', 'flashinfer'.*got " +
+        with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'sdpa', 'cuda', 'flashinfer'.*got " +
                            repr(bad).replace("(", r"\(")):
             FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 2, backend=bad)
-    for fi in M.CUDA_ONLY:
+    with pytest.raises(ValueError, match="backend: .*got 'cuda': .*needs a CUDA device"):
+        M._check_backend("cuda", torch.device("cpu"), False)
+    with pytest.raises(ValueError, match="backend: .*got 'cuda': .*" + ("force_fp32" if HAS_CUDA_KERNEL else "sm_90")):
+        M._check_backend("cuda", torch.device("cuda", 0), True)
+    for fi in (b for b in M.CUDA_ONLY if b.startswith("flashinfer")):
         with pytest.raises(ValueError, match="backend: .*needs a CUDA device"):
             M._check_backend(fi, torch.device("cpu"), False)
         with pytest.raises(ValueError, match="backend: .*force_fp32" if M.FLASHINFER_AVAILABLE else "not importable"):
@@ -511,8 +527,17 @@ def test_backend_errors_and_choice():
     assert choose("cuda", flashinfer_available=False) == choose("cuda", fa3=True, flashinfer_available=False) == "sdpa"
     assert choose("cuda", force_fp32=True, flashinfer_available=True) == "sdpa"
     assert choose("cuda", fa3=True, flashinfer_available=True) == "flashinfer-paged-fa3"
-    assert choose("cuda", flashinfer_available=True, tokens_per_frame=1005) == "flashinfer"
-    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262) == "flashinfer-paged-fa2"
+    for fi in (False, True):  # the cuda kernel from 512 tokens per frame, where it runs
+        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=1005, cuda_available=True) == "cuda"
+        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=1005, cuda_available=True,
+                      dtype=torch.float16) == ("flashinfer" if fi else "sdpa")
+    assert choose("cuda", flashinfer_available=True, tokens_per_frame=1005, cuda_available=False) == "flashinfer"
+    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262, cuda_available=True) == \
+        "flashinfer-paged-fa2"
+    assert choose("cuda", flashinfer_available=False, tokens_per_frame=262, cuda_available=True) == "cuda"
+    assert choose("cuda", flashinfer_available=False, tokens_per_frame=262, cuda_available=False) == "sdpa"
+    assert [M.cuda_splits(t, 16, n, 132) for t, n in ((1005, 72648), (262, 19152), (262, 3000), (262, 100))] == \
+        [1, 8, 1, 1]
     # fa3 keeps its power-of-two pages only on the paged FA3 backend
     mgr = FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, fa3=True, backend="sdpa")
     assert mgr.page_size == 7 and mgr.fa3
@@ -522,7 +547,8 @@ def test_backend_errors_and_choice():
 @pytest.mark.gpu
 def test_auto_backend_on_gpu():
     assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == "flashinfer-paged-fa2"
-    assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == "flashinfer"
+    assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == \
+        ("cuda" if HAS_CUDA_KERNEL else "flashinfer")
     fa3 = FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda", fa3=True)
     assert fa3.backend == "flashinfer-paged-fa3" and fa3.page_size == 1024
 

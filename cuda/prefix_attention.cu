@@ -1,0 +1,540 @@
+// Prefix attention (Hopper): every query attends to the keys [0, kv_len) of its buffer, bf16,
+// head_dim 64. The same contract and float32 reference as the Mosaic GPU kernel
+// jaxkv.kernels.prefix_attention (shapes, splits, the merge by log-sum-exp there); this one is
+// reached from jitted JAX through jax.ffi (kernels.prefix_attention_cuda) and from PyTorch
+// through ctypes on torch's stream (torch_bridge.kernels.prefix_attention), so the drop-in
+// manager attends the visible prefix of jaxkv's buffers with no JAX dispatch in between.
+//
+// Design (FlashAttention-3's warp specialization): one CTA of 3 warpgroups per (128 queries,
+// query head, key split).
+//   * a producer warpgroup streams K and V blocks of kBlockKV rows into a ring of kStages
+//     shared-memory stages by cp.async (rows at or past the length are zero-filled, so nothing
+//     past the prefix is read), each stage's arrival counted on an mbarrier; it gives its
+//     registers to the other two (setmaxnreg);
+//   * two consumer warpgroups own 64 queries each: S = Q K^T by wgmma (Q and K straight from shared
+//     memory, 128-byte swizzle), the online softmax in registers (base 2), then O += P V by
+//     wgmma with P from registers (the accumulator layout is wgmma's A layout) and V read
+//     N-major (transposed) from the same swizzled tile. The two alternate on the tensor cores
+//     (named barriers "turn"): a turn issues block i's Q K^T with block i-1's P V, so one
+//     warpgroup's softmax overlaps the other's matrix products.
+// Only the last block of a split is masked. Deterministic: a fixed order of every sum.
+// sm_90a only (wgmma, setmaxnreg); the launcher refuses other devices.
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "ffi_handler.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxkv {
+namespace {
+
+constexpr int kD = 64;           // head dim: one 128-byte swizzle row per key
+constexpr int kBQ = 64;          // queries per consumer warpgroup (the wgmma M)
+constexpr int kThreads = 384;  // 2 consumer warpgroups, then the producer warpgroup
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kQBytes = kBQ * kD * 2;  // one warpgroup's Q tile
+
+// The launch shapes built: (keys per stage, stages in flight); the caller picks one by its
+// tuning table (jaxkv.kernels.tuning, "prefix_attention_cuda").
+template <int kBlockKV, int kStages>
+constexpr int smem_bytes() {
+  return 1024 + 2 * kQBytes + 2 * kStages * kBlockKV * kD * 2 + 4 * kStages * 8;
+}
+
+struct PrefixArgs {
+  const __nv_bfloat16* q;  // bf16[B, Tq, Hq, 64] (row and batch strides below)
+  const __nv_bfloat16* k;  // bf16[B, T, H, 64]
+  const __nv_bfloat16* v;  // bf16[B, T, H, 64]
+  const int32_t* kv_len;   // i32[B] on the device, or null: every entry has kv_len_value
+  int32_t kv_len_value;
+  __nv_bfloat16* out;      // bf16[B, Tq, Hq, 64] contiguous (splits == 1)
+  float* part;             // f32[B * splits, Tq, Hq, 64] normalized partials (splits > 1)
+  float* lse;              // f32[B * splits, Hq, Tq] base-2 log-sum-exp; -inf: no keys (splits > 1)
+  int64_t q_batch, q_row, kv_batch, kv_row;  // strides in elements; heads are 64 apart
+  int32_t Tq, T, H, Hq, splits, chunk;
+  float c;                 // softmax scale * log2(e)
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXKV_PREFIX_SM90 1
+// registers per thread after setmaxnreg: 128 x producer + 256 x consumer <= 64 K
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows, 128-byte swizzle.
+__device__ __forceinline__ uint32_t swz(int r, int c) { return (r << 7) + (((c ^ r) & 7) << 4); }
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {  // zero-fill when !ok
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// the arrival of this thread's cp.asyncs so far, counted when they land
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// wgmma shared-memory descriptor of a 128-byte-swizzled operand at ``addr`` whose 8-row groups
+// are 1024 B apart (K-major: rows are M / N; N-major: rows are K). The leading offset is unused.
+__device__ __forceinline__ uint64_t desc(uint32_t addr) {
+  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+}
+
+// d (+)= a b^T, a bf16[64, 16] and b bf16[128, 16] K-major in shared memory; d f32[64, 128]
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d (+)= a b^T, a bf16[64, 16] and b bf16[192, 16] K-major in shared memory; d f32[64, 192]
+__device__ __forceinline__ void wgmma_ss(float (&d)[96], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+      "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// d += a b, a bf16[64, 16] in registers (the accumulator layout), b bf16[16, 64] N-major in shared memory
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+constexpr int kTurn0 = 1, kTurn1 = 2, kQReady0 = 3;  // named barriers (0 is __syncthreads)
+#endif
+
+template <int kBlockKV, int kStages>
+__global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __grid_constant__ PrefixArgs a) {
+#ifdef JAXKV_PREFIX_SM90
+  constexpr int kKVBytes = kBlockKV * kD * 2;  // one K or V stage
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* base = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* Qs = base;                          // bf16[2][64, 64] swizzled, a tile per consumer
+  uint8_t* Ks = Qs + 2 * kQBytes;              // bf16[stages][kBlockKV, 64] swizzled
+  uint8_t* Vs = Ks + kStages * kKVBytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(Vs + kStages * kKVBytes);
+  const uint32_t k_full = smem_addr(bars), v_full = k_full + 8 * kStages;
+  const uint32_t k_free = v_full + 8 * kStages, v_free = k_free + 8 * kStages;
+
+  const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;  // wg 2: the producer warp
+  const int head = blockIdx.y, b = blockIdx.z / a.splits, split = blockIdx.z % a.splits;
+  const int start = split * a.chunk;
+  const int visible = a.kv_len ? __ldg(a.kv_len + b) : a.kv_len_value;
+  const int length = max(0, min(min(visible, a.T) - start, a.chunk));
+  const int steps = (length + kBlockKV - 1) / kBlockKV;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(k_full + 8 * s, 128);
+      mbar_init(v_full + 8 * s, 128);
+      mbar_init(k_free + 8 * s, 256);
+      mbar_init(v_free + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // the producer: K and V blocks into the ring
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    // thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j of each block
+    const int kvh = head / (a.Hq / a.H), r0 = t >> 3, ch = t & 7;
+    const int64_t off = b * a.kv_batch + int64_t(start + r0) * a.kv_row + kvh * kD + ch * 8;
+    const char* kp = reinterpret_cast<const char*>(a.k + off);
+    const char* vp = reinterpret_cast<const char*>(a.v + off);
+    const int64_t step = 16 * a.kv_row * 2;  // bytes between a thread's rows
+    const uint32_t dst0 = r0 * 128 + (((ch ^ r0) & 7) << 4);
+    for (int i = 0; i < steps; ++i) {
+      const int s = i % kStages;
+      const uint32_t parity = ((i / kStages) & 1) ^ 1;
+      const int left = length - i * kBlockKV - r0;  // this thread's rows j < ceil(left / 16) are keys
+      mbar_wait(k_free + 8 * s, parity);
+      const uint32_t kd = smem_addr(Ks + s * kKVBytes) + dst0, vd = smem_addr(Vs + s * kKVBytes) + dst0;
+#pragma unroll
+      for (int j = 0; j < kBlockKV / 16; ++j) cp_async16(kd + j * 2048, kp + (16 * j < left ? j * step : 0), 16 * j < left);
+      mbar_arrive_cp_async(k_full + 8 * s);
+      mbar_wait(v_free + 8 * s, parity);
+#pragma unroll
+      for (int j = 0; j < kBlockKV / 16; ++j) cp_async16(vd + j * 2048, vp + (16 * j < left ? j * step : 0), 16 * j < left);
+      mbar_arrive_cp_async(v_full + 8 * s);
+      kp += kBlockKV / 16 * step;
+      vp += kBlockKV / 16 * step;
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  const int c = wg, warp = t >> 5, lane = t & 31;
+  const int q0 = blockIdx.x * (2 * kBQ) + c * kBQ;  // this warpgroup's first query
+  uint8_t* Q = Qs + c * kQBytes;
+  {  // Q -> shared (rows past Tq are zeros)
+    const __nv_bfloat16* qb = a.q + b * a.q_batch + head * kD;
+#pragma unroll
+    for (int j = 0; j < kBQ * 8 / 128; ++j) {
+      const int idx = t + 128 * j, r = idx >> 3, ch = idx & 7;
+      uint4 x = make_uint4(0, 0, 0, 0);
+      if (q0 + r < a.Tq) x = *reinterpret_cast<const uint4*>(qb + int64_t(q0 + r) * a.q_row + ch * 8);
+      *reinterpret_cast<uint4*>(Q + swz(r, ch)) = x;
+    }
+    fence_async_smem();
+    bar_sync(kQReady0 + c, 128);
+  }
+  const uint64_t q_desc = desc(smem_addr(Q));
+
+  float O[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) O[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  const int mine = c == 0 ? kTurn0 : kTurn1, other = c == 0 ? kTurn1 : kTurn0;
+  if (c == 1) bar_arrive(kTurn0, 256);  // the first consumer takes the tensor cores first
+
+  // Per turn on the tensor cores a warpgroup issues S(i) = Q K(i)^T and O += P(i-1) V(i-1)
+  // together, then hands the turn over and runs block i's softmax while the other warpgroup's
+  // products run (FlashAttention-3's schedule): a turn per block, plus one for the last P V.
+  float S[kBlockKV / 2];
+  uint32_t P[kBlockKV / 16][4];
+  for (int i = 0; i <= steps; ++i) {
+    const bool qk = i < steps, pv = i > 0;
+    const int s = i % kStages, sp = (i + kStages - 1) % kStages;
+    if (qk) {
+      mbar_wait(k_full + 8 * s, (i / kStages) & 1);
+      fence_async_smem();
+    }
+    if (pv) {
+      mbar_wait(v_full + 8 * sp, ((i - 1) / kStages) & 1);
+      fence_async_smem();
+    }
+    bar_sync(mine, 256);
+    wgmma_fence();
+    if (qk) {
+      const uint64_t k_desc = desc(smem_addr(Ks + s * kKVBytes));
+#pragma unroll
+      for (int kk = 0; kk < kD / 16; ++kk) wgmma_ss(S, q_desc + 2 * kk, k_desc + 2 * kk, kk > 0);
+    }
+    if (pv) {
+      const uint32_t v_s = smem_addr(Vs + sp * kKVBytes);
+#pragma unroll
+      for (int kc = 0; kc < kBlockKV / 16; ++kc) wgmma_rs_n64(O, P[kc], desc(v_s + kc * 2048));
+    }
+    wgmma_commit();
+    bar_arrive(other, 256);  // the other warpgroup's products queue behind these
+    wgmma_wait();
+    if (qk) mbar_arrive(k_free + 8 * s);
+    if (pv) mbar_arrive(v_free + 8 * sp);
+    if (!qk) break;
+
+    const int left = length - i * kBlockKV;  // keys of this block inside the prefix
+    if (left < kBlockKV) {
+#pragma unroll
+      for (int j = 0; j < kBlockKV / 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        if (col >= left) S[4 * j] = S[4 * j + 2] = -INFINITY;
+        if (col + 1 >= left) S[4 * j + 1] = S[4 * j + 3] = -INFINITY;
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < kBlockKV / 8; ++j) {
+      mx[0] = fmaxf(mx[0], fmaxf(S[4 * j], S[4 * j + 1]));
+      mx[1] = fmaxf(mx[1], fmaxf(S[4 * j + 2], S[4 * j + 3]));
+    }
+    float base_[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      const float mn = fmaxf(m[h], mx[h] * a.c);
+      base_[h] = mn == -INFINITY ? 0.f : mn;
+      alpha[h] = ex2(m[h] - base_[h]);
+      m[h] = mn;
+    }
+#pragma unroll
+    for (int j = 0; j < kBlockKV / 8; ++j) {
+      const float p0 = ex2(fmaf(S[4 * j], a.c, -base_[0])), p1 = ex2(fmaf(S[4 * j + 1], a.c, -base_[0]));
+      const float p2 = ex2(fmaf(S[4 * j + 2], a.c, -base_[1])), p3 = ex2(fmaf(S[4 * j + 3], a.c, -base_[1]));
+      sum[0] += p0 + p1;
+      sum[1] += p2 + p3;
+      P[j >> 1][(j & 1) * 2] = pack_bf16(p0, p1);
+      P[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      O[4 * j] *= alpha[0];
+      O[4 * j + 1] *= alpha[0];
+      O[4 * j + 2] *= alpha[1];
+      O[4 * j + 3] *= alpha[1];
+    }
+  }
+  if (c == 0) bar_sync(kTurn0, 256);  // the second consumer's last hand-over
+
+  // epilogue: each row's sum over its 4 lanes; out = O / l (zeros where no key)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+  }
+  const int col = 2 * (lane & 3);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int q = q0 + 16 * warp + (lane >> 2) + 8 * h;
+    if (q >= a.Tq) continue;
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    if (a.splits == 1) {
+      __nv_bfloat16* o = a.out + ((int64_t(b) * a.Tq + q) * a.Hq + head) * kD + col;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<uint32_t*>(o + 8 * j) = pack_bf16(O[4 * j + 2 * h] * inv, O[4 * j + 2 * h + 1] * inv);
+    } else {
+      float* o = a.part + ((int64_t(blockIdx.z) * a.Tq + q) * a.Hq + head) * kD + col;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float2*>(o + 8 * j) = make_float2(O[4 * j + 2 * h] * inv, O[4 * j + 2 * h + 1] * inv);
+      if ((lane & 3) == 0)
+        a.lse[(int64_t(blockIdx.z) * a.Hq + head) * a.Tq + q] = l[h] > 0.f ? m[h] + __log2f(l[h]) : -INFINITY;
+    }
+  }
+#else
+  __trap();  // the launcher refuses devices other than sm_90
+#endif
+}
+
+// out[b, q, h] = sum over splits of 2^(lse_s - lse_max) part_s / sum of the same weights
+__global__ void merge_kernel(const float* part, const float* lse, __nv_bfloat16* out, int32_t splits, int32_t Tq,
+                             int32_t Hq) {
+  const int64_t row = blockIdx.x;  // (b * Tq + q) * Hq + h
+  const int h = row % Hq, q = (row / Hq) % Tq;
+  const int64_t b = row / (int64_t(Hq) * Tq);
+  float mx = -INFINITY;
+  for (int s = 0; s < splits; ++s) mx = fmaxf(mx, lse[((b * splits + s) * Hq + h) * Tq + q]);
+  float acc = 0.f, den = 0.f;
+  for (int s = 0; s < splits; ++s) {
+    const float ls = lse[((b * splits + s) * Hq + h) * Tq + q];
+    const float w = ls == -INFINITY ? 0.f : exp2f(ls - mx);
+    acc += w * part[(((b * splits + s) * Tq + q) * Hq + h) * kD + threadIdx.x];
+    den += w;
+  }
+  out[row * kD + threadIdx.x] = __float2bfloat16_rn(den > 0.f ? acc / den : 0.f);
+}
+
+template <int kBlockKV, int kStages>
+void start(dim3 grid, cudaStream_t stream, const PrefixArgs& a) {
+  constexpr int smem = smem_bytes<kBlockKV, kStages>();
+  static const cudaError_t attr = cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  (void)attr;
+  prefix_attention_kernel<kBlockKV, kStages><<<grid, kThreads, smem, stream>>>(a);
+}
+
+// Shared by the FFI handler and the C entry point: checks, then the launches. block_kv and
+// stages pick a built launch shape (128 x 2, 128 x 4, 192 x 2, 192 x 3); another is cudaErrorInvalidValue.
+int launch(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stages) {
+  if (B < 0 || a.Tq < 0 || a.T < 0 || a.H < 1 || a.Hq < 1 || a.Hq % a.H || a.splits < 1) return cudaErrorInvalidValue;
+  if (a.splits > 1 && (a.part == nullptr || a.lse == nullptr)) return cudaErrorInvalidValue;
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (major != 9) return cudaErrorNotSupported;
+  if (B == 0 || a.Tq == 0) return cudaSuccess;
+  a.chunk = (a.T + a.splits - 1) / a.splits;
+  const dim3 grid((a.Tq + 2 * kBQ - 1) / (2 * kBQ), a.Hq, static_cast<unsigned>(B * a.splits));
+  if (block_kv == 128 && stages == 2)
+    start<128, 2>(grid, stream, a);
+  else if (block_kv == 128 && stages == 4)
+    start<128, 4>(grid, stream, a);
+  else if (block_kv == 192 && stages == 2)
+    start<192, 2>(grid, stream, a);
+  else if (block_kv == 192 && stages == 3)
+    start<192, 3>(grid, stream, a);
+  else
+    return cudaErrorInvalidValue;
+  if (a.splits > 1)
+    merge_kernel<<<static_cast<unsigned>(B * a.Tq * a.Hq), kD, 0, stream>>>(a.part, a.lse, a.out, a.splits, a.Tq,
+                                                                            a.Hq);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+namespace ffi = xla::ffi;
+
+static ffi::Error prefix_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ffi::BF16, 4> k,
+                                   ffi::Buffer<ffi::BF16, 4> v, ffi::Buffer<ffi::S32, 1> kv_len,
+                                   ffi::ResultBuffer<ffi::BF16, 4> out, ffi::ResultBuffer<ffi::F32, 4> part,
+                                   ffi::ResultBuffer<ffi::F32, 3> lse, int32_t splits, float scale,
+                                   int32_t block_kv, int32_t stages) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const int64_t B = qd[0];
+  bool same = true;
+  for (int i = 0; i < 4; ++i) same &= vd[i] == kd[i];
+  if (qd[3] != kD || kd[3] != kD || kd[0] != B || !same)
+    return ffi::Error::InvalidArgument("q, k, v: expected bf16[B, Tq, Hq, 64] and two bf16[B, T, H, 64]");
+  if (kv_len.dimensions()[0] != B) return ffi::Error::InvalidArgument("kv_len: expected i32[B]");
+  if (splits > 1 && (part->dimensions()[0] != B * splits || lse->dimensions()[0] != B * splits))
+    return ffi::Error::InvalidArgument("part, lse: expected f32[B * splits, Tq, Hq, 64] and f32[B * splits, Hq, Tq]");
+  PrefixArgs a{};
+  a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data());
+  a.k = reinterpret_cast<const __nv_bfloat16*>(k.untyped_data());
+  a.v = reinterpret_cast<const __nv_bfloat16*>(v.untyped_data());
+  a.kv_len = kv_len.typed_data();
+  a.out = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
+  a.part = part->typed_data();
+  a.lse = lse->typed_data();
+  a.Tq = static_cast<int32_t>(qd[1]);
+  a.Hq = static_cast<int32_t>(qd[2]);
+  a.T = static_cast<int32_t>(kd[1]);
+  a.H = static_cast<int32_t>(kd[2]);
+  a.q_row = qd[2] * kD;
+  a.q_batch = qd[1] * a.q_row;
+  a.kv_row = kd[2] * kD;
+  a.kv_batch = kd[1] * a.kv_row;
+  a.splits = splits;
+  a.c = scale * kLog2e;
+  const int e = launch(stream, a, B, block_kv, stages);
+  if (e == cudaErrorNotSupported) return ffi::Error::InvalidArgument("prefix_attention_cuda: needs an sm_90 GPU");
+  if (e == cudaErrorInvalidValue) return ffi::Error::InvalidArgument("prefix_attention_cuda: bad shapes or splits");
+  return launch_status(static_cast<cudaError_t>(e), "prefix_attention");
+}
+
+}  // namespace jaxkv
+
+namespace jaxkv::prefix_types {  // buffer types without commas, so they can sit inside the macro
+using Act = xla::ffi::Buffer<xla::ffi::BF16, 4>;
+using Len = xla::ffi::Buffer<xla::ffi::S32, 1>;
+using Part = xla::ffi::Buffer<xla::ffi::F32, 4>;
+using Lse = xla::ffi::Buffer<xla::ffi::F32, 3>;
+using Stream = xla::ffi::PlatformStream<cudaStream_t>;
+}  // namespace jaxkv::prefix_types
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPrefixAttention, jaxkv::prefix_attention,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::prefix_types::Stream>()
+                                  .Arg<jaxkv::prefix_types::Act>()  // q bf16[B, Tq, Hq, 64]
+                                  .Arg<jaxkv::prefix_types::Act>()  // k bf16[B, T, H, 64]
+                                  .Arg<jaxkv::prefix_types::Act>()  // v
+                                  .Arg<jaxkv::prefix_types::Len>()  // kv_len i32[B]
+                                  .Ret<jaxkv::prefix_types::Act>()  // out bf16[B, Tq, Hq, 64]
+                                  .Ret<jaxkv::prefix_types::Part>() // f32[B * splits, Tq, Hq, 64] (splits > 1)
+                                  .Ret<jaxkv::prefix_types::Lse>()  // f32[B * splits, Hq, Tq] (splits > 1)
+                                  .Attr<int32_t>("splits")
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("block_kv")
+                                  .Attr<int32_t>("stages"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+extern "C" {
+
+// PyTorch's entry (torch_bridge.kernels.prefix_attention), on ``stream``. q: bf16 [B, Tq, Hq, 64]
+// with heads contiguous (strides q_batch, q_row in elements); k, v: bf16 [B, T, H, 64] likewise
+// (kv_batch, kv_row); kv_len: i32[B] on the device, or null and every entry sees kv_len_value
+// keys; out: bf16[B, Tq, Hq, 64] contiguous; part / lse: f32 workspaces of B * splits * Tq * Hq
+// * 64 and B * splits * Hq * Tq floats (splits > 1; else null); block_kv, stages: a built launch
+// shape. Returns a cudaError_t:
+// 1 (cudaErrorInvalidValue) for bad sizes, 801 (cudaErrorNotSupported) off sm_90.
+int jaxkv_prefix_attention(void* stream, const void* q, const void* k, const void* v, const int32_t* kv_len,
+                           int32_t kv_len_value, void* out, float* part, float* lse, int64_t B, int32_t Tq, int32_t Hq,
+                           int32_t T, int32_t H, int64_t q_batch, int64_t q_row, int64_t kv_batch, int64_t kv_row,
+                           int32_t splits, float scale, int32_t block_kv, int32_t stages) {
+  jaxkv::PrefixArgs a{};
+  a.q = static_cast<const __nv_bfloat16*>(q);
+  a.k = static_cast<const __nv_bfloat16*>(k);
+  a.v = static_cast<const __nv_bfloat16*>(v);
+  a.kv_len = kv_len;
+  a.kv_len_value = kv_len_value;
+  a.out = static_cast<__nv_bfloat16*>(out);
+  a.part = part;
+  a.lse = lse;
+  a.Tq = Tq;
+  a.Hq = Hq;
+  a.T = T;
+  a.H = H;
+  a.q_batch = q_batch;
+  a.q_row = q_row;
+  a.kv_batch = kv_batch;
+  a.kv_row = kv_row;
+  a.splits = splits;
+  a.c = scale * jaxkv::kLog2e;
+  return jaxkv::launch(static_cast<cudaStream_t>(stream), a, B, block_kv, stages);
+}
+
+}  // extern "C"
