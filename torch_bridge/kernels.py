@@ -182,8 +182,10 @@ def _strides(name, t, rank):
 
 
 @functools.lru_cache(maxsize=None)
-def _prefix_launch(device_name: str) -> tuple[int, int]:
-    shape = TABLES.get(device_name, TABLES[DEFAULT]).get("prefix_attention_cuda", TABLES[DEFAULT]["prefix_attention_cuda"])
+def _prefix_launch(device: torch.device) -> tuple[int, int]:
+    """The device's row of ``jaxkv.kernels.tuning`` ("prefix_attention_cuda"), looked up once."""
+    table = TABLES.get(torch.cuda.get_device_name(device), TABLES[DEFAULT])
+    shape = table.get("prefix_attention_cuda", TABLES[DEFAULT]["prefix_attention_cuda"])
     return shape["block_kv"], shape["stages"]
 
 
@@ -233,7 +235,7 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
         part = torch.empty((B * splits, Tq, Hq, PREFIX_HEAD_DIM), dtype=torch.float32, device=dev)
         lse = torch.empty((B * splits, Hq, Tq), dtype=torch.float32, device=dev)
     scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
-    block_kv, stages = launch or _prefix_launch(torch.cuda.get_device_name(dev))
+    block_kv, stages = launch or _prefix_launch(dev)
     code = _lib(dev).jaxkv_prefix_attention(
         torch.cuda.current_stream(dev).cuda_stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), None,
         max(0, min(int(kv_len), T)), out.data_ptr(), None if part is None else part.data_ptr(),

@@ -93,18 +93,16 @@ PREFIX_BACKENDS = ("sdpa", "cuda", "flashinfer")  # attend the prefix views k[:n
 CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 # "auto" on CUDA (fa3=False): the first row whose tokens_per_frame bound the frame reaches
 # and whose backend can run (the cuda kernel: sm_90, bf16, head_dim 64, nvcc; FlashInfer:
-# importable); sdpa if none. Measured (benchmarks/RESULTS.md, H100, 24 blocks, 72 frames
-# visible): see the bridge.py table there. One 262-query request fills too few SMs without a
-# KV split; the 512 bound lies between the two measured sizes.
-# Tried and not taken (H100, 2026-11-24, one layer at 1005 / 262 queries over 72 frames):
-# jaxkv's Mosaic GPU prefix kernel on the JAX arrays behind these buffers (q in and the
-# output out through DLPack per block) took 26.2 / 25.0 ms per 24-layer frame, because
-# exporting the fresh output blocks the host until the kernel ends (1.02 ms of host per
-# block at 1005 queries); cuDNN through torch was faster at a fixed key length (0.73 ms
-# per layer at 1005 queries against FlashInfer's 0.94) but torch caches its graphs by
-# shape, key length included (read, not timed), and the length changes every frame; its
-# ragged form (cum_seq_k, for a KV split) took 45-70 ms per call.
-AUTO_CUDA = ((512, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"), (0, "cuda"))
+# importable); sdpa if none. Measured (benchmarks/RESULTS.md, H100, 16 heads, 72 frames
+# visible): one layer's kernel at 262 / 1005 tokens (prefix_attention.py): cuda 0.107 / 0.718
+# ms, FlashInfer single prefill FA2 0.110 / 0.935, FA3 0.232 / 0.845; a 24-layer manager step
+# (bridge.py, ms/frame): cuda 3.57 / 17.97, paged FA2 4.34 / 31.17, the seed 5.52 / 30.70.
+# Below 512 tokens FlashInfer's single prefill has no KV split: paged FA2 there.
+# Tried and not taken (H100, 2026-11-24): jaxkv's Mosaic GPU prefix kernel on the JAX arrays
+# behind these buffers, q in and the output out through DLPack per block (26.2 / 25.0 ms per
+# frame: exporting a fresh JAX output blocks the host until its kernel ends); cuDNN through
+# torch (torch caches its graphs by shape, the key length included, which changes every frame).
+AUTO_CUDA = ((0, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"))
 # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
 FLASHINFER_PREFIX_KERNEL = "auto"
 
@@ -132,20 +130,21 @@ def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
     return next((b for least, b in AUTO_CUDA if tokens_per_frame >= least and can[b]), "sdpa")
 
 
-CUDA_MAX_SPLITS = 8
-CUDA_MIN_CHUNK = 2048  # keys per split at least (a split's fixed cost is its Q load and epilogue)
+CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q load, pipeline fill, partials)
 
 
 def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
-    """Key splits for ``backend="cuda"``: the count in 1..``CUDA_MAX_SPLITS`` whose CTAs
-    (128-query tiles x heads x splits) fill the SMs' waves best, the smallest on a tie, with
-    chunks of at least ``CUDA_MIN_CHUNK`` keys."""
+    """Key splits for ``backend="cuda"``: among 1, 2, 4, 8 with chunks of at least
+    ``CUDA_MIN_CHUNK`` keys, the count whose CTAs (128-query tiles x heads x splits) fill the
+    SMs' waves best, the smallest on a tie (``frame.attention.prefix_splits``' rule). H100,
+    262 queries over 19,152 keys: 2 splits (0.107 ms of kernel time, ``prefix_attention.py``)."""
     programs = -(-q_len // 128) * heads
+    sm_count = max(sm_count, 1)
     best, best_fill = 1, 0.0
-    for n in range(1, CUDA_MAX_SPLITS + 1):
+    for n in (1, 2, 4, 8):
         if n > 1 and keys < n * CUDA_MIN_CHUNK:
             break
-        fill = programs * n / (-(-programs * n // max(sm_count, 1)) * max(sm_count, 1))
+        fill = programs * n / (-(-programs * n // sm_count) * sm_count)
         if fill > best_fill + 1e-9:
             best, best_fill = n, fill
     return best

@@ -524,20 +524,23 @@ def test_backend_errors_and_choice():
             FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, "cpu", 2, backend="flashinfer")
     choose = M.choose_backend
     assert choose("cpu") == choose("cpu", fa3=True) == choose("cpu", force_fp32=True) == "sdpa"
-    assert choose("cuda", flashinfer_available=False) == choose("cuda", fa3=True, flashinfer_available=False) == "sdpa"
+    assert choose("cuda", flashinfer_available=False, cuda_available=False) == \
+        choose("cuda", fa3=True, flashinfer_available=False, cuda_available=False) == "sdpa"
     assert choose("cuda", force_fp32=True, flashinfer_available=True) == "sdpa"
     assert choose("cuda", fa3=True, flashinfer_available=True) == "flashinfer-paged-fa3"
-    for fi in (False, True):  # the cuda kernel from 512 tokens per frame, where it runs
-        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=1005, cuda_available=True) == "cuda"
+    for fi in (False, True):  # the cuda kernel wherever it runs (bf16, head_dim 64)
+        for tpf in (262, 1005):
+            assert choose("cuda", flashinfer_available=fi, tokens_per_frame=tpf, cuda_available=True) == "cuda"
         assert choose("cuda", flashinfer_available=fi, tokens_per_frame=1005, cuda_available=True,
                       dtype=torch.float16) == ("flashinfer" if fi else "sdpa")
+        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=262, cuda_available=True,
+                      head_dim=128) == ("flashinfer-paged-fa2" if fi else "sdpa")
     assert choose("cuda", flashinfer_available=True, tokens_per_frame=1005, cuda_available=False) == "flashinfer"
-    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262, cuda_available=True) == \
+    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262, cuda_available=False) == \
         "flashinfer-paged-fa2"
-    assert choose("cuda", flashinfer_available=False, tokens_per_frame=262, cuda_available=True) == "cuda"
     assert choose("cuda", flashinfer_available=False, tokens_per_frame=262, cuda_available=False) == "sdpa"
     assert [M.cuda_splits(t, 16, n, 132) for t, n in ((1005, 72648), (262, 19152), (262, 3000), (262, 100))] == \
-        [1, 8, 1, 1]
+        [1, 2, 1, 1]
     # fa3 keeps its power-of-two pages only on the paged FA3 backend
     mgr = FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, fa3=True, backend="sdpa")
     assert mgr.page_size == 7 and mgr.fa3
@@ -546,7 +549,8 @@ def test_backend_errors_and_choice():
 @on_gpu
 @pytest.mark.gpu
 def test_auto_backend_on_gpu():
-    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == "flashinfer-paged-fa2"
+    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == \
+        ("cuda" if HAS_CUDA_KERNEL else "flashinfer-paged-fa2")
     assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == \
         ("cuda" if HAS_CUDA_KERNEL else "flashinfer")
     fa3 = FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda", fa3=True)
