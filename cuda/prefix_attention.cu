@@ -408,7 +408,7 @@ void start(dim3 grid, cudaStream_t stream, const PrefixArgs& a) {
 
 // Shared by the FFI handler and the C entry point: checks, then the launches. block_kv and
 // stages pick a built launch shape (128 x 2, 128 x 4, 192 x 2, 192 x 3); another is cudaErrorInvalidValue.
-int launch(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stages) {
+int launch_prefix_attention(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stages) {
   if (B < 0 || a.Tq < 0 || a.T < 0 || a.H < 1 || a.Hq < 1 || a.Hq % a.H || a.splits < 1) return cudaErrorInvalidValue;
   if (a.splits > 1 && (a.part == nullptr || a.lse == nullptr)) return cudaErrorInvalidValue;
   int dev = 0, major = 0;
@@ -438,7 +438,7 @@ int launch(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stage
 
 namespace ffi = xla::ffi;
 
-static ffi::Error prefix_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ffi::BF16, 4> k,
+static ffi::Error prefix_attention_handler(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ffi::BF16, 4> k,
                                    ffi::Buffer<ffi::BF16, 4> v, ffi::Buffer<ffi::S32, 1> kv_len,
                                    ffi::ResultBuffer<ffi::BF16, 4> out, ffi::ResultBuffer<ffi::F32, 4> part,
                                    ffi::ResultBuffer<ffi::F32, 3> lse, int32_t splits, float scale,
@@ -470,7 +470,7 @@ static ffi::Error prefix_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4
   a.kv_batch = kd[1] * a.kv_row;
   a.splits = splits;
   a.c = scale * kLog2e;
-  const int e = launch(stream, a, B, block_kv, stages);
+  const int e = launch_prefix_attention(stream, a, B, block_kv, stages);
   if (e == cudaErrorNotSupported) return ffi::Error::InvalidArgument("prefix_attention_cuda: needs an sm_90 GPU");
   if (e == cudaErrorInvalidValue) return ffi::Error::InvalidArgument("prefix_attention_cuda: bad shapes or splits");
   return launch_status(static_cast<cudaError_t>(e), "prefix_attention");
@@ -486,7 +486,7 @@ using Lse = xla::ffi::Buffer<xla::ffi::F32, 3>;
 using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 }  // namespace jaxkv::prefix_types
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPrefixAttention, jaxkv::prefix_attention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPrefixAttention, jaxkv::prefix_attention_handler,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jaxkv::prefix_types::Stream>()
                                   .Arg<jaxkv::prefix_types::Act>()  // q bf16[B, Tq, Hq, 64]
@@ -534,7 +534,7 @@ int jaxkv_prefix_attention(void* stream, const void* q, const void* k, const voi
   a.kv_row = kv_row;
   a.splits = splits;
   a.c = scale * jaxkv::kLog2e;
-  return jaxkv::launch(static_cast<cudaStream_t>(stream), a, B, block_kv, stages);
+  return jaxkv::launch_prefix_attention(static_cast<cudaStream_t>(stream), a, B, block_kv, stages);
 }
 
 }  // extern "C"

@@ -15,8 +15,7 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   (``hybrid.compress(impl="cuda")`` with one token per request; ``cuda/compress_decode.cu``).
 * ``prefix_attention``: attention over the key prefix ``[0, kv_len)`` of a buffer, a
   FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
-  (``frame.attention(impl="pallas")``); ``prefix_attention_cuda`` is the same design in
-  ``cuda/prefix_attention.cu`` (``impl="cuda"``; PyTorch launches it too).
+  (``impl="pallas"``); ``prefix_attention_cuda``: the same in ``cuda/`` (``impl="cuda"``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
 * ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
