@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import frame

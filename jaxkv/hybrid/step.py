@@ -158,7 +158,6 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
 def _prepare(state, slots, positions, n, *, chunk):
     c = state.config
     R = c.max_requests
-    B = slots.shape[0]
     in_range = (slots >= 0) & (slots < R)
     slot = jnp.where(in_range, slots, 0)
     count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
