@@ -136,8 +136,8 @@ CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q load, 
 def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
     """Key splits for ``backend="cuda"``: among 1, 2, 4, 8 with chunks of at least
     ``CUDA_MIN_CHUNK`` keys, the count whose CTAs (128-query tiles x heads x splits) fill the
-    SMs' waves best, the smallest on a tie (``frame.attention.prefix_splits``' rule). H100,
-    262 queries over 19,152 keys: 2 splits (0.107 ms of kernel time, ``prefix_attention.py``)."""
+    SMs' waves best, the smallest on a tie (``frame.attention.prefix_splits``' rule; measured in
+    ``benchmarks/RESULTS.md``, ``prefix_attention.py``)."""
     programs = -(-q_len // 128) * heads
     sm_count = max(sm_count, 1)
     best, best_fill = 1, 0.0
@@ -161,7 +161,7 @@ def _check_backend(backend, device, force_fp32: bool) -> None:
         why = "flashinfer is not importable"
     elif backend == "cuda" and not kernels.prefix_attention_available(device):
         why = "jaxkv's cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
-    elif backend in ("cuda",) and force_fp32:
+    elif backend == "cuda" and force_fp32:
         why = "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
     elif backend.startswith("flashinfer") and force_fp32:
         why = "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
@@ -269,8 +269,8 @@ class FlashInferKVCacheManager:
     force_fp32: float32 storage and float32 attention ("sdpa").
     fa3: with ``backend="auto"`` on CUDA with FlashInfer, the seed's paged FA3 path
       (power-of-two pages); an explicit ``backend`` overrides it.
-    backend: keyword only; ``"auto"`` (``choose_backend``), ``"sdpa"``, ``"flashinfer"``,
-      ``"flashinfer-paged-fa2"`` or ``"flashinfer-paged-fa3"`` (module docstring).
+    backend: keyword only; ``"auto"`` (``choose_backend``), ``"sdpa"``, ``"cuda"``,
+      ``"flashinfer"``, ``"flashinfer-paged-fa2"`` or ``"flashinfer-paged-fa3"`` (module docstring).
       ``self.backend`` is the one in use.
     """
 
