@@ -398,12 +398,12 @@ __global__ void merge_kernel(const float* part, const float* lse, __nv_bfloat16*
 }
 
 template <int kBlockKV, int kStages>
-void start(dim3 grid, cudaStream_t stream, const PrefixArgs& a) {
+void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
   constexpr int smem = smem_bytes<kBlockKV, kStages>();
   static const cudaError_t attr = cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages>,
                                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   (void)attr;
-  prefix_attention_kernel<kBlockKV, kStages><<<grid, kThreads, smem, stream>>>(a);
+  prefix_attention_kernel<kBlockKV, kStages><<<ctas, kThreads, smem, stream>>>(a);
 }
 
 // Shared by the FFI handler and the C entry point: checks, then the launches. block_kv and
@@ -417,15 +417,15 @@ int launch_prefix_attention(cudaStream_t stream, PrefixArgs a, int64_t B, int bl
   if (major != 9) return cudaErrorNotSupported;
   if (B == 0 || a.Tq == 0) return cudaSuccess;
   a.chunk = (a.T + a.splits - 1) / a.splits;
-  const dim3 grid((a.Tq + 2 * kBQ - 1) / (2 * kBQ), a.Hq, static_cast<unsigned>(B * a.splits));
+  const dim3 ctas((a.Tq + 2 * kBQ - 1) / (2 * kBQ), a.Hq, static_cast<unsigned>(B * a.splits));
   if (block_kv == 128 && stages == 2)
-    start<128, 2>(grid, stream, a);
+    start<128, 2>(ctas, stream, a);
   else if (block_kv == 128 && stages == 4)
-    start<128, 4>(grid, stream, a);
+    start<128, 4>(ctas, stream, a);
   else if (block_kv == 192 && stages == 2)
-    start<192, 2>(grid, stream, a);
+    start<192, 2>(ctas, stream, a);
   else if (block_kv == 192 && stages == 3)
-    start<192, 3>(grid, stream, a);
+    start<192, 3>(ctas, stream, a);
   else
     return cudaErrorInvalidValue;
   if (a.splits > 1)
