@@ -400,9 +400,8 @@ __global__ void merge_kernel(const float* part, const float* lse, __nv_bfloat16*
 template <int kBlockKV, int kStages>
 void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
   constexpr int smem = smem_bytes<kBlockKV, kStages>();
-  static const cudaError_t attr = cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  (void)attr;
+  // per launch, not once: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   prefix_attention_kernel<kBlockKV, kStages><<<ctas, kThreads, smem, stream>>>(a);
 }
 
