@@ -27,6 +27,7 @@
 
 #include "codes.cuh"
 #include "ffi_handler.cuh"
+#include "ptx.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -70,21 +71,7 @@ struct AttnArgs {
   float c;                 // softmax scale * log2(e)
 };
 
-// ---- PTX ------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-template <int kBytes>
-__device__ __forceinline__ void cp_async(uint32_t dst, const void* src, bool ok) {  // zero-fill when !ok
-  if constexpr (kBytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst), "l"(src), "n"(kBytes),
-                 "r"(ok ? kBytes : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
+// ---- PTX (the rest is ptx.cuh) --------------------------------------------------------------
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -105,33 +92,8 @@ __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint3
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// Byte offset of 16-byte chunk ``c`` of row ``r`` in a tile of 64 rows: the tile is stored
-// as column groups of 64 BF16 (128 B) x 64 rows, each 8 KiB, and a chunk's index inside its
-// 128-byte row is XORed with the row's low 3 bits. This is the wgmma "128-byte swizzle"
-// K-major layout (so the tensor cores read Q and K straight from it), and 8 consecutive rows
-// at one chunk hit 8 bank groups (ldmatrix and the dequant stores are conflict-free). The
-// [64, 64] P tile is one column group.
-__device__ __forceinline__ uint32_t swz(int r, int c) {
-  return ((c >> 3) << 13) + (r << 7) + (((c ^ r) & 7) << 4);
-}
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // sm_90a: S = Q K^T by wgmma
 #define JAXKV_WGMMA 1
-// wgmma shared-memory descriptor of a K-major, 128-byte-swizzled operand starting at ``addr``:
-// 8-row core matrices 1024 B apart (stride), leading offset unused for this layout (1).
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // d (+)= a b^T for one warpgroup: a bf16[64, 16], b bf16[32, 16] (both K-major in shared
 // memory), d f32[64, 32] in the mma.sync C layout per 8 columns (warp w of the group: rows 16 w..)
 __device__ __forceinline__ void wgmma_64x32(float (&d)[4][4], uint64_t a, uint64_t b, int accumulate) {
@@ -173,11 +135,6 @@ __device__ __forceinline__ void qk_block(float (&S)[4][4], uint32_t q_s, uint32_
     }
   }
 #endif
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // ---- the block pipeline ---------------------------------------------------------------------

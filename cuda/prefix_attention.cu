@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include "ffi_handler.cuh"
+#include "ptx.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxkv {
@@ -61,24 +62,6 @@ struct PrefixArgs {
 #define JAXKV_PREFIX_SM90 1
 // registers per thread after setmaxnreg: 128 x producer + 256 x consumer <= 64 K
 constexpr int kProducerRegs = 40, kConsumerRegs = 232;
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-__device__ __forceinline__ float ex2(float x) {  // 2^x; -inf -> 0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-// Byte offset of 16-byte chunk c of row r in a tile of 128-byte rows, 128-byte swizzle.
-__device__ __forceinline__ uint32_t swz(int r, int c) { return (r << 7) + (((c ^ r) & 7) << 4); }
-
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {  // zero-fill when !ok
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0));
-}
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
 }
@@ -102,15 +85,6 @@ __device__ __forceinline__ void bar_sync(int id, int count) {
 }
 __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// wgmma shared-memory descriptor of a 128-byte-swizzled operand at ``addr`` whose 8-row groups
-// are 1024 B apart (K-major: rows are M / N; N-major: rows are K). The leading offset is unused.
-__device__ __forceinline__ uint64_t desc(uint32_t addr) {
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
 
 // d (+)= a b^T, a bf16[64, 16] and b bf16[128, 16] K-major in shared memory; d f32[64, 128]
@@ -229,11 +203,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
       mbar_wait(k_free + 8 * s, parity);
       const uint32_t kd = smem_addr(Ks + s * kKVBytes) + dst0, vd = smem_addr(Vs + s * kKVBytes) + dst0;
 #pragma unroll
-      for (int j = 0; j < kBlockKV / 16; ++j) cp_async16(kd + j * 2048, kp + (16 * j < left ? j * step : 0), 16 * j < left);
+      for (int j = 0; j < kBlockKV / 16; ++j) cp_async<16>(kd + j * 2048, kp + (16 * j < left ? j * step : 0), 16 * j < left);
       mbar_arrive_cp_async(k_full + 8 * s);
       mbar_wait(v_free + 8 * s, parity);
 #pragma unroll
-      for (int j = 0; j < kBlockKV / 16; ++j) cp_async16(vd + j * 2048, vp + (16 * j < left ? j * step : 0), 16 * j < left);
+      for (int j = 0; j < kBlockKV / 16; ++j) cp_async<16>(vd + j * 2048, vp + (16 * j < left ? j * step : 0), 16 * j < left);
       mbar_arrive_cp_async(v_full + 8 * s);
       kp += kBlockKV / 16 * step;
       vp += kBlockKV / 16 * step;
@@ -258,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
     fence_async_smem();
     bar_sync(kQReady0 + c, 128);
   }
-  const uint64_t q_desc = desc(smem_addr(Q));
+  const uint64_t q_desc = wgmma_desc(smem_addr(Q));
 
   float O[32];
 #pragma unroll
@@ -286,14 +260,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
     bar_sync(mine, 256);
     wgmma_fence();
     if (qk) {
-      const uint64_t k_desc = desc(smem_addr(Ks + s * kKVBytes));
+      const uint64_t k_desc = wgmma_desc(smem_addr(Ks + s * kKVBytes));
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk) wgmma_ss(S, q_desc + 2 * kk, k_desc + 2 * kk, kk > 0);
     }
     if (pv) {
       const uint32_t v_s = smem_addr(Vs + sp * kKVBytes);
 #pragma unroll
-      for (int kc = 0; kc < kBlockKV / 16; ++kc) wgmma_rs_n64(O, P[kc], desc(v_s + kc * 2048));
+      for (int kc = 0; kc < kBlockKV / 16; ++kc) wgmma_rs_n64(O, P[kc], wgmma_desc(v_s + kc * 2048));
     }
     wgmma_commit();
     bar_arrive(other, 256);  // the other warpgroup's products queue behind these

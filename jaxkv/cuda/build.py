@@ -22,7 +22,7 @@ from jaxkv.formats.storage import cuda_defines
 
 SOURCES = ("flush_write.cu", "frame_append.cu", "dequant_gather.cu", "compress_decode.cu", "fp4_pack.cu",
            "pool_attention.cu", "prefix_attention.cu")
-HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "write_entry.cuh")  # included by the sources: part of the cache key
+HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "ptx.cuh", "write_entry.cuh")  # included by the sources: part of the cache key
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch
 
 

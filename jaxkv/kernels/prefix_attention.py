@@ -247,12 +247,12 @@ def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
     register_ffi_targets()
     B, Tq, Hq, D = q.shape
     scale = D**-0.5 if scale is None else scale
-    n = B * splits if splits > 1 else 1  # the split partials' workspace (unused for one split)
+    # the split partials' workspace (the kernel merges them; a token size for one split)
+    part, lse = ((B * splits, Tq, Hq, D), (B * splits, Hq, Tq)) if splits > 1 else ((1, 1, 1, D), (1, 1, 1))
     out, _, _ = jax.ffi.ffi_call(
         "jaxkv_prefix_attention",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),
-         jax.ShapeDtypeStruct((n, Tq if splits > 1 else 1, Hq if splits > 1 else 1, D), jnp.float32),
-         jax.ShapeDtypeStruct((n, Hq if splits > 1 else 1, Tq if splits > 1 else 1), jnp.float32)),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(part, jnp.float32),
+         jax.ShapeDtypeStruct(lse, jnp.float32)),
     )(q, k, v, kv_len, splits=np.int32(splits), scale=np.float32(scale),
       **{name: np.int32(x) for name, x in launch("prefix_attention_cuda").items()})
     return out
