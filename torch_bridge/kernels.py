@@ -27,8 +27,17 @@ from jaxkv.formats.storage import STORAGES, storage_name
 from jaxkv.kernels.tuning import DEFAULT, TABLES
 
 
+_LIBS: dict = {}  # torch.device -> the typed library (a dict lookup per launch, not a device query)
+
+
 def _lib(device: torch.device):
-    lib = library(arch_of(torch.cuda.get_device_capability(device)))
+    lib = _LIBS.get(device)
+    if lib is None:
+        lib = _LIBS[device] = _typed(library(arch_of(torch.cuda.get_device_capability(device))))
+    return lib
+
+
+def _typed(lib):
     if not getattr(lib, "_jaxkv_typed", False):
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         lib.jaxkv_flush_write.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
@@ -40,6 +49,17 @@ def _lib(device: torch.device):
             f.restype = ctypes.c_int
         lib._jaxkv_typed = True
     return lib
+
+
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds of torch
+
+
+def _stream(device: torch.device) -> int:
+    """torch's current stream on ``device`` as a ``cudaStream_t`` (the raw query where torch has
+    it: about 1 us per launch instead of about 20 through a ``torch.cuda.Stream``)."""
+    if _RAW_STREAM is not None and device.index is not None:
+        return _RAW_STREAM(device.index)
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def _check(name, t, dtype, ndim, device=None):
@@ -84,7 +104,7 @@ def flush_write(pool, x, block, slot, *, storage: str, index_pool=None, xi=None)
         if tuple(index_pool.shape) != want or tuple(xi.shape) != (n, 128):
             raise ValueError(f"index_pool, xi: expected u8{list(want)} and bf16[{n}, 128], got "
                              f"{tuple(index_pool.shape)} and {tuple(xi.shape)}")
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    stream = _stream(dev)
     code = _lib(dev).jaxkv_flush_write(
         stream, pool.data_ptr(), None if index_pool is None else index_pool.data_ptr(), x.data_ptr(),
         None if xi is None else xi.data_ptr(), block.data_ptr(), slot.data_ptr(), n, pool.shape[0], bs,
@@ -97,7 +117,7 @@ def _tail_state(tails, tail_slot, streams: int) -> None:
     _check("tail_slot", tail_slot, torch.int32, 1, tails.device)
     if tuple(tails.shape[1:3]) != (streams, 3):
         raise ValueError(f"tails: expected f32[R, {streams}, 3, width], got {tuple(tails.shape)}")
-    stream = torch.cuda.current_stream(tails.device).cuda_stream
+    stream = _stream(tails.device)
     code = _lib(tails.device).jaxkv_tail_state(stream, tails.data_ptr(), tails.shape[0], streams, tails.shape[3],
                                                tail_slot.data_ptr(), tail_slot.shape[0])
     _ok(code, "tail state")
@@ -156,7 +176,7 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
                          f"{rows.dtype}, {scratch.dtype}[{scratch.numel()}], {sticky.dtype}")
     row_bytes = k[0].numel() * k.element_size()
     code = _lib(dev).jaxkv_frame_append(
-        torch.cuda.current_stream(dev).cuda_stream, k.data_ptr(), v.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(),
+        _stream(dev), k.data_ptr(), v.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(),
         rows.data_ptr(), k.shape[0], row_bytes, trash_row, _APPEND_DTYPES[k.dtype], scratch.data_ptr(),
         sticky.data_ptr())
     _ok(code, "frame_append")
@@ -230,23 +250,91 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev or not out.is_contiguous():
         raise ValueError(f"out: expected a contiguous bf16 tensor {tuple(q.shape)} on {dev}, got {out.dtype} "
                          f"{tuple(out.shape)} on {out.device}")
+    scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
+    _launch_prefix(_lib(dev).jaxkv_prefix_attention, dev, q, k, v, max(0, min(int(kv_len), T)), out, B, Tq, Hq, T, H,
+                   qb, qr, kb, kr, splits, scale, launch or _prefix_launch(dev))
+    return out
+
+
+def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, launch):
+    """One launch of ``cuda/prefix_attention.cu`` (arguments checked by the caller); a key-split
+    launch gets its f32 partials and log-sum-exps from torch's allocator, on this stream."""
     part = lse = None
     if splits > 1:
         part = torch.empty((B * splits, Tq, Hq, PREFIX_HEAD_DIM), dtype=torch.float32, device=dev)
         lse = torch.empty((B * splits, Hq, Tq), dtype=torch.float32, device=dev)
-    scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
-    block_kv, stages = launch or _prefix_launch(dev)
-    code = _lib(dev).jaxkv_prefix_attention(
-        torch.cuda.current_stream(dev).cuda_stream, q.data_ptr(), k.data_ptr(), v.data_ptr(), None,
-        max(0, min(int(kv_len), T)), out.data_ptr(), None if part is None else part.data_ptr(),
-        None if lse is None else lse.data_ptr(), B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, block_kv, stages)
+    block_kv, stages = launch
+    code = fn(_stream(dev), q.data_ptr(), k.data_ptr(), v.data_ptr(), None, kv_len, out.data_ptr(),
+              None if part is None else part.data_ptr(), None if lse is None else lse.data_ptr(), B, Tq, Hq, T, H,
+              qb, qr, kb, kr, splits, scale, block_kv, stages)
     if code == 801:
         raise ValueError(f"prefix_attention: expected an sm_90 GPU, got {torch.cuda.get_device_name(dev)}")
     if code == 1:
         raise ValueError(f"launch: expected a shape cuda/prefix_attention.cu builds, got {(block_kv, stages)}")
     _ok(code, "prefix_attention")
-    return out
 
 
-__all__ = ["APPEND_SCRATCH", "PREFIX_HEAD_DIM", "csa_rotate_state", "flush_write", "frame_append",
+class PrefixAttention:
+    """``prefix_attention`` split as FlashInfer splits its wrappers: ``plan`` (host side: the
+    checks and everything the launches of one step share) once, then ``run`` per layer,
+    checked only against the plan. The drop-in manager plans once per frame, so a layer's
+    attention costs one launch and a few attribute reads of host time.
+
+        q, out: bf16[q_len, heads, 64] contiguous
+        k, v:   bf16[rows, kv_heads, 64] contiguous (one layer's whole buffers), rows >= kv_len;
+                the keys [0, kv_len) are attended
+    """
+
+    def __init__(self, device, heads: int, kv_heads: int, *, scale=None, launch=None):
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if not prefix_attention_available(device):
+            raise ValueError(f"device: expected an sm_90 CUDA GPU where the jaxkv library builds, got {device}")
+        if heads < 1 or kv_heads < 1 or heads % kv_heads:
+            raise ValueError(f"heads, kv_heads: expected heads a multiple of kv_heads, got {heads}, {kv_heads}")
+        self.device, self.heads, self.kv_heads = device, heads, kv_heads
+        self.scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
+        self.launch = launch or _prefix_launch(device)
+        self._fn = _lib(device).jaxkv_prefix_attention
+        self._q_shape = None  # (q_len, heads, 64) once planned
+        self._kv_len = self._splits = 0
+
+    def plan(self, q_len: int, kv_len: int, splits: int = 1) -> None:
+        """The next runs attend ``q_len`` query rows over keys ``[0, kv_len)``, in ``splits`` key
+        chunks merged by the launch (``torch_bridge.manager.cuda_splits`` picks them)."""
+        for name, x, low in (("q_len", q_len, 1), ("kv_len", kv_len, 0), ("splits", splits, 1)):
+            if isinstance(x, bool) or not isinstance(x, int) or x < low:
+                raise ValueError(f"{name}: expected an int >= {low}, got {x!r}")
+        self._q_shape = (q_len, self.heads, PREFIX_HEAD_DIM)
+        self._kv_len, self._splits = kv_len, splits
+
+    def run(self, q, k, v, out=None):
+        """Attention of one layer -> ``out`` (or a new tensor), bf16[q_len, heads, 64]."""
+        if self._q_shape is None:
+            raise RuntimeError("PrefixAttention.run: call plan() first")
+        if q.shape != self._q_shape or q.dtype != torch.bfloat16 or q.device != self.device or not q.is_contiguous():
+            raise ValueError(f"q: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device} (the "
+                             f"plan), got {q.dtype} {tuple(q.shape)} on {q.device}")
+        T = k.shape[0]
+        if k.shape != v.shape or k.shape[1:] != (self.kv_heads, PREFIX_HEAD_DIM) or T < self._kv_len \
+                or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.device != self.device \
+                or v.device != self.device or not (k.is_contiguous() and v.is_contiguous()):
+            raise ValueError(f"k, v: expected contiguous bf16 [rows >= {self._kv_len}, {self.kv_heads}, "
+                             f"{PREFIX_HEAD_DIM}] on {self.device}, got {k.dtype} {tuple(k.shape)} on {k.device} "
+                             f"and {v.dtype} {tuple(v.shape)} on {v.device}")
+        if out is None:
+            out = torch.empty(self._q_shape, dtype=torch.bfloat16, device=self.device)
+        elif out.shape != self._q_shape or out.dtype != torch.bfloat16 or out.device != self.device \
+                or not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device}, got "
+                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        Tq, Hq, n = self._q_shape[0], self.heads, self._kv_len
+        # The kernel sees rows [0, n) only (its key splits divide those rows, as for k[:n]).
+        _launch_prefix(self._fn, self.device, q, k, v, n, out, 1, Tq, Hq, n, self.kv_heads, 0, Hq * PREFIX_HEAD_DIM,
+                       0, self.kv_heads * PREFIX_HEAD_DIM, self._splits, self.scale, self.launch)
+        return out
+
+
+__all__ = ["APPEND_SCRATCH", "PREFIX_HEAD_DIM", "PrefixAttention", "csa_rotate_state", "flush_write", "frame_append",
            "frame_append_available", "hca_reset_state", "prefix_attention", "prefix_attention_available"]

@@ -331,6 +331,8 @@ class FlashInferKVCacheManager:
         self._plan_done = None  # CUDA event recorded after the last plan() (paged backends)
         self._attend = {"sdpa": self._attend_sdpa, "cuda": self._attend_cuda,
                         "flashinfer": self._attend_flashinfer}.get(self.backend, self._attend_paged)
+        self._prefix = kernels.PrefixAttention(self.device, num_heads, num_heads) if self.backend == "cuda" else None
+        self._prefix_planned = None  # (page counters, q rows) of the prefix plan
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if device.type == "cuda" else 0
         if self.backend.startswith("flashinfer-paged"):
             self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
@@ -425,9 +427,9 @@ class FlashInferKVCacheManager:
     def _apply_moves(self, moves):
         """Make the layout's row moves (``(src, dst)``, ``page_size`` rows) in every K/V buffer."""
         ps = self.page_size
-        for src, dst in moves:
-            for buf in (*self._k, *self._v):
-                buf[dst : dst + ps].copy_(buf[src : src + ps])
+        bufs = (*self._k, *self._v)
+        for src, dst in moves:  # one foreach copy over every buffer: a few launches, not 2 per block
+            torch._foreach_copy_([b[dst : dst + ps] for b in bufs], [b[src : src + ps] for b in bufs])
 
     # ---------------------------------------------------------------- public API
     def append_frame(self, block_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -565,11 +567,14 @@ class FlashInferKVCacheManager:
         return out[0].transpose(0, 1).contiguous()
 
     def _attend_cuda(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        n = self._pages.visible_rows()
-        if q.stride(-1) != 1 or q.stride(-2) != self.head_dim:
-            q = q.contiguous()
-        splits = cuda_splits(q.shape[0], self.num_heads, n, self._sms)
-        return kernels.prefix_attention(q, self._k[b][:n], self._v[b][:n], n, splits=splits)
+        # Planned once per frame step (the visible rows follow from the page counters), then
+        # one launch per block over the whole buffers, of which rows [0, n) are read.
+        step = (self._pages.c, q.shape[0])
+        if self._prefix_planned != step:
+            n = self._pages.visible_rows()
+            self._prefix.plan(q.shape[0], n, cuda_splits(q.shape[0], self.num_heads, n, self._sms))
+            self._prefix_planned = step
+        return self._prefix.run(q.contiguous(), self._k[b], self._v[b])
 
     def _attend_flashinfer(self, b: int, q: torch.Tensor) -> torch.Tensor:
         n = self._pages.visible_rows()
@@ -614,7 +619,7 @@ class FlashInferKVCacheManager:
         self._pages.reset()
         self.frame_count = [0] * self.num_blocks
         self._frame_open = False
-        self._planned = None
+        self._planned = self._prefix_planned = None
 
     # ---------------------------------------------------------------- durable state
     def state_dict(self) -> dict:
@@ -663,7 +668,7 @@ class FlashInferKVCacheManager:
         self._pages.version += 1
         self.frame_count = counts
         self._frame_open = False
-        self._planned = None
+        self._planned = self._prefix_planned = None
 
     def save(self, path) -> None:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""

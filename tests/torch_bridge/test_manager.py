@@ -159,10 +159,21 @@ def _sdpa(q, k, v):
     return out[0].transpose(0, 1).contiguous()
 
 
-def _prefix_stand_in(q, k, v, kv_len, *, splits=1):
-    """``kernels.prefix_attention``'s semantics on CPU: the views are the visible prefix."""
-    assert k._is_view() and v._is_view() and k.shape[0] == v.shape[0] == kv_len and splits >= 1
-    return _sdpa(q, k[:kv_len], v[:kv_len])
+class _PrefixStandIn:
+    """``kernels.PrefixAttention``'s semantics on CPU: keys [0, kv_len) of the whole buffers."""
+
+    def __init__(self, device, heads, kv_heads):
+        assert heads == kv_heads
+        self.plans = []
+
+    def plan(self, q_len, kv_len, splits=1):
+        assert splits >= 1
+        self.plans.append((q_len, kv_len))
+
+    def run(self, q, k, v):
+        q_len, kv_len = self.plans[-1]
+        assert q.shape[0] == q_len and q.is_contiguous() and k.shape == v.shape and k.shape[0] >= kv_len
+        return _sdpa(q, k[:kv_len], v[:kv_len])
 
 
 @pytest.fixture
@@ -171,7 +182,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(M, "flashinfer", StandIn)
     monkeypatch.setattr(M, "FLASHINFER_AVAILABLE", True)
     monkeypatch.setattr(M, "CUDA_ONLY", ())
-    monkeypatch.setattr(M.kernels, "prefix_attention", _prefix_stand_in)
+    monkeypatch.setattr(M.kernels, "PrefixAttention", _PrefixStandIn)
     monkeypatch.setattr(M.kernels, "prefix_attention_available", lambda device: True)
     StandIn.plans = 0
     return StandIn
@@ -243,18 +254,20 @@ def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32, 
     mgr.check()
 
 
-@pytest.mark.parametrize("backend", ["flashinfer-paged-fa2", "flashinfer-paged-fa3"])
-def test_paged_plan_once_per_frame_also_on_non_keyframes(stand_in, backend):
+@pytest.mark.parametrize("backend", ["flashinfer-paged-fa2", "flashinfer-paged-fa3", "cuda"])
+def test_plan_once_per_frame_also_on_non_keyframes(stand_in, backend):
     """Upstream's non-keyframe step appends (deferred), attends and rolls back block by block:
     the plan depends on the page counters alone, so it is made once per frame, not per block
-    (each plan costs the host one wait on the previous plan's event)."""
+    (a paged plan costs the host one wait on the previous plan's event; the cuda backend's
+    plan, its checks and key splits)."""
     L, H, D, P, NS, S, W = 4, 2, 64, 12, 2, 2, 3
     mgr = FlashInferKVCacheManager(L, 8, P + NS, H, D, torch.bfloat16, DEVICE, NS, S, W, 64, backend=backend)
     assert mgr.page_size == (16 if backend.endswith("fa3") else 12)
+    plans = (lambda: len(mgr._prefix.plans)) if backend == "cuda" else (lambda: stand_in.plans)  # noqa: E731
     g = torch.Generator(device=DEVICE).manual_seed(0)
     rand = lambda: torch.randn(P + NS, H, D, generator=g, device=DEVICE)  # noqa: E731
     for t in range(12):
-        before = stand_in.plans
+        before = plans()
         key = t < S or t % 2 == 0
         for b in range(L):
             if key:
@@ -267,7 +280,7 @@ def test_paged_plan_once_per_frame_also_on_non_keyframes(stand_in, backend):
                 mgr.compute_attention(b, rand())
                 mgr.rollback_last_frame(b)
                 mgr._defer_eviction = prev
-        assert stand_in.plans - before == 1, t
+        assert plans() - before == 1, t
     assert mgr.num_frames == S + 5
 
 

@@ -1,6 +1,7 @@
 """``torch_bridge.kernels.prefix_attention``: the cuda/ prefix kernel launched from PyTorch on
 strided views of a jaxkv buffer, against float32 attention over exactly the visible keys,
-and bit-equal to the same kernel reached from JAX."""
+and bit-equal to the same kernel reached from JAX; its plan / run form (``PrefixAttention``,
+the drop-in manager's per-layer path) bit-equal to the function."""
 
 import numpy as np
 import pytest
@@ -79,8 +80,41 @@ def test_torch_and_jax_launch_the_same_kernel():
 
 
 def test_prefix_attention_refuses_bad_input():
+    if not ON_SM90:
+        with pytest.raises(ValueError, match="device: expected an sm_90 CUDA GPU"):
+            kernels.PrefixAttention("cpu", 2, 2)
     q = torch.zeros((4, 2, 64), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="q: expected a CUDA bfloat16 tensor"):
         kernels.prefix_attention(q, q, q, 4)  # on the CPU
     with pytest.raises(ValueError, match="q: expected a CUDA bfloat16 tensor"):
         kernels.prefix_attention(q.float(), q, q, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_SM90, reason="the cuda prefix kernel needs an sm_90 GPU")
+@pytest.mark.parametrize("heads", [(16, 16), (8, 2)])
+def test_plan_run_equals_the_function(heads):
+    """One plan, several layers' buffers, the plan changed between steps (also to splits > 1):
+    each run gives the function's bits over the same keys; bad runs are refused."""
+    Hq, H = heads
+    g = torch.Generator(device="cuda").manual_seed(Hq + H)
+    bufs = torch.randn((3, 2, 6000, H, 64), generator=g, device="cuda").bfloat16()  # [layers, k/v, T, H, D]
+    attn = kernels.PrefixAttention("cuda", Hq, H)
+    with pytest.raises(RuntimeError, match="call plan"):
+        attn.run(torch.zeros((4, Hq, 64), dtype=torch.bfloat16, device="cuda"), bufs[0, 0], bufs[0, 1])
+    for q_len, n, splits in ((1005, 5001, 1), (262, 4100, 2), (262, 1, 1)):
+        q = torch.randn((q_len, Hq, 64), generator=g, device="cuda").bfloat16()
+        attn.plan(q_len, n, splits)
+        for layer in range(3):
+            k, v = bufs[layer, 0], bufs[layer, 1]
+            got = attn.run(q, k, v)
+            want = kernels.prefix_attention(q, k[:n], v[:n], n, splits=splits)
+            assert torch.equal(got, want), (q_len, n, splits, layer)
+        ref = _ref(q, k, v, n)
+        assert (got.float() - ref).abs().max().item() <= 2e-2 * ref.abs().max().item() + 1e-3
+    with pytest.raises(ValueError, match="q: expected a contiguous bf16 tensor"):
+        attn.run(q[:10], k, v)
+    with pytest.raises(ValueError, match=r"k, v: expected contiguous bf16 \[rows >= 1"):
+        attn.run(q, k[:, :1], v[:, :1])
+    with pytest.raises(ValueError, match="splits: expected an int >= 1"):
+        attn.plan(262, 10, 0)
