@@ -17,11 +17,19 @@ Model level (``--model``): upstream lingbot-map's GCTStream (``$LINGBOT_MAP_SRC`
 weights, the released config at 518x378, bf16 autocast, FlashInfer path) streaming
 ``--model-warm`` + ``--model-iters`` frames after its 8 scale frames, synchronized per frame
 as upstream's gct_profile, with its own manager (A) and after
-``torch_bridge.use_in_lingbot_map()`` (B: the one-import change; one run per
-``--model-backends`` entry), in A-B-B-A order on the same model, frames and weights; the
-median ms/frame of the timed frames, and the last frame's pose_enc / depth_conf against A's.
+``torch_bridge.use_in_lingbot_map()`` (B: the one-import change; one per ``--model-backends``
+entry): one model per manager, the same weights and frames, streamed frame by frame in turn
+(A-B, B-A, ...: the host's speed drifts by tens of percent over seconds on the GPU machine, and
+this way every manager meets the same drift); the median ms/frame of the timed frames (and of
+each half), the host time spent inside the manager's calls, and the last frame's pose_enc /
+depth_conf against A's. ``--kernels`` adds each manager's GPU kernel time per frame.
 
-    LINGBOT_MAP_SRC=.upstream/lingbot-map python benchmarks/bridge.py --model
+    LINGBOT_MAP_SRC=.upstream/lingbot-map python benchmarks/bridge.py --model [--compile]
+
+``--compile`` applies upstream's ``torch.compile(mode="reduce-overhead")`` targets (gct_profile.py:
+frame and backbone blocks, and each global block's pre-attention, FFN and projection, around the
+manager's calls) to each model after a few eager frames; the graphs then replay with upstream's
+manager or the drop-in between them.
 
 The seed's file is not part of this repository (``../shared/seeds/``); pass its path, or it
 falls back to upstream's own ``lingbot_map/layers/flashinfer_cache.py`` under ``$LINGBOT_MAP_SRC``.
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -195,20 +204,24 @@ def manager_table(args, seed_cls):
 MODEL_KEYS = ("pose_enc", "depth_conf")
 
 
-def stream_model(model, images, scale_frames, warm, interval):
+def stream_model(model, images, scale_frames, warm, interval, trace=None):
     """A fresh manager (upstream builds it lazily at the first forward, from the class installed
     now), the scale frames at once, then frame by frame synced per frame -> (timed ms list,
-    last frame's outputs, the manager)."""
+    last frame's outputs, the manager, host ms per timed frame inside its calls). ``trace``: a ``torch.profiler.profile`` whose schedule
+    starts with the streamed frames, stepped after each."""
     model.aggregator.kv_cache_manager = None
     model.clean_kv_cache()
     S, dev = images.shape[1], images.device
     times = []
-    with torch.no_grad(), torch.amp.autocast(dev.type, dtype=torch.bfloat16):
+    with torch.no_grad(), torch.amp.autocast(dev.type, dtype=torch.bfloat16), (trace or contextlib.nullcontext()):
         torch.compiler.cudagraph_mark_step_begin()
         model.forward(images[:, :scale_frames], num_frame_for_scale=scale_frames,
                       num_frame_per_block=scale_frames, causal_inference=True)
         sync(dev)
+        host = _time_manager_calls(model.aggregator.kv_cache_manager)
         for i in range(scale_frames, S):
+            if i - scale_frames == warm:
+                host.clear()
             key = interval <= 1 or (i - scale_frames) % interval == 0
             if not key:
                 model._set_skip_append(True)
@@ -220,8 +233,81 @@ def stream_model(model, images, scale_frames, warm, interval):
             times.append((time.perf_counter() - t0) * 1e3)
             if not key:
                 model._set_skip_append(False)
+            if trace is not None:
+                trace.step()
     last = {k: out[k].float().clone() for k in MODEL_KEYS}
-    return times[warm:], last, model.aggregator.kv_cache_manager
+    mgr = model.aggregator.kv_cache_manager
+    for name in MANAGER_CALLS:
+        mgr.__dict__.pop(name, None)
+    return times[warm:], last, mgr, sum(host.values()) / max(1, S - scale_frames - warm)
+
+
+def stream_in_turn(entries, images, scale_frames, warm, interval):
+    """``entries``: (name, model, install) with one model per manager. Each model streams the same
+    frames (a fresh manager from ``install``, the scale frames at once), then frame by frame in
+    turn, A-B then B-A, each frame synced, so that a drift of the host's speed or the GPU's
+    clocks reaches every manager alike -> {name: (timed ms list, last frame's outputs, manager,
+    host ms per timed frame inside the manager's calls)}."""
+    S = images.shape[1]
+    times, outs, hosts = {}, {}, {}
+    with torch.no_grad(), torch.amp.autocast(images.device.type, dtype=torch.bfloat16):
+        for name, model, install in entries:
+            with install():
+                model.aggregator.kv_cache_manager = None
+                model.clean_kv_cache()
+                torch.compiler.cudagraph_mark_step_begin()
+                model.forward(images[:, :scale_frames], num_frame_for_scale=scale_frames,
+                              num_frame_per_block=scale_frames, causal_inference=True)
+            sync(images.device)
+            times[name], hosts[name] = [], _time_manager_calls(model.aggregator.kv_cache_manager)
+        for i in range(scale_frames, S):
+            key = interval <= 1 or (i - scale_frames) % interval == 0
+            for name, model, install in (entries if (i - scale_frames) % 2 == 0 else entries[::-1]):
+                if i - scale_frames == warm:
+                    hosts[name].clear()
+                with install():
+                    if not key:
+                        model._set_skip_append(True)
+                    t0 = time.perf_counter()
+                    torch.compiler.cudagraph_mark_step_begin()
+                    out = model.forward(images[:, i:i + 1], num_frame_for_scale=scale_frames,
+                                        num_frame_per_block=1, causal_inference=True)
+                    sync(images.device)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+                    if not key:
+                        model._set_skip_append(False)
+                outs[name] = {k: out[k].float().clone() for k in MODEL_KEYS} if i == S - 1 else None
+    runs = {}
+    for name, model, _ in entries:
+        mgr = model.aggregator.kv_cache_manager
+        for call in MANAGER_CALLS:
+            mgr.__dict__.pop(call, None)
+        runs[name] = (times[name][warm:], outs[name], mgr, sum(hosts[name].values()) / max(1, S - scale_frames - warm))
+    return runs
+
+
+MANAGER_CALLS = ("append_frame", "evict_frames", "compute_attention", "execute_deferred_eviction",
+                 "rollback_last_frame")
+
+
+def _time_manager_calls(mgr):
+    """Wrap the manager's per-block calls (on the instance) to add up the host time spent in
+    them (no sync: what the manager costs the Python thread) -> {call: ms so far}."""
+    host = {}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                host[name] = host.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+        return call
+
+    for name in MANAGER_CALLS:
+        if hasattr(mgr, name):
+            setattr(mgr, name, timed(name, getattr(mgr, name)))
+    return host
 
 
 def model_table(args):
@@ -237,38 +323,79 @@ def model_table(args):
     n = sf + args.model_warm + args.model_iters
     config = LingbotConfig().replace(height=378, width=518, max_frame_num=n + 16, num_scale_frames=sf,
                                      kv_cache_scale_frames=sf)
-    model = upstream.build(config, src, use_sdpa=False, perturb=0.0).cuda()
-    if args.compile:
-        upstream.compile_like_gct_profile(model)
     g = torch.Generator(device="cuda").manual_seed(0)
     images = torch.rand(1, n, 3, config.height, config.width, device="cuda", generator=g).to(torch.bfloat16)
     names = ["upstream manager"] + [f"jaxkv drop-in ({b})" for b in args.model_backends]
-    outs, times, kinds = {}, {}, {}
-    for name in names + names[::-1]:  # A-B-B-A
-        backend = None if name == names[0] else args.model_backends[names.index(name) - 1]
-        with (use_in_lingbot_map(backend) if backend else contextlib.nullcontext()):
-            t, outs[name], mgr = stream_model(model, images, sf, args.model_warm, args.keyframe_interval)
-        kinds[name] = f"{type(mgr).__module__}.{type(mgr).__name__}" + (f" [{mgr.backend}]" if backend else "")
-        times.setdefault(name, []).extend(t)
-        print(f"  {name} ({kinds[name]}): {statistics.median(t):.2f} ms/frame", flush=True)
-        del mgr
-        torch.cuda.empty_cache()
+    installs = {name: (contextlib.nullcontext if i == 0 else functools.partial(use_in_lingbot_map, b))
+                for i, (name, b) in enumerate(zip(names, [None, *args.model_backends]))}
+    models = {}
+    for name in names:  # one model per manager, the same weights (the same seed)
+        with installs[name]():
+            models[name] = upstream.build(config, src, use_sdpa=False, perturb=0.0).cuda()
+            if args.compile:
+                # Upstream's RoPE fills its cos/sin table cache at first use. If that first use is
+                # inside a reduce-overhead graph, the cached table is CUDA-graph memory that the next
+                # replay overwrites ("accessing tensor output of CUDAGraphs that has been
+                # overwritten"): a few eager frames first, as upstream's demo effectively does.
+                stream_model(models[name], images[:, :sf + 2], sf, 0, 1)
+                upstream.compile_like_gct_profile(models[name])
+    runs = stream_in_turn([(name, models[name], installs[name]) for name in names], images, sf, args.model_warm,
+                          args.keyframe_interval)
     rows = []
     for name in names:
-        row = dict(manager=name, kind=kinds[name], ms_per_frame=statistics.median(times[name]))
+        t, out, mgr, h = runs[name]
+        kind = f"{type(mgr).__module__}.{type(mgr).__name__}" + (f" [{mgr.backend}]" if name != names[0] else "")
+        row = dict(manager=name, kind=kind, ms_per_frame=statistics.median(t), manager_host_ms=h,
+                   ms_per_frame_halves=[statistics.median(t[: len(t) // 2]), statistics.median(t[len(t) // 2:])])
         if name != names[0]:
             for k in MODEL_KEYS:
-                a, b = outs[names[0]][k], outs[name][k]
+                a, b = runs[names[0]][1][k], out[k]
                 row[f"rel_err_{k}"] = float((b - a).abs().max() / a.abs().max())
         rows.append(row)
+        print(f"  {name} ({kind}): {row['ms_per_frame']:.2f} ms/frame (halves {row['ms_per_frame_halves'][0]:.2f}, "
+              f"{row['ms_per_frame_halves'][1]:.2f}), {h:.2f} ms of it in manager calls (host)", flush=True)
+    if args.kernels:  # after the timed runs: the profiler slows the host
+        for name, row in zip(names, rows):
+            with installs[name]():
+                row["gpu_ms"] = model_kernels(name, models[name], images, sf, args.keyframe_interval)
     print(f"\nGCTStream 518x378 bf16, {sf} scale frames, {args.model_warm} warm + {args.model_iters} timed frames, "
           f"keyframe_interval {args.keyframe_interval}{', compiled' if args.compile else ''}")
-    print(f"{'manager':<36} {'ms/frame':>9} {'vs A':>6}  last frame vs A (max rel err)")
+    print(f"{'manager':<36} {'ms/frame':>9} {'vs A':>6} {'manager host ms':>15} {'GPU ms':>7}  "
+          "last frame vs A (max rel err)")
     base = rows[0]["ms_per_frame"]
     for r in rows:
         errs = "  ".join(f"{k} {r['rel_err_' + k]:.1e}" for k in MODEL_KEYS if "rel_err_" + k in r)
-        print(f"{r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:6.2f}  {errs}")
+        gpu = f"{r['gpu_ms']:7.2f}" if "gpu_ms" in r else f"{'-':>7}"
+        print(f"{r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:6.2f} "
+              f"{r['manager_host_ms']:15.2f} {gpu}  {errs}")
     return rows
+
+
+def model_kernels(name, model, images, sf, interval, frames=5):
+    """GPU kernel time of the last ``frames`` streamed frames, by kernel, against their wall
+    time: where wall > kernels, the host (Python, launches) is what the frame waits for."""
+    from torch.profiler import ProfilerActivity, profile as tprofile, schedule
+
+    done = []
+    steps = images.shape[1] - sf
+    prof = tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                    schedule=schedule(wait=steps - frames - 1, warmup=1, active=frames),
+                    on_trace_ready=lambda p: done.append(p.key_averages()))
+    t, _, mgr, _ = stream_model(model, images, sf, steps - frames, interval, trace=prof)
+    del mgr
+    torch.cuda.empty_cache()
+    ka = done[-1]
+    gpu = sorted((e for e in ka if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")),
+                 key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in gpu) / frames / 1e3
+    print(f"\n{name}: {statistics.mean(t):.2f} ms/frame wall under the profiler, {total:.2f} ms of GPU kernels")
+    for e in gpu[:8]:
+        print(f"    {e.device_time_total / frames / 1e3:8.3f} ms {e.count / frames:6.1f}x  {e.key[:70]}")
+    cpu = sorted((e for e in ka if e.device_type.name == "CPU"), key=lambda e: -e.self_cpu_time_total)
+    print("  host, by self CPU time:")
+    for e in cpu[:10]:
+        print(f"    {e.self_cpu_time_total / frames / 1e3:8.3f} ms {e.count / frames:6.1f}x  {e.key[:70]}")
+    return total
 
 
 def main(argv=None):
@@ -285,7 +412,8 @@ def main(argv=None):
                    "10 warm-up + 5 timed frames")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="cProfile the drop-in's host side over --iters frames")
-    p.add_argument("--kernels", action="store_true", help="torch-profile 5 frames of each manager: GPU time by kernel")
+    p.add_argument("--kernels", action="store_true", help="torch-profile 5 frames of each manager: GPU time by kernel "
+                   "(with --model: after the table, host time too)")
     g = p.add_argument_group("--model: upstream's GCTStream with its own manager vs the drop-in")
     g.add_argument("--model", action="store_true")
     g.add_argument("--model-backends", nargs="+", default=["auto"], choices=list(M.BACKENDS))

@@ -22,6 +22,7 @@ pytest.importorskip("flax")
 from jaxkv.models.lingbot import LingbotConfig  # noqa: E402
 from jaxkv.models.lingbot import upstream  # noqa: E402
 from torch_bridge import FlashInferKVCacheManager, use_in_lingbot_map  # noqa: E402
+from torch_bridge.kernels import prefix_attention_available  # noqa: E402
 
 SRC = upstream.source()
 pytestmark = pytest.mark.skipif(SRC is None, reason="needs an upstream lingbot-map checkout in $LINGBOT_MAP_SRC "
@@ -185,3 +186,41 @@ def test_vitl_lazy_path_matches_upstream_sdpa(lingbot_map, no_tf32):
     for k in KEYS:
         err = _rel_err(got[k], want[k])
         assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="reduce-overhead compiles to CUDA graphs: needs a CUDA GPU")
+def test_dropin_between_reduce_overhead_graphs_gpu(lingbot_map):
+    """Upstream compiles the modules around the manager's calls with ``torch.compile(mode=
+    "reduce-overhead")`` (gct_profile.py): each global block's pre-attention, FFN and output
+    projection become CUDA graphs, and the drop-in runs between them on their (graph-owned)
+    q / k / v. Here with the released width (16 heads of 64, so ``auto`` is the drop-in's
+    fastest backend on this GPU), bf16, keyframe and non-keyframe frames: the compiled model
+    gives the eager model's outputs, frame by frame, to bf16 precision. Only the global blocks
+    are compiled (the frame blocks never meet the manager; ``benchmarks/bridge.py --model
+    --compile`` runs all of gct_profile's targets)."""
+    config = LingbotConfig.small(patch_embed="dinov2_vitl14_reg", kv_cache_sliding_window=3,
+                                 kv_cache_scale_frames=2, num_scale_frames=2)
+    model = upstream.build(config, SRC, use_sdpa=False).cuda()
+    images = upstream.images_nchw(_frames(9, seed=2)).to(torch.bfloat16)  # bf16 tokens: a bf16 manager
+
+    def stream():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model.inference_streaming(images, num_scale_frames=2, keyframe_interval=2)
+        return {k: out[k][0].float().cpu().numpy() for k in KEYS}
+
+    eager = stream()  # also fills upstream's RoPE table cache outside any graph
+    mgr = model.aggregator.kv_cache_manager
+    assert type(mgr) is FlashInferKVCacheManager and mgr.dtype == torch.bfloat16
+    if prefix_attention_available("cuda"):
+        assert mgr.backend == "cuda"
+    for b in model.aggregator.global_blocks:
+        b.attn_pre = torch.compile(b.attn_pre, mode="reduce-overhead")
+        b.ffn_residual = torch.compile(b.ffn_residual, mode="reduce-overhead")
+        b.attn.proj = torch.compile(b.attn.proj, mode="reduce-overhead")
+    stream()  # records the graphs
+    compiled = stream()  # replays them
+    assert model.aggregator.kv_cache_manager is mgr and mgr.frame_count == [6] * mgr.num_blocks
+    for k in KEYS:
+        err = _rel_err(compiled[k], eager[k])
+        assert err.max() <= 3e-2, f"{k}: per-frame relative error {err} (backend {mgr.backend})"
