@@ -20,9 +20,10 @@ upstream's model). Underneath:
   - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` over the views
     ``k[:n]``, ``v[:n]`` (no copy; torch picks its kernel). CPU and CUDA, any dtype;
     ``force_fp32`` runs it in float32 as the seed's fp32 path (gather + fp32 SDPA) does.
-  - ``"cuda"``: jaxkv's ``cuda/prefix_attention.cu`` (``torch_bridge.kernels.prefix_attention``,
-    the kernel of ``frame.attention(impl="cuda")``) over the same views, launched by ctypes on
-    torch's stream: no plan, no page table, no JAX dispatch. sm_90, bf16, head_dim 64.
+  - ``"cuda"``: jaxkv's ``cuda/prefix_attention.cu`` (the kernel of ``frame.attention(impl="cuda")``)
+    over rows ``[0, n)`` of the same buffers, launched by ctypes on torch's stream: no page
+    table, no JAX dispatch; ``torch_bridge.kernels.PrefixAttention`` is planned once per frame
+    (n, key splits) and run once per block (one launch). sm_90, bf16, head_dim 64.
   - ``"flashinfer"``: ``flashinfer.single_prefill_with_kv_cache`` over the same views: no
     plan, no page table. CUDA.
   - ``"flashinfer-paged-fa2"`` / ``"flashinfer-paged-fa3"``: the seed's paged prefill
@@ -96,7 +97,7 @@ CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3
 # importable); sdpa if none. Measured (benchmarks/RESULTS.md, H100, 16 heads, 72 frames
 # visible): one layer's kernel at 262 / 1005 tokens (prefix_attention.py): cuda 0.107 / 0.718
 # ms, FlashInfer single prefill FA2 0.110 / 0.935, FA3 0.232 / 0.845; a 24-layer manager step
-# (bridge.py, ms/frame): cuda 3.57 / 17.97, paged FA2 4.34 / 31.17, the seed 5.52 / 30.70.
+# (bridge.py, ms/frame): cuda 3.00 / 17.60, paged FA2 4.63 / 31.19, the seed 4.49 / 31.05.
 # Below 512 tokens FlashInfer's single prefill has no KV split: paged FA2 there.
 # Tried and not taken (H100, 2026-11-24): jaxkv's Mosaic GPU prefix kernel on the JAX arrays
 # behind these buffers, q in and the output out through DLPack per block (26.2 / 25.0 ms per
