@@ -75,6 +75,7 @@ from jaxkv import checkpoint, frame
 from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
+from jaxkv.frame.attention import wave_splits
 from jaxkv.frame.state import NONE, STAGED
 from torch_bridge import kernels
 from torch_bridge.dlpack import from_torch, to_torch
@@ -135,20 +136,10 @@ CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q load, 
 
 
 def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
-    """Key splits for ``backend="cuda"``: among 1, 2, 4, 8 with chunks of at least
-    ``CUDA_MIN_CHUNK`` keys, the count whose CTAs (128-query tiles x heads x splits) fill the
-    SMs' waves best, the smallest on a tie (``frame.attention.prefix_splits``' rule; measured in
-    ``benchmarks/RESULTS.md``, ``prefix_attention.py``)."""
-    programs = -(-q_len // 128) * heads
-    sm_count = max(sm_count, 1)
-    best, best_fill = 1, 0.0
-    for n in (1, 2, 4, 8):
-        if n > 1 and keys < n * CUDA_MIN_CHUNK:
-            break
-        fill = programs * n / (-(-programs * n // sm_count) * sm_count)
-        if fill > best_fill + 1e-9:
-            best, best_fill = n, fill
-    return best
+    """Key splits for ``backend="cuda"``: ``frame.attention.wave_splits`` over 1, 2, 4, 8 with
+    chunks of at least ``CUDA_MIN_CHUNK`` keys (measured in ``benchmarks/RESULTS.md``,
+    ``prefix_attention.py``)."""
+    return wave_splits(q_len, heads, [n for n in (1, 2, 4, 8) if n == 1 or keys >= n * CUDA_MIN_CHUNK], sm_count)
 
 
 def _check_backend(backend, device, force_fp32: bool) -> None:
@@ -328,12 +319,11 @@ class FlashInferKVCacheManager:
                                 if kernels.frame_append_available(self.device) else None)
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
-        self._planned = None
+        self._planned = None  # what the last plan was made for (paged: page counters; cuda: and q rows)
         self._plan_done = None  # CUDA event recorded after the last plan() (paged backends)
         self._attend = {"sdpa": self._attend_sdpa, "cuda": self._attend_cuda,
                         "flashinfer": self._attend_flashinfer}.get(self.backend, self._attend_paged)
         self._prefix = kernels.PrefixAttention(self.device, num_heads, num_heads) if self.backend == "cuda" else None
-        self._prefix_planned = None  # (page counters, q rows) of the prefix plan
         self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if device.type == "cuda" else 0
         if self.backend.startswith("flashinfer-paged"):
             self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
@@ -571,10 +561,10 @@ class FlashInferKVCacheManager:
         # Planned once per frame step (the visible rows follow from the page counters), then
         # one launch per block over the whole buffers, of which rows [0, n) are read.
         step = (self._pages.c, q.shape[0])
-        if self._prefix_planned != step:
+        if self._planned != step:
             n = self._pages.visible_rows()
             self._prefix.plan(q.shape[0], n, cuda_splits(q.shape[0], self.num_heads, n, self._sms))
-            self._prefix_planned = step
+            self._planned = step
         return self._prefix.run(q.contiguous(), self._k[b], self._v[b])
 
     def _attend_flashinfer(self, b: int, q: torch.Tensor) -> torch.Tensor:
@@ -620,7 +610,7 @@ class FlashInferKVCacheManager:
         self._pages.reset()
         self.frame_count = [0] * self.num_blocks
         self._frame_open = False
-        self._planned = self._prefix_planned = None
+        self._planned = None
 
     # ---------------------------------------------------------------- durable state
     def state_dict(self) -> dict:
@@ -669,7 +659,7 @@ class FlashInferKVCacheManager:
         self._pages.version += 1
         self.frame_count = counts
         self._frame_open = False
-        self._planned = self._prefix_planned = None
+        self._planned = None
 
     def save(self, path) -> None:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""

@@ -148,19 +148,25 @@ def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
     return merge_partials(out, lse).astype(q.dtype)
 
 
-def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
-    """Key chunks for ``impl="pallas"``: the power of two (<= 16) whose programs
-    (128-query tiles x heads x chunks) fill the SMs' waves best, the smallest on a tie;
-    chunks stay whole 256-row blocks (rule measured in ``jaxkv.frame.tuning``)."""
+def wave_splits(q_len: int, q_heads: int, counts, sm_count: int) -> int:
+    """Of the key-split counts ``counts`` (ascending; 1 when none), the one whose programs
+    (128-query tiles x heads x splits) fill the SMs' waves best, the smallest on a tie: the rule
+    of the Pallas kernel (``prefix_splits``) and of the drop-in's CUDA kernel
+    (``torch_bridge.manager.cuda_splits``), which differ only in the counts they allow."""
     programs = -(-q_len // 128) * q_heads
+    sm_count = max(sm_count, 1)
     best, best_fill = 1, 0.0
-    for n in (1, 2, 4, 8, 16):
-        if rows % (n * 256):
-            break
+    for n in counts:
         fill = programs * n / (-(-programs * n // sm_count) * sm_count)
         if fill > best_fill + 1e-9:
             best, best_fill = n, fill
     return best
+
+
+def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
+    """Key chunks for ``impl="pallas"``: ``wave_splits`` over the powers of two <= 16 that
+    keep chunks whole 256-row blocks (rule measured in ``jaxkv.frame.tuning``)."""
+    return wave_splits(q_len, q_heads, [n for n in (1, 2, 4, 8, 16) if rows % (n * 256) == 0], sm_count)
 
 
 def default_impl(spec) -> str:
