@@ -204,53 +204,18 @@ def manager_table(args, seed_cls):
 MODEL_KEYS = ("pose_enc", "depth_conf")
 
 
-def stream_model(model, images, scale_frames, warm, interval, trace=None):
-    """A fresh manager (upstream builds it lazily at the first forward, from the class installed
-    now), the scale frames at once, then frame by frame synced per frame -> (timed ms list,
-    last frame's outputs, the manager, host ms per timed frame inside its calls). ``trace``: a ``torch.profiler.profile`` whose schedule
-    starts with the streamed frames, stepped after each."""
-    model.aggregator.kv_cache_manager = None
-    model.clean_kv_cache()
-    S, dev = images.shape[1], images.device
-    times = []
-    with torch.no_grad(), torch.amp.autocast(dev.type, dtype=torch.bfloat16), (trace or contextlib.nullcontext()):
-        torch.compiler.cudagraph_mark_step_begin()
-        model.forward(images[:, :scale_frames], num_frame_for_scale=scale_frames,
-                      num_frame_per_block=scale_frames, causal_inference=True)
-        sync(dev)
-        host = _time_manager_calls(model.aggregator.kv_cache_manager)
-        for i in range(scale_frames, S):
-            if i - scale_frames == warm:
-                host.clear()
-            key = interval <= 1 or (i - scale_frames) % interval == 0
-            if not key:
-                model._set_skip_append(True)
-            t0 = time.perf_counter()
-            torch.compiler.cudagraph_mark_step_begin()
-            out = model.forward(images[:, i:i + 1], num_frame_for_scale=scale_frames, num_frame_per_block=1,
-                                causal_inference=True)
-            sync(dev)
-            times.append((time.perf_counter() - t0) * 1e3)
-            if not key:
-                model._set_skip_append(False)
-            if trace is not None:
-                trace.step()
-    last = {k: out[k].float().clone() for k in MODEL_KEYS}
-    mgr = model.aggregator.kv_cache_manager
-    for name in MANAGER_CALLS:
-        mgr.__dict__.pop(name, None)
-    return times[warm:], last, mgr, sum(host.values()) / max(1, S - scale_frames - warm)
-
-
-def stream_in_turn(entries, images, scale_frames, warm, interval):
+def stream_in_turn(entries, images, scale_frames, warm, interval, trace=None):
     """``entries``: (name, model, install) with one model per manager. Each model streams the same
-    frames (a fresh manager from ``install``, the scale frames at once), then frame by frame in
-    turn, A-B then B-A, each frame synced, so that a drift of the host's speed or the GPU's
-    clocks reaches every manager alike -> {name: (timed ms list, last frame's outputs, manager,
-    host ms per timed frame inside the manager's calls)}."""
+    frames (a fresh manager from ``install``: upstream builds it lazily at the first forward; the
+    scale frames at once), then frame by frame in turn, A-B then B-A, each frame synced, so that
+    a drift of the host's speed or the GPU's clocks reaches every manager alike -> {name: (timed
+    ms list, last frame's outputs, manager, host ms per timed frame inside the manager's calls)}.
+    ``trace``: a ``torch.profiler.profile`` whose schedule starts with the streamed frames,
+    stepped after each frame of every entry."""
     S = images.shape[1]
     times, outs, hosts = {}, {}, {}
-    with torch.no_grad(), torch.amp.autocast(images.device.type, dtype=torch.bfloat16):
+    with torch.no_grad(), torch.amp.autocast(images.device.type, dtype=torch.bfloat16), \
+            (trace or contextlib.nullcontext()):
         for name, model, install in entries:
             with install():
                 model.aggregator.kv_cache_manager = None
@@ -277,6 +242,8 @@ def stream_in_turn(entries, images, scale_frames, warm, interval):
                     if not key:
                         model._set_skip_append(False)
                 outs[name] = {k: out[k].float().clone() for k in MODEL_KEYS} if i == S - 1 else None
+            if trace is not None:
+                trace.step()
     runs = {}
     for name, model, _ in entries:
         mgr = model.aggregator.kv_cache_manager
@@ -332,13 +299,13 @@ def model_table(args):
     for name in names:  # one model per manager, the same weights (the same seed)
         with installs[name]():
             models[name] = upstream.build(config, src, use_sdpa=False, perturb=0.0).cuda()
-            if args.compile:
-                # Upstream's RoPE fills its cos/sin table cache at first use. If that first use is
-                # inside a reduce-overhead graph, the cached table is CUDA-graph memory that the next
-                # replay overwrites ("accessing tensor output of CUDAGraphs that has been
-                # overwritten"): a few eager frames first, as upstream's demo effectively does.
-                stream_model(models[name], images[:, :sf + 2], sf, 0, 1)
-                upstream.compile_like_gct_profile(models[name])
+        if args.compile:
+            # Upstream's RoPE fills its cos/sin table cache at first use. If that first use is
+            # inside a reduce-overhead graph, the cached table is CUDA-graph memory that the next
+            # replay overwrites ("accessing tensor output of CUDAGraphs that has been
+            # overwritten"): a few eager frames first, as upstream's demo effectively does.
+            stream_in_turn([(name, models[name], installs[name])], images[:, :sf + 2], sf, 0, 1)
+            upstream.compile_like_gct_profile(models[name])
     runs = stream_in_turn([(name, models[name], installs[name]) for name in names], images, sf, args.model_warm,
                           args.keyframe_interval)
     rows = []
@@ -356,8 +323,7 @@ def model_table(args):
               f"{row['ms_per_frame_halves'][1]:.2f}), {h:.2f} ms of it in manager calls (host)", flush=True)
     if args.kernels:  # after the timed runs: the profiler slows the host
         for name, row in zip(names, rows):
-            with installs[name]():
-                row["gpu_ms"] = model_kernels(name, models[name], images, sf, args.keyframe_interval)
+            row["gpu_ms"] = model_kernels(name, models[name], installs[name], images, sf, args.keyframe_interval)
     print(f"\nGCTStream 518x378 bf16, {sf} scale frames, {args.model_warm} warm + {args.model_iters} timed frames, "
           f"keyframe_interval {args.keyframe_interval}{', compiled' if args.compile else ''}")
     print(f"{'manager':<36} {'ms/frame':>9} {'vs A':>6} {'manager host ms':>15} {'GPU ms':>7}  "
@@ -371,7 +337,7 @@ def model_table(args):
     return rows
 
 
-def model_kernels(name, model, images, sf, interval, frames=5):
+def model_kernels(name, model, install, images, sf, interval, frames=5):
     """GPU kernel time of the last ``frames`` streamed frames, by kernel, against their wall
     time: where wall > kernels, the host (Python, launches) is what the frame waits for."""
     from torch.profiler import ProfilerActivity, profile as tprofile, schedule
@@ -381,8 +347,7 @@ def model_kernels(name, model, images, sf, interval, frames=5):
     prof = tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                     schedule=schedule(wait=steps - frames - 1, warmup=1, active=frames),
                     on_trace_ready=lambda p: done.append(p.key_averages()))
-    t, _, mgr, _ = stream_model(model, images, sf, steps - frames, interval, trace=prof)
-    del mgr
+    t = stream_in_turn([(name, model, install)], images, sf, steps - frames, interval, trace=prof)[name][0]
     torch.cuda.empty_cache()
     ka = done[-1]
     gpu = sorted((e for e in ka if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")),
