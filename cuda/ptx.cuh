@@ -1,6 +1,6 @@
 // PTX wrappers the attention kernels share (pool_attention.cu, prefix_attention.cu): shared
-// addresses, cp.async, the 128-byte-swizzle tile layout, and on sm_90a the wgmma fences and
-// shared-memory descriptor.
+// addresses, cp.async, the 128-byte-swizzle tile layout, and on sm_90a the wgmma fences,
+// shared-memory descriptors, mbarriers and named barriers.
 #pragma once
 
 #include <cstdint>
@@ -43,15 +43,43 @@ __device__ __forceinline__ uint32_t swz(int r, int c) {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // wgmma shared-memory descriptor of a 128-byte-swizzled operand at ``addr`` whose 8-row groups
-// are 1024 B apart (K-major: rows are M / N; N-major: rows are K); the leading offset is unused (1).
-__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr) {
-  return ((addr & 0x3FFFF) >> 4) | (1ull << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
+// are 1024 B apart (K-major: rows are M / N; N-major: rows are K). ``group_bytes``: for an
+// N-major operand wider than 64, the distance between its 64-column groups (``swz``: 8 KiB);
+// unused otherwise.
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t group_bytes = 16) {
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(group_bytes >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (1ull << 62);
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // this thread's shared-memory writes (generic proxy) -> visible to wgmma's reads (async proxy)
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// mbarriers (arrival counts, phase parity) and named barriers between warpgroups
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// the arrival of this thread's cp.asyncs so far, counted when they land
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
 #endif
 
 }  // namespace jaxkv
