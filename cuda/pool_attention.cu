@@ -4,25 +4,28 @@
 // split's normalized partial and its base-2 log-sum-exp, merged with the sink by XLA
 // (jaxkv.kernels.pool_attention: shapes, reference, the merge).
 //
-// One CTA of 8 warps (2 warpgroups) per (query row, 64 heads, key split), 1 CTA per SM
-// (176 KiB of shared memory). Per block of 64 key rows:
-//   1. the raw row bytes (576 B of codes + rope, the scale bytes) arrive by cp.async into a
-//      staging buffer, issued one block ahead so the loads overlap the previous block's math;
-//   2. all threads dequantize the block into a BF16 K tile (f32 product, round to BF16: the
-//      bytes of jaxkv.formats' decoders) in the wgmma 128-byte-swizzle layout (``swz``);
-//   3. S = Q K^T: warpgroup h takes keys 32 h.. with wgmma m64n32k16 straight from shared
-//      memory (sm_90a; mma.sync on other archs); the online softmax (base 2) shares row maxima,
-//      the row rescales and P (bf16) through shared memory;
-//   4. O = alpha O + P V with mma.sync: warp w owns output dims 64 w.. of all 64 heads, so V
-//      (K read transposed) and P are each read from shared memory once per warp.
-// Rows past a block's count, and ids outside their pool, are zero-filled and masked: no read
-// outside a pool. Deterministic: a fixed order of every sum.
+// Hopper (sm_90a), warp-specialized: one CTA of 3 warpgroups per (query row, 64 heads, key
+// split), 1 CTA per SM (about 205 KiB of shared memory: Q, two BF16 K stages, P).
+//   * the producer warpgroup loads a block's raw row bytes (576 B of codes + rope, the scale
+//     bytes) into registers one block ahead, dequantizes them into a free BF16 K stage (the
+//     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
+//     signals the stage's mbarrier;
+//   * warpgroup 0: S = Q K^T by wgmma m64n64k16 (Q and K from shared memory), the online
+//     softmax over whole rows in registers (base 2), P to shared memory for warpgroup 1, then
+//     O[:, :256] = alpha O + P V with P from registers (m64n256k16);
+//   * warpgroup 1: O[:, 256:] = alpha O + P V with P from shared memory. V is the same K stage
+//     read N-major (transposed): the dequantized tile is both operands.
+// So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
+// block j. What bounds it is the gather: on an H100 a block's 37 KB of scattered rows take
+// about 4.5 us to arrive, the consumers' products about 2 us (benchmarks/RESULTS.md). Rows
+// past a block's count, and ids outside their pool, are zero-filled and masked: no read
+// outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
+// setmaxnreg); the launcher refuses other devices.
 // Why CUDA and not Mosaic GPU: a block's rows are scattered over the pool and Mosaic GPU has
 // no per-thread gather; per-row TMAs cost more than the math (kernels.pool_attention).
 
 #include <cstdint>
 #include <cuda_bf16.h>
-#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include "codes.cuh"
@@ -34,24 +37,24 @@ namespace jaxkv {
 namespace {
 
 constexpr int kBlock = 64;                 // keys per block; heads per CTA
-constexpr int kWarps = 8;
-constexpr int kThreads = 32 * kWarps;
+constexpr int kThreads = 384;              // warpgroups: 0 and 1 consume, 2 produces
+constexpr int kStages = 2;                 // BF16 K stages in flight
 constexpr int kChunks = kHeadDim / 8;      // 16-byte BF16 chunks of a row (64)
 constexpr int kCodeChunks = kNope / 16;    // 16-byte FP8 chunks of a row (28)
 constexpr int kRawChunks = kOffData / 16;  // codes + rope (36)
-constexpr int kRopeChunks = kRawChunks - kCodeChunks;
-constexpr int kScaleBytes = kOffScales;    // staged scale bytes per row (8; per_entry uses 4)
+constexpr int kPerThread = kRawChunks / 4; // chunks a producer thread loads per row (9)
 constexpr int kMaxParts = 3;
 constexpr int kMaxBlocks = 128;
-static_assert(kRawChunks * 16 == kOffData && kRopeChunks == 8 && kThreads == 4 * kBlock, "layout");
+static_assert(kRawChunks == 4 * kPerThread && kCodeChunks == 4 * (kNope / kTile) && kHeadDim == 2 * 256, "layout");
 
 // shared memory, bytes
-constexpr int kQBytes = kBlock * kHeadDim * 2;
-constexpr int kKBytes = kBlock * kHeadDim * 2;
-constexpr int kRawBytes = kBlock * kOffData;
+constexpr int kTileBytes = kBlock * kHeadDim * 2;  // a BF16 [64, 512] tile: Q, a K stage
 constexpr int kPBytes = kBlock * kBlock * 2;
-constexpr int kSmem = 1024 + kQBytes + kKBytes + kRawBytes + kBlock * kScaleBytes + kPBytes + 5 * kBlock * 4 +
-                      2 * kBlock + 2 * kMaxBlocks * 4 + 16;
+constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 2 * kBlock * 4 + kStages * kBlock +
+                      2 * kMaxBlocks * 4 + 16 + 2 * kStages * 8;
+// registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
+constexpr int kRegs0 = 208, kRegs2 = 128;
+constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3;  // named barriers (0 is __syncthreads)
 
 struct Part {
   const uint8_t* pool;  // u8[blocks, bs * E]
@@ -71,169 +74,238 @@ struct AttnArgs {
   float c;                 // softmax scale * log2(e)
 };
 
-// ---- PTX (the rest is ptx.cuh) --------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-// d += a b: a bf16[16, 16] (row), b bf16[16, 8] (col), d f32[16, 8]
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXKV_POOL_SM90 1
+// d (+)= a b^T for one warpgroup: a bf16[64, 16], b bf16[64, 16] (K-major in shared memory), d f32[64, 64]
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // sm_90a: S = Q K^T by wgmma
-#define JAXKV_WGMMA 1
-// d (+)= a b^T for one warpgroup: a bf16[64, 16], b bf16[32, 16] (both K-major in shared
-// memory), d f32[64, 32] in the mma.sync C layout per 8 columns (warp w of the group: rows 16 w..)
-__device__ __forceinline__ void wgmma_64x32(float (&d)[4][4], uint64_t a, uint64_t b, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]),
-        "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]),
-        "+f"(d[3][2]), "+f"(d[3][3])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
       : "l"(a), "l"(b), "r"(accumulate));
 }
-#endif
-
-// S = Q K^T for warpgroup h: heads 16 g + (rows of this thread), keys 32 h.. (C layout per 8 keys)
-__device__ __forceinline__ void qk_block(float (&S)[4][4], uint32_t q_s, uint32_t k_s, int g, int h, int lane) {
-#ifdef JAXKV_WGMMA
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    const uint32_t off = (kk >> 2) * (kBlock * 128) + (kk & 3) * 32;
-    wgmma_64x32(S, wgmma_desc(q_s + off), wgmma_desc(k_s + off + h * 32 * 128), kk > 0);
-  }
-  wgmma_commit();
-  wgmma_wait();
-#else  // other archs: mma.sync, operands by ldmatrix
-#pragma unroll
-  for (int i = 0; i < 4; ++i) S[i][0] = S[i][1] = S[i][2] = S[i][3] = 0.f;
-#pragma unroll 4
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    uint32_t qa[4];
-    ldmatrix_x4(qa, q_s + swz(16 * g + (lane & 15), 2 * kk + (lane >> 4)));
-#pragma unroll
-    for (int np = 0; np < 2; ++np) {
-      uint32_t kb[4];
-      ldmatrix_x4(kb, k_s + swz(32 * h + 16 * np + (lane & 7) + ((lane >> 4) << 3), 2 * kk + ((lane >> 3) & 1)));
-      mma(S[2 * np], qa, kb[0], kb[1]);
-      mma(S[2 * np + 1], qa, kb[2], kb[3]);
-    }
-  }
-#endif
+// d += a b for one warpgroup: a bf16[64, 16] in registers (the accumulator layout), b bf16[16, 256]
+// N-major in shared memory (4 column groups), d f32[64, 256]
+__device__ __forceinline__ void wgmma_rs_n256(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// d += a b for one warpgroup: a bf16[64, 16] K-major and b bf16[16, 256] N-major, both in shared memory
+__device__ __forceinline__ void wgmma_ss_n256(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(a), "l"(b));
 }
 
-// ---- the block pipeline ---------------------------------------------------------------------
-// Issue the raw bytes of list block ``b`` into staging: thread t owns row t / 4 and its
-// chunks t % 4 + 4 k. ok[r]: row r is a real key of this block.
-__device__ __forceinline__ void issue_block(const AttnArgs& a, int64_t n, int b, int nv, uint8_t* raw,
-                                            uint8_t* scales, uint8_t* ok) {
-  const int t = threadIdx.x, r = t >> 2, q4 = t & 3;
+// ---- the producer ---------------------------------------------------------------------------
+// The producer loads block j + 1's raw rows into registers right after storing block j, so
+// the loads fly while the consumers work on block j. Producer thread t (of 128) owns rows
+// t / 4 and 32 + t / 4 of a block and their 16-byte chunks t % 4 + 4 k (k < 9: 7 of codes, then
+// 2 of rope): a warp reads 64 contiguous bytes of each of 8 rows per load, and its 16-byte
+// stores into the swizzled tile spread evenly over the bank groups. (Landing the rows by
+// cp.async in the free stage instead, to hold no registers, measured 14% slower: the loads
+// can then only start once the consumers free the stage, RESULTS.md.)
+struct RawRows {
+  uint4 v[2][kPerThread];  // the chunks
+  uint2 s[2];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
+};
+
+// 16 bytes of a pool row, not kept in L1 (read once), fetched into L2 by 256 B (a row is 576 B)
+__device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, int nv, RawRows& raw, bool (&ok)[2]) {
+  const int t = threadIdx.x & 127, q4 = t & 3;
   int p = 0;
 #pragma unroll
   for (int i = 0; i < kMaxParts - 1; ++i) p += b >= a.part[i].end;
   const Part P = a.part[p];
-  const int id = __ldg(a.rows + (n * a.nb + b) * kBlock + r);
-  const bool valid = r < nv && id >= 0 && id < P.items;
-  const int64_t blk = valid ? id / P.bs : 0;
-  const int sl = valid ? id % P.bs : 0;
   const bool official = a.storage == kOfficial;
-  const uint8_t* base = P.pool + blk * P.bs * entry_bytes(a.storage);
-  const uint8_t* codes = base + sl * (official ? kOffData : kPeCodes);
-  const uint8_t* rope = official ? codes + kNope : base + P.bs * kPeCodes + sl * kPeRope;
-  const uint32_t dst = smem_addr(raw + r * kOffData);
 #pragma unroll
-  for (int k = 0; k < kRawChunks / 4; ++k) {
-    const int c = q4 + 4 * k;
-    cp_async<16>(dst + 16 * c, c < kCodeChunks ? codes + 16 * c : rope + 16 * (c - kCodeChunks), valid);
-  }
-  if (q4 == 0) {
-    const uint8_t* s = base + P.bs * kOffData + sl * (official ? kOffScales : kPeScale);
-    if (official)
-      cp_async<8>(smem_addr(scales + r * kScaleBytes), s, valid);
-    else
-      cp_async<4>(smem_addr(scales + r * kScaleBytes), s, valid);
-  } else if (q4 == 1) {
-    ok[r] = valid;
-  }
-}
-
-// staging -> the BF16 K tile (swizzled)
-__device__ __forceinline__ void dequant_block(const uint8_t* raw, const uint8_t* scales, uint8_t* K, bool official) {
-  const int t = threadIdx.x, r = t >> 2, q4 = t & 3;
-  const uint8_t* row = raw + r * kOffData;
-  const float per_entry = official ? 0.f : *reinterpret_cast<const float*>(scales + r * kScaleBytes);
+  for (int h = 0; h < 2; ++h) {
+    const int r = 32 * h + (t >> 2);
+    const int id = __ldg(a.rows + (n * a.nb + b) * kBlock + r);
+    const bool valid = r < nv && id >= 0 && id < P.items;
+    const int64_t blk = valid ? id / P.bs : 0;
+    const int sl = valid ? id % P.bs : 0;
+    const uint8_t* base = P.pool + blk * P.bs * entry_bytes(a.storage);
+    const uint8_t* codes = base + sl * (official ? kOffData : kPeCodes);
+    const uint8_t* rope = official ? codes + kNope : base + P.bs * kPeCodes + sl * kPeRope;
+    const uint8_t* sc = base + P.bs * kOffData + sl * (official ? kOffScales : kPeScale);
 #pragma unroll
-  for (int k = 0; k < kCodeChunks / 4; ++k) {
-    const int c = q4 + 4 * k;
-    const uint4 v = *reinterpret_cast<const uint4*>(row + 16 * c);
-    const float s = official ? e8m0_value(scales[r * kScaleBytes + c / (kTile / 16)]) : per_entry;
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    uint32_t o[8];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __half2_raw hr =
-            __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[i] >> (16 * h)), __NV_E4M3);
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
-        o[2 * i + h] = pack_bf16(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
-      }
+    for (int k = 0; k < kPerThread; ++k) {
+      const int c = q4 + 4 * k;
+      raw.v[h][k] = valid ? ld_row16(k < kCodeChunks / 4 ? codes + 16 * c : rope + 16 * (c - kCodeChunks)) : make_uint4(0, 0, 0, 0);
     }
-    *reinterpret_cast<uint4*>(K + swz(r, 2 * c)) = make_uint4(o[0], o[1], o[2], o[3]);
-    *reinterpret_cast<uint4*>(K + swz(r, 2 * c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
-  }
-#pragma unroll
-  for (int k = 0; k < kRopeChunks / 4; ++k) {
-    const int c = q4 + 4 * k;
-    *reinterpret_cast<uint4*>(K + swz(r, 2 * kCodeChunks + c)) =
-        *reinterpret_cast<const uint4*>(row + 16 * (kCodeChunks + c));
+    raw.s[h] = !valid ? make_uint2(0, 0)
+               : official ? __ldg(reinterpret_cast<const uint2*>(sc))
+                          : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
+    ok[h] = valid;
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a) {
+// 2 FP8 E4M3 codes (bytes ``sel`` picks: 0x1404 the low two, 0x3424 the high two of ``w``) ->
+// their exact values as a bf16x2 word, with integer ops and one bf16 multiply instead of the
+// conversion instructions (whose pipe runs at a quarter of the ALU's rate; it bounded the
+// dequantization). A code's magnitude bits set as a bf16's exponent and mantissa (bits 10..4)
+// read as value * 2^-120, subnormal codes included; the multiply by 2^120 is exact. The NaN
+// codes 0x7F / 0xFF, which the encoder never writes, come out as +-480.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));  // + (-0): exact x * y
+  return d;
+}
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, uint32_t sel) {
+  const uint32_t t = __byte_perm(w, 0, sel);  // the two codes at bits 8..15 and 24..31
+  return bf16x2_mul(((t & 0x7F007F00u) >> 4) | (t & 0x80008000u), 0x7B807B80u);  // * 2^120
+}
+// a UE8M0 byte as a bf16x2 pair of its power of two (0xFF: NaN; 0: 2^-127, a bf16 subnormal)
+__device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
+  const uint32_t h = e == 0xFF ? 0x7FC0u : e == 0 ? 0x0040u : e << 7;
+  return h | (h << 16);
+}
+
+// the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
+// times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
+// is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
+// smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
+__device__ __forceinline__ void store_rows(const RawRows& raw, const bool (&valid)[2], uint8_t* K, uint8_t* ok,
+                                           bool official) {
+  const int t = threadIdx.x & 127, q4 = t & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = 32 * h + (t >> 2);
+#pragma unroll
+    for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
+      const int c = q4 + 4 * k;
+      const uint32_t w[4] = {raw.v[h][k].x, raw.v[h][k].y, raw.v[h][k].z, raw.v[h][k].w};
+      uint32_t o[8];
+      if (official) {
+        const uint32_t s2 = e8m0_bf16x2(((k < 4 ? raw.s[h].x : raw.s[h].y) >> (8 * (k & 3))) & 0xFF);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x1404), s2);
+          o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x3424), s2);
+        }
+      } else {
+        const float s = __uint_as_float(raw.s[h].x);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t x = e4m3x2_to_bf16x2(w[i], e ? 0x3424 : 0x1404);
+            o[2 * i + e] = pack_bf16(__fmul_rn(__uint_as_float(x << 16), s), __fmul_rn(__uint_as_float(x & 0xFFFF0000u), s));
+          }
+        }
+      }
+      *reinterpret_cast<uint4*>(K + swz(r, 2 * c)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(K + swz(r, 2 * c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+#pragma unroll
+    for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
+      const int c = q4 + 4 * k;
+      *reinterpret_cast<uint4*>(K + swz(r, c + kCodeChunks)) = raw.v[h][k];
+    }
+    if (q4 == 0) ok[r] = valid[h];
+  }
+}
+#endif  // sm_90a
+
+__global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
+#ifdef JAXKV_POOL_SM90
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need 1024-byte alignment (the swizzle reads address bits 7..9)
   uint8_t* Q = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // bf16[64, 512]; the output at the end
-  uint8_t* K = Q + kQBytes;                             // bf16[64, 512] swizzled
-  uint8_t* raw = K + kKBytes;                           // u8[64, 576]
-  uint8_t* scales = raw + kRawBytes;                    // u8[64, 8]
-  uint8_t* P = scales + kBlock * kScaleBytes;           // bf16[64, 64] swizzled
-  float* red_max = reinterpret_cast<float*>(P + kPBytes);  // f32[2, 64]
-  float* red_sum = red_max + 2 * kBlock;                // f32[2, 64]
-  float* alpha_s = red_sum + 2 * kBlock;                // f32[64] the block's rescale of each row
-  uint8_t* ok = reinterpret_cast<uint8_t*>(alpha_s + kBlock);  // u8[2, 64]
-  int* nv_s = reinterpret_cast<int*>(ok + 2 * kBlock);  // i32[128]
-  int* list = nv_s + kMaxBlocks;                        // i32[128] non-empty blocks, in order
+  uint8_t* Ks = Q + kTileBytes;                          // bf16[stages][64, 512] swizzled
+  uint8_t* P = Ks + kStages * kTileBytes;                // bf16[64, 64] swizzled
+  float* alpha_s = reinterpret_cast<float*>(P + kPBytes);  // f32[64] the block's rescale of each row
+  float* sum_s = alpha_s + kBlock;                       // f32[64] row sums, for warpgroup 1's epilogue
+  uint8_t* ok = reinterpret_cast<uint8_t*>(sum_s + kBlock);  // u8[stages][64] real keys of each stage
+  int* nv_s = reinterpret_cast<int*>(ok + kStages * kBlock);  // i32[128]
+  int* list = nv_s + kMaxBlocks;                         // i32[128] non-empty blocks, in order
   int* total_s = list + kMaxBlocks;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full[stages], free[stages]
+  const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages;
 
-  const int t = threadIdx.x, lane = t & 31, warp = t >> 5, g = warp & 3, h = warp >> 2;
+  const int t = threadIdx.x, lane = t & 31, warp = t >> 5, wg = t >> 7;
   const int64_t n = blockIdx.x;
   const int hg = blockIdx.y, split = blockIdx.z;
   const bool official = a.storage == kOfficial;
 
-  // Q (64 heads) -> shared, async
+  // Q (64 heads) -> shared, by every thread; the non-empty blocks, in order (warp 0: a ballot per 32)
   const __nv_bfloat16* qn = a.q + (n * a.heads + hg * kBlock) * kHeadDim;
   for (int i = t; i < kBlock * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
-    cp_async<16>(smem_addr(Q + swz(r, c)), qn + r * kHeadDim + 8 * c, true);
+    *reinterpret_cast<uint4*>(Q + swz(r, c)) = __ldg(reinterpret_cast<const uint4*>(qn + r * kHeadDim + 8 * c));
   }
-  // the non-empty blocks, in order (warp 0: a ballot per 32)
+  fence_async_smem();
   if (t < a.nb) nv_s[t] = min(max(__ldg(a.nvalid + n * a.nb + t), 0), kBlock);
+  if (t == 32) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + 8 * s, 128);
+      mbar_init(free_ + 8 * s, 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   __syncthreads();
   if (warp == 0) {
     int count = 0;
@@ -249,156 +321,172 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(AttnArgs a)
   __syncthreads();
   const int total = *total_s;
   const int per = (total + a.splits - 1) / a.splits;
-  const int j0 = min(split * per, total), j1 = min(j0 + per, total);
+  const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
 
-  if (j0 < j1) issue_block(a, n, list[j0], nv_s[list[j0]], raw, scales, ok);
-  cp_async_commit();
+  if (wg == 2) {  // the producer
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
+    RawRows raw;
+    bool okr[2] = {false, false};
+    if (blocks > 0) load_rows(a, n, list[j0], nv_s[list[j0]], raw, okr);
+    for (int i = 0; i < blocks; ++i) {
+      const int s = i % kStages;
+      mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
+      store_rows(raw, okr, Ks + s * kTileBytes, ok + s * kBlock, official);
+      fence_async_smem();
+      mbar_arrive(full + 8 * s);
+      if (i + 1 < blocks) load_rows(a, n, list[j0 + i + 1], nv_s[list[j0 + i + 1]], raw, okr);
+    }
+    return;
+  }
 
-  // Roles: for S = Q K^T and the softmax, warpgroup h takes keys 32 h.. and its warp g heads
-  // 16 g.. (rows row0, row0 + 8 of this thread); for O += P V, warp w takes output dims 64 w..
-  // of all 64 heads (rows 16 mt + lane / 4 (+ 8)).
-  float O[4][8][4];
+  // consumers: warp w of warpgroup wg holds rows (heads) 16 (w % 4) + lane / 4 (+ 8) of the
+  // accumulators; O: output dims 256 wg + 8 j + 2 (lane % 4) (+ 1) in O[4 j ..]
+  const int row0 = 16 * (warp & 3) + (lane >> 2);
+  const uint32_t q_s = smem_addr(Q), k_s = smem_addr(Ks), p_s = smem_addr(P);
+  float O[128];
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) O[mt][nt][0] = O[mt][nt][1] = O[mt][nt][2] = O[mt][nt][3] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  const uint32_t q_s = smem_addr(Q), k_s = smem_addr(K), p_s = smem_addr(P);
-  const int row0 = 16 * g + (lane >> 2);
+  for (int i = 0; i < 128; ++i) O[i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-  for (int j = j0; j < j1; ++j) {
-    cp_async_wait_all();
-    __syncthreads();  // block j (and Q) landed; the previous block's reads of K and P are done
-    dequant_block(raw, scales, K, official);
-#ifdef JAXKV_WGMMA
-    fence_async_smem();  // K (and Q) written by this thread -> visible to wgmma's reads
-#endif
-    __syncthreads();     // K ready; staging free
-    if (j + 1 < j1) issue_block(a, n, list[j + 1], nv_s[list[j + 1]], raw, scales, ok + kBlock * ((j + 1 - j0) & 1));
-    cp_async_commit();
-    const uint8_t* okj = ok + kBlock * ((j - j0) & 1);
-
-    float S[4][4];
-    qk_block(S, q_s, k_s, g, h, lane);
-    // online softmax over the block's 64 keys (base 2), maxima shared with the other warpgroup
-    float mx[2] = {-INFINITY, -INFINITY};
+  if (wg == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs0));
+    for (int i = 0; i < blocks; ++i) {
+      const int s = i % kStages;
+      const uint32_t ks = k_s + s * kTileBytes;
+      mbar_wait(full + 8 * s, (i / kStages) & 1);
+      float S[32];
+      wgmma_fence();
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool kept = okj[32 * h + 8 * nt + 2 * (lane & 3) + e];
-        S[nt][e] = kept ? S[nt][e] * a.c : -INFINITY;
-        S[nt][2 + e] = kept ? S[nt][2 + e] * a.c : -INFINITY;
-        mx[0] = fmaxf(mx[0], S[nt][e]);
-        mx[1] = fmaxf(mx[1], S[nt][2 + e]);
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint32_t off = (kk >> 2) * (kBlock * 128) + (kk & 3) * 32;
+        wgmma_ss_n64(S, wgmma_desc(q_s + off), wgmma_desc(ks + off), kk > 0);
       }
-    }
+      wgmma_commit();
+      wgmma_wait();
+      // the online softmax over the block's 64 keys (base 2): whole rows in this warpgroup
+      const uint8_t* okb = ok + s * kBlock;
+      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+      for (int j = 0; j < 8; ++j) {
+        const int col = 8 * j + 2 * (lane & 3);
+        if (!okb[col]) S[4 * j] = S[4 * j + 2] = -INFINITY;
+        if (!okb[col + 1]) S[4 * j + 1] = S[4 * j + 3] = -INFINITY;
+        mx[0] = fmaxf(mx[0], fmaxf(S[4 * j], S[4 * j + 1]));
+        mx[1] = fmaxf(mx[1], fmaxf(S[4 * j + 2], S[4 * j + 3]));
+      }
+      float base_[2], alpha[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+        const float mn = fmaxf(m[h], mx[h] * a.c);
+        base_[h] = mn == -INFINITY ? 0.f : mn;
+        alpha[h] = ex2(m[h] - base_[h]);
+        m[h] = mn;
+      }
+      uint32_t Pr[4][4];  // P as wgmma's A operand: [k step][fragment]
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float p0 = ex2(fmaf(S[4 * j], a.c, -base_[0])), p1 = ex2(fmaf(S[4 * j + 1], a.c, -base_[0]));
+        const float p2 = ex2(fmaf(S[4 * j + 2], a.c, -base_[1])), p3 = ex2(fmaf(S[4 * j + 3], a.c, -base_[1]));
+        sum[0] += p0 + p1;
+        sum[1] += p2 + p3;
+        Pr[j >> 1][(j & 1) * 2] = pack_bf16(p0, p1);
+        Pr[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+      // P and the row rescales -> warpgroup 1, once it is done with the previous block's
+      bar_sync(kBarPFree, 256);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t col = 4 * (lane & 3);
+        *reinterpret_cast<uint32_t*>(P + swz(row0, j) + col) = Pr[j >> 1][(j & 1) * 2];
+        *reinterpret_cast<uint32_t*>(P + swz(row0 + 8, j) + col) = Pr[j >> 1][(j & 1) * 2 + 1];
+      }
+      if ((lane & 3) == 0) {
+        alpha_s[row0] = alpha[0];
+        alpha_s[row0 + 8] = alpha[1];
+      }
+      fence_async_smem();
+      bar_arrive(kBarP, 256);
+      // O[:, :256] = alpha O + P V
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        O[4 * j] *= alpha[0];
+        O[4 * j + 1] *= alpha[0];
+        O[4 * j + 2] *= alpha[1];
+        O[4 * j + 3] *= alpha[1];
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < kBlock / 16; ++kc) wgmma_rs_n256(O, Pr[kc], wgmma_desc(ks + kc * 2048, 8192));
+      wgmma_commit();
+      wgmma_wait();
+      mbar_arrive(free_ + 8 * s);
     }
+    bar_sync(kBarPFree, 256);  // warpgroup 1's last hand-back
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
     if ((lane & 3) == 0) {
-      red_max[h * kBlock + row0] = mx[0];
-      red_max[h * kBlock + row0 + 8] = mx[1];
-    }
-    __syncthreads();
-    float use[2];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float m_new = fmaxf(m_run[i], fmaxf(mx[i], red_max[(1 - h) * kBlock + row0 + 8 * i]));
-      use[i] = m_new == -INFINITY ? 0.f : m_new;
-      const float alpha = ex2(m_run[i] - use[i]);
-      m_run[i] = m_new;
-      l_run[i] *= alpha;
-      if (h == 0 && (lane & 3) == 0) alpha_s[row0 + 8 * i] = alpha;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-      float p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        p[e] = ex2(S[nt][e] - use[e >> 1]);
-        l_run[e >> 1] += p[e];
-      }
-      const uint32_t col = 4 * (lane & 3);
-      *reinterpret_cast<uint32_t*>(P + swz(row0, 4 * h + nt) + col) = pack_bf16(p[0], p[1]);
-      *reinterpret_cast<uint32_t*>(P + swz(row0 + 8, 4 * h + nt) + col) = pack_bf16(p[2], p[3]);
-    }
-    __syncthreads();  // P and the row rescales complete
-    // O = alpha O + P V: warp w, output dims 64 w.. (mma.sync; V is K read transposed)
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const float a0 = alpha_s[16 * mt + (lane >> 2)], a1 = alpha_s[16 * mt + (lane >> 2) + 8];
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        O[mt][nt][0] *= a0;
-        O[mt][nt][1] *= a0;
-        O[mt][nt][2] *= a1;
-        O[mt][nt][3] *= a1;
+      for (int h = 0; h < 2; ++h) {
+        sum_s[row0 + 8 * h] = l[h];
+        a.lse[orow + row0 + 8 * h] = l[h] > 0.f ? m[h] + __log2f(l[h]) : -INFINITY;
       }
     }
+  } else {  // warpgroup 1
+    bar_arrive(kBarPFree, 256);
+    for (int i = 0; i < blocks; ++i) {
+      const int s = i % kStages;
+      const uint32_t ks = k_s + s * kTileBytes;
+      mbar_wait(full + 8 * s, (i / kStages) & 1);
+      bar_sync(kBarP, 256);
+      const float a0 = alpha_s[row0], a1 = alpha_s[row0 + 8];
 #pragma unroll
-    for (int ks = 0; ks < kBlock / 16; ++ks) {
-      uint32_t pa[4][4];
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt) ldmatrix_x4(pa[mt], p_s + swz(16 * mt + (lane & 15), 2 * ks + (lane >> 4)));
-#pragma unroll
-      for (int dp = 0; dp < 4; ++dp) {
-        uint32_t vb[4];
-        ldmatrix_x4_trans(vb, k_s + swz(16 * ks + (lane & 7) + (((lane >> 3) & 1) << 3), 8 * warp + 2 * dp + (lane >> 4)));
-#pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
-          mma(O[mt][2 * dp], pa[mt], vb[0], vb[1]);
-          mma(O[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
-        }
+      for (int j = 0; j < 32; ++j) {
+        O[4 * j] *= a0;
+        O[4 * j + 1] *= a0;
+        O[4 * j + 2] *= a1;
+        O[4 * j + 3] *= a1;
       }
+      wgmma_fence();
+#pragma unroll
+      for (int kc = 0; kc < kBlock / 16; ++kc)
+        wgmma_ss_n256(O, wgmma_desc(p_s + kc * 32), wgmma_desc(ks + 4 * 8192 + kc * 2048, 8192));
+      wgmma_commit();
+      wgmma_wait();
+      bar_arrive(kBarPFree, 256);
+      mbar_arrive(free_ + 8 * s);
     }
   }
-  cp_async_wait_all();  // Q, when no block ran
 
-  // epilogue: row sums over both key halves; the normalized output through shared memory
+  // epilogue: the normalized output through shared memory (Q's tile: its last reader is done)
+  bar_sync(kBarOut, 256);  // the row sums are in sum_s
+  float inv[2];
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 1);
-    l_run[i] += __shfl_xor_sync(0xffffffffu, l_run[i], 2);
+  for (int h = 0; h < 2; ++h) {
+    const float s = sum_s[row0 + 8 * h];
+    inv[h] = s > 0.f ? 1.f / s : 0.f;
   }
-  if ((lane & 3) == 0) {
-    red_sum[h * kBlock + row0] = l_run[0];
-    red_sum[h * kBlock + row0 + 8] = l_run[1];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    const int chunk = 32 * wg + j;  // 8 output dims per chunk
+    const uint32_t col = 4 * (lane & 3);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0, chunk) + col) = pack_bf16(O[4 * j] * inv[0], O[4 * j + 1] * inv[0]);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0 + 8, chunk) + col) =
+        pack_bf16(O[4 * j + 2] * inv[1], O[4 * j + 3] * inv[1]);
   }
-  __syncthreads();
+  bar_sync(kBarOut, 256);
   const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
-  if (h == 0 && (lane & 3) == 0) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = row0 + 8 * i;
-      const float l = red_sum[r] + red_sum[kBlock + r];
-      a.lse[orow + r] = l > 0.f ? m_run[i] + __log2f(l) : -INFINITY;
-    }
-  }
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt) {
-    float inv[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = 16 * mt + (lane >> 2) + 8 * i;
-      const float l = red_sum[r] + red_sum[kBlock + r];
-      inv[i] = l > 0.f ? 1.f / l : 0.f;
-    }
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      const int r = 16 * mt + (lane >> 2);
-      const uint32_t col = 4 * (lane & 3);
-      *reinterpret_cast<uint32_t*>(Q + swz(r, 8 * warp + nt) + col) = pack_bf16(O[mt][nt][0] * inv[0], O[mt][nt][1] * inv[0]);
-      *reinterpret_cast<uint32_t*>(Q + swz(r + 8, 8 * warp + nt) + col) =
-          pack_bf16(O[mt][nt][2] * inv[1], O[mt][nt][3] * inv[1]);
-    }
-  }
-  __syncthreads();
   uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
-  for (int i = t; i < kBlock * kChunks; i += kThreads)
+  for (int i = t; i < kBlock * kChunks; i += 256)
     out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
+#endif
 }
 
 }  // namespace
@@ -448,6 +536,10 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   a.storage = storage;
   a.c = scale * 1.4426950408889634f;
   if (N == 0) return ffi::Error::Success();
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  if (major != 9) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
   cudaFuncSetAttribute(pool_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   pool_attention_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem,
                           stream>>>(a);

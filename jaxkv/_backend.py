@@ -18,7 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why. An old name in
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
-| ``hybrid.attention`` | xla, pallas, cuda | cuda on a GPU with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla |
+| ``hybrid.attention`` | xla, pallas, cuda | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla |
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, 
 
 
 def _pool_cuda_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, **_) -> str | None:
-    if not heads % 64 == block_size % 32 == window % 32 == 0:
-        return (f"expected heads a multiple of 64, block_size and window multiples of 32, got {heads} heads, "
-                f"block_size {block_size}, window {window}")
-    return _cuda_missing()
+    why = _hopper_and("heads a multiple of 64, block_size and window multiples of 32",
+                      heads % 64 == block_size % 32 == window % 32 == 0,
+                      f"{heads} heads, block_size {block_size}, window {window}")
+    return why or _cuda_missing()
 
 
 def _attention_auto(**ctx) -> str:

@@ -9,10 +9,10 @@ denominator; K = V.
 
 ``impl="xla"`` dequantizes the rows into BF16 copies (``gather_entries`` /
 ``all_entries`` / ``window_keys``) and runs the float32 reference ``sparse_attention``;
-``impl="cuda"`` (``kernels.pool_attention_cuda``, any storage family) and ``impl="pallas"``
+``impl="cuda"`` (``kernels.pool_attention_cuda``, Hopper, any storage family) and ``impl="pallas"``
 (``kernels.pool_attention``, Mosaic GPU, Hopper, official storage) read the FP8 rows where
 they are stored: only the step's own tokens are encoded by XLA (the bytes ``write_window``
-will store). ``"auto"``: cuda on a GPU with nvcc, else pallas on Hopper, else xla.
+will store). ``"auto"``: cuda on Hopper with nvcc, else pallas on Hopper, else xla.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """Pool attention: DeepSeek-V4 MQA (K = V, head_dim 512) over FP8 pool rows read in place,
 with an attention sink. Two lowerings of one contract (shapes below):
 
-* ``pool_attention_cuda``: ``cuda/pool_attention.cu`` through ``jax.ffi`` (any GPU with
-  nvcc; both storage families). Every thread fetches its share of a block's scattered rows
-  with ``cp.async`` one block ahead, the CTA dequantizes them into a swizzled BF16 tile,
-  ``S = Q K^T`` runs on ``wgmma`` (sm_90a) and ``P V`` on ``mma.sync``. The faster of the
-  two (``benchmarks/RESULTS.md``, DeepSeek-V4 decode attention), and ``hybrid.attention``'s
-  ``auto``.
+* ``pool_attention_cuda``: ``cuda/pool_attention.cu`` through ``jax.ffi`` (Hopper with nvcc;
+  both storage families), warp-specialized: a producer warpgroup loads block j + 1's
+  scattered rows and dequantizes them into a swizzled BF16 tile (integer ops and a bf16
+  multiply, no conversion instructions) while two consumer warpgroups run block j's
+  ``S = Q K^T`` and ``P V`` on ``wgmma``. The faster of the two (``benchmarks/RESULTS.md``,
+  DeepSeek-V4 decode attention), and ``hybrid.attention``'s ``auto``. Where its time goes
+  there: gathering a block's 37 KB of scattered rows, not the math or the dequantization.
 * ``pool_attention``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
 
 A DeepSeek-V4 query attends to rows of up to three pools: a CSA / HCA layer's compressed
@@ -376,8 +377,8 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``
-    (module docstring); both storage families, at most ``CUDA_PARTS`` pools. Needs a GPU
-    and nvcc (the first use builds ``cuda/``)."""
+    (module docstring); both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90
+    GPU and nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")

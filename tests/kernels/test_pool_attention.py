@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv._backend import _cuda_missing, is_hopper
+from jaxkv._backend import _pool_cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
 from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda, ref_pool_attention,
                                           row_scales)
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
-cuda = pytest.mark.skipif(_cuda_missing() is not None, reason=f"the cuda/ kernel: {_cuda_missing()}")
+cuda = pytest.mark.skipif(_pool_cuda_missing() is not None, reason=f"the cuda/ kernel: {_pool_cuda_missing()}")
 
 
 def _pool(rng, storage, blocks, bs):
