@@ -1,6 +1,6 @@
 // PTX wrappers the attention kernels share (pool_attention.cu, prefix_attention.cu): shared
-// addresses, cp.async, the 128-byte-swizzle tile layout, and on sm_90a the wgmma fences,
-// shared-memory descriptors, mbarriers and named barriers.
+// addresses, cp.async, the 128-byte-swizzle tile layout, and on sm_90a the wgmma instructions,
+// fences and shared-memory descriptors, mbarriers and named barriers.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +54,68 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 // this thread's shared-memory writes (generic proxy) -> visible to wgmma's reads (async proxy)
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Operand lists of the wgmma wrappers below: accumulator operands "+f"(d[i]) .. "+f"(d[i + 31])
+// and their names "%0" .. "%127" in the instruction, 32 at a time.
+#define JAXKV_D8(i) \
+  "+f"(d[(i)]), "+f"(d[(i) + 1]), "+f"(d[(i) + 2]), "+f"(d[(i) + 3]), "+f"(d[(i) + 4]), "+f"(d[(i) + 5]), \
+      "+f"(d[(i) + 6]), "+f"(d[(i) + 7])
+#define JAXKV_D32(i) JAXKV_D8(i), JAXKV_D8((i) + 8), JAXKV_D8((i) + 16), JAXKV_D8((i) + 24)
+#define JAXKV_R0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "\
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define JAXKV_R32_63 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "\
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define JAXKV_R64_95 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "\
+  "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95"
+#define JAXKV_R96_127 "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "\
+  "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+
+// d (+)= a b^T for one warpgroup, a bf16[64, 16] and b bf16[N, 16] K-major in shared memory,
+// d f32[64, N] (N = 64, 128, 192: the accumulator's size picks it)
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" JAXKV_R0_31 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+               : JAXKV_D32(0)
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" JAXKV_R0_31 ", " JAXKV_R32_63
+               "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : JAXKV_D32(0), JAXKV_D32(32)
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_ss(float (&d)[96], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n192k16.f32.bf16.bf16 {" JAXKV_R0_31 ", " JAXKV_R32_63 ", " JAXKV_R64_95
+               "}, %96, %97, p, 1, 1, 0, 0;\n}\n"
+               : JAXKV_D32(0), JAXKV_D32(32), JAXKV_D32(64)
+               : "l"(a), "l"(b), "r"(accumulate));
+}
+// d += a b for one warpgroup, a bf16[64, 16] in registers (the accumulator layout), b bf16[16, N]
+// N-major in shared memory, d f32[64, N] (N = 64, 256)
+__device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" JAXKV_R0_31
+               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+               : JAXKV_D32(0)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+__device__ __forceinline__ void wgmma_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" JAXKV_R0_31 ", " JAXKV_R32_63 ", "
+               JAXKV_R64_95 ", " JAXKV_R96_127 "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+               : JAXKV_D32(0), JAXKV_D32(32), JAXKV_D32(64), JAXKV_D32(96)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// d += a b for one warpgroup, a bf16[64, 16] K-major and b bf16[16, 256] N-major, both in shared memory
+__device__ __forceinline__ void wgmma_ss_nmajor(float (&d)[128], uint64_t a, uint64_t b) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {" JAXKV_R0_31 ", " JAXKV_R32_63 ", "
+               JAXKV_R64_95 ", " JAXKV_R96_127 "}, %128, %129, p, 1, 1, 0, 1;\n}\n"
+               : JAXKV_D32(0), JAXKV_D32(32), JAXKV_D32(64), JAXKV_D32(96)
+               : "l"(a), "l"(b));
+}
 
 // mbarriers (arrival counts, phase parity) and named barriers between warpgroups
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
