@@ -7,7 +7,9 @@
 // indexer key's Hadamard rotation, then one warp writes the entry and one the key
 // (write_entry.cuh: FP8 entry bytes and FP4 key bytes of the storage family) through the
 // block table, and the tail moves on (CSA a -> b rotation, HCA reset). A request whose flush
-// finds no block gets `fault` (Fault.POOL_EXHAUSTED) in its error word.
+// finds no block gets `fault` (Fault.POOL_EXHAUSTED) in its error word; a token with a NaN or
+// Inf in any of its inputs changes nothing and its request gets `nonfinite` (Fault.NONFINITE_KV):
+// hybrid.compress's rule, which the XLA path applies with a reduction and a scatter of its own.
 //
 // The math is jaxkv.math.compressor's, operation for operation, in float32 without
 // contractions (every multiply and add rounded on its own, as XLA computes the reference
@@ -57,8 +59,9 @@ struct CompressArgs {
   int32_t max_blocks;
   int32_t ratio;
   float eps;
-  uint32_t fault;
-  uint32_t dtypes;  // InputBits
+  uint32_t fault;      // Fault.POOL_EXHAUSTED
+  uint32_t nonfinite;  // Fault.NONFINITE_KV
+  uint32_t dtypes;     // InputBits
 };
 
 struct Triple {  // a stream's running softmax on one channel (compressor.py: M, S, A)
@@ -76,6 +79,9 @@ __device__ __forceinline__ Triple combine(Triple x, Triple y) {  // compressor.c
   const float ex = expf(__fsub_rn(x.m, m)), ey = expf(__fsub_rn(y.m, m));
   return {m, __fadd_rn(__fmul_rn(x.s, ex), __fmul_rn(y.s, ey)), __fadd_rn(__fmul_rn(x.a, ex), __fmul_rn(y.a, ey))};
 }
+
+// Exponent bits all set: NaN or Inf (a bit test, so no compiler flag can drop it).
+__device__ __forceinline__ bool is_nonfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 
@@ -183,6 +189,19 @@ __global__ void __launch_bounds__(kThreads) compress_decode_kernel(CompressArgs 
       load_triples(src + 2 * kStream, kWidth, ch, prev_b);
       iprev_b = load_triple(src + 2 * kStream, kWidth, ich);
     }
+  }
+
+  // ---- a NaN or Inf in the token's inputs: nothing written, the request flagged ---------------
+  bool bad = false;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    bad |= is_nonfinite(kv_a[k]) | is_nonfinite(z_a[k]);
+    if (kCsa) bad |= is_nonfinite(kv_b[k]) | is_nonfinite(z_b[k]);
+  }
+  if (kCsa) bad |= is_nonfinite(ikv_a) | is_nonfinite(iz_a) | is_nonfinite(ikv_b) | is_nonfinite(iz_b);
+  if (__syncthreads_or(bad)) {
+    if (t == 0) atomicOr(a.error + slot, a.nonfinite);
+    return;
   }
 
   // ---- fold the token into the tail -------------------------------------------------------------
@@ -331,8 +350,8 @@ static ffi::Error compress_decode_ffi(cudaStream_t stream, ffi::AnyBuffer tails,
                                       ffi::AnyBuffer table, ffi::Result<ffi::AnyBuffer> tails_out,
                                       ffi::Result<ffi::AnyBuffer> pool_out, ffi::Result<ffi::AnyBuffer> index_out,
                                       ffi::Result<ffi::AnyBuffer> error_out, int32_t layer, int32_t ratio, float eps,
-                                      int32_t storage, int32_t fault, int64_t kv_offset, int64_t score_offset,
-                                      int64_t bias_offset, int64_t norm_offset, int64_t ikv_offset,
+                                      int32_t storage, int32_t fault, int32_t nonfinite, int64_t kv_offset,
+                                      int64_t score_offset, int64_t bias_offset, int64_t norm_offset, int64_t ikv_offset,
                                       int64_t iscore_offset, int64_t ibias_offset, int64_t inorm_offset) {
   const auto td = tails.dimensions();  // [L, R, streams, 3, width]
   const auto pd = pool.dimensions();   // [L, NB, bs * E]
@@ -393,6 +412,7 @@ static ffi::Error compress_decode_ffi(cudaStream_t stream, ffi::AnyBuffer tails,
   a.ratio = ratio;
   a.eps = eps;
   a.fault = static_cast<uint32_t>(fault);
+  a.nonfinite = static_cast<uint32_t>(nonfinite);
   a.dtypes = (kv.element_type() == ffi::BF16 ? kKvBf16 : 0) | (score.element_type() == ffi::BF16 ? kScoreBf16 : 0) |
              (csa && ikv.element_type() == ffi::BF16 ? kIkvBf16 : 0) |
              (csa && iscore.element_type() == ffi::BF16 ? kIscoreBf16 : 0);
@@ -406,20 +426,20 @@ static ffi::Error compress_decode_hca(cudaStream_t stream, ffi::AnyBuffer tails,
                                       ffi::AnyBuffer num_tokens, ffi::AnyBuffer table,
                                       ffi::Result<ffi::AnyBuffer> tails_out, ffi::Result<ffi::AnyBuffer> pool_out,
                                       ffi::Result<ffi::AnyBuffer> error_out, int32_t layer, int32_t ratio, float eps,
-                                      int32_t storage, int32_t fault, int64_t kv_offset, int64_t score_offset,
-                                      int64_t bias_offset, int64_t norm_offset) {
+                                      int32_t storage, int32_t fault, int32_t nonfinite, int64_t kv_offset,
+                                      int64_t score_offset, int64_t bias_offset, int64_t norm_offset) {
   return compress_decode_ffi<false>(stream, tails, pool, pool, error, kv, score, bias, norm, kv, score, bias, norm,
                              freqs, slot, write_slot, start, num_tokens, table, tails_out, pool_out, pool_out,
-                             error_out, layer, ratio, eps, storage, fault, kv_offset, score_offset, bias_offset,
-                             norm_offset, 0, 0, 0, 0);
+                             error_out, layer, ratio, eps, storage, fault, nonfinite, kv_offset, score_offset,
+                             bias_offset, norm_offset, 0, 0, 0, 0);
 }
 
 }  // namespace jaxkv
 
 #define JAXKV_COMPRESS_ATTRS                                                                               \
   .Attr<int32_t>("layer").Attr<int32_t>("ratio").Attr<float>("eps").Attr<int32_t>("storage")               \
-      .Attr<int32_t>("fault").Attr<int64_t>("kv_offset").Attr<int64_t>("score_offset")                     \
-      .Attr<int64_t>("bias_offset").Attr<int64_t>("norm_offset")
+      .Attr<int32_t>("fault").Attr<int32_t>("nonfinite").Attr<int64_t>("kv_offset")                      \
+      .Attr<int64_t>("score_offset").Attr<int64_t>("bias_offset").Attr<int64_t>("norm_offset")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCompressDecodeCsa, jaxkv::compress_decode_ffi<true>,
                               ffi::Ffi::Bind()

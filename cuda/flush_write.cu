@@ -4,6 +4,9 @@
 //     finished BF16 entries -> FP8 (UE8M0 64-element tiles, or one float32 scale per
 //     entry) + BF16 rope dims, scattered into a layer's paged pool through (block, slot);
 //     CSA also writes the rotated indexer key in MXFP4 or NVFP4. One warp per entry.
+//   window_write (decode) each request's token into its layer's SWA ring (a block of
+//     `window` entries per request slot, in the same entry format), checking it on the way:
+//     a token with a NaN or Inf is not written and its request gets Fault.NONFINITE_KV.
 //   csa_rotate_state  after a CSA flush: previous-b <- current-b, current a/b emptied.
 //   hca_reset_state   after an HCA flush: the one stream emptied.
 //
@@ -53,6 +56,40 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushAr
   if (p.index_pool != nullptr) write_index_key(p, raw_key, blk, sl, lane);
 }
 
+// ---- SWA ring write, one decode token per request ------------------------------------------------
+struct WindowArgs {
+  PoolView ring;              // one layer's rings: block r is request slot r's, block_size = window
+  const __nv_bfloat16* x;     // bf16[B, 512]  each request's token (normalised, RoPE applied)
+  const int32_t* write_slot;  // i32[B]  the request's slot; outside [0, R): inactive
+  const int32_t* start;       // i32[B]  the token's position (its ring item: start % window)
+  const int32_t* num_tokens;  // i32[B]  0: no token
+  uint32_t* error;            // u32[R + 1]
+  uint32_t fault;             // Fault.NONFINITE_KV
+  int64_t n;
+};
+
+// One warp per request. The XLA path (hybrid.write_window, impl="xla") does the same with a
+// finiteness reduction, an error scatter and the index arithmetic as launches of their own.
+__global__ void __launch_bounds__(32 * kRowsPerBlock) window_write_kernel(WindowArgs a) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= a.n) return;
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
+  const uint4 raw[2] = {src[0], src[1]};
+  const int32_t blk = a.write_slot[row];
+  if (a.num_tokens[row] <= 0 || blk < 0 || blk >= a.ring.num_blocks) return;  // warp-uniform
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+  bool bad = false;  // a bf16 with all exponent bits set: NaN or Inf
+#pragma unroll
+  for (int k = 0; k < 8; ++k) bad |= (w[k] & 0x7f80u) == 0x7f80u || (w[k] & 0x7f800000u) == 0x7f800000u;
+  if (__any_sync(0xffffffffu, bad)) {
+    if (lane == 0) atomicOr(a.error + blk, a.fault);  // the ring's block is the request's slot
+    return;
+  }
+  int32_t item = a.start[row] % a.ring.block_size;
+  write_entry(a.ring, raw, blk, item < 0 ? item + a.ring.block_size : item, lane);
+}
+
 // ---- tail state: CSA rotation, HCA reset ----------------------------------------------------
 // tails: f32[R, streams, 3, width]  per stream the running softmax (M, S, A) (compressor.py).
 // CSA (3 streams: current a, current b, previous b): previous b <- current b, a and b emptied.
@@ -76,6 +113,13 @@ cudaError_t launch_flush_write(cudaStream_t stream, const FlushArgs& a) {
   if (a.n == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>((a.n + kRowsPerBlock - 1) / kRowsPerBlock);
   flush_write_kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_window_write(cudaStream_t stream, const WindowArgs& a) {
+  if (a.n == 0) return cudaSuccess;
+  const unsigned grid = static_cast<unsigned>((a.n + kRowsPerBlock - 1) / kRowsPerBlock);
+  window_write_kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -119,6 +163,8 @@ namespace jaxkv {
 using U8x3 = ffi::Buffer<ffi::U8, 3>;
 using BF16x2 = ffi::Buffer<ffi::BF16, 2>;
 using S32x1 = ffi::Buffer<ffi::S32, 1>;
+using U32x1 = ffi::Buffer<ffi::U32, 1>;
+using BF16x1 = ffi::Buffer<ffi::BF16, 1>;
 using F32x4 = ffi::Buffer<ffi::F32, 4>;
 using Stream = ffi::PlatformStream<cudaStream_t>;
 
@@ -174,6 +220,36 @@ static ffi::Error flush_write_hca(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
   return flush_write_ffi(stream, pool, pool, x, x, block, slot, pool_out, pool_out, layer, block_size, storage, false);
 }
 
+// x comes in as its whole (flattened) stack; x_offset says where this layer's rows start.
+static ffi::Error window_write_ffi(cudaStream_t stream, U8x3 ring, U32x1 error, BF16x1 x, S32x1 write_slot,
+                                   S32x1 start, S32x1 num_tokens, ffi::ResultBuffer<ffi::U8, 3> ring_out,
+                                   ffi::ResultBuffer<ffi::U32, 1> error_out,
+                                   int32_t layer, int32_t window, int32_t storage, int32_t fault, int64_t x_offset) {
+  const auto rd = ring.dimensions();
+  const int64_t n = write_slot.dimensions()[0];
+  if (storage != kOfficial && storage != kPerEntry)
+    return ffi::Error::InvalidArgument("storage: expected a code of jaxkv.formats.storage.STORAGE_CODES");
+  if (layer < 0 || layer >= rd[0]) return ffi::Error::InvalidArgument("layer: out of range of the ring");
+  if (window <= 0 || rd[2] != static_cast<int64_t>(window) * entry_bytes(storage))
+    return ffi::Error::InvalidArgument("ring: last axis must be window * entry bytes");
+  if (error.dimensions()[0] != rd[1] + 1) return ffi::Error::InvalidArgument("error: expected u32[R + 1]");
+  if (start.dimensions()[0] != n || num_tokens.dimensions()[0] != n)
+    return ffi::Error::InvalidArgument("write_slot, start, num_tokens: expected i32[B] each");
+  if (x_offset < 0 || x_offset + n * kHeadDim > x.dimensions()[0])
+    return ffi::Error::InvalidArgument("x: expected bf16[B, 512] rows at x_offset");
+  in_place(ring_out, ring, stream);
+  in_place(error_out, error, stream);
+  WindowArgs a{{ring_out->typed_data() + layer * rd[1] * rd[2], nullptr, rd[1], window, storage},
+               reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()) + x_offset,
+               write_slot.typed_data(),
+               start.typed_data(),
+               num_tokens.typed_data(),
+               error_out->typed_data(),
+               static_cast<uint32_t>(fault),
+               n};
+  return launch_status(launch_window_write(stream, a), "window_write");
+}
+
 static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
                                  ffi::ResultBuffer<ffi::F32, 4> out, int32_t streams) {
   const auto d = tails.dimensions();
@@ -225,6 +301,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvFlushWriteHca, jaxkv::flush_write_hca,
                                   .Attr<int32_t>("layer")
                                   .Attr<int32_t>("block_size")
                                   .Attr<int32_t>("storage"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvWindowWrite, jaxkv::window_write_ffi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::U8x3>()    // ring (aliased)
+                                  .Arg<jaxkv::U32x1>()   // error (aliased)
+                                  .Arg<jaxkv::BF16x1>()  // x: the flattened stack
+                                  .Arg<jaxkv::S32x1>()   // write_slot
+                                  .Arg<jaxkv::S32x1>()   // start
+                                  .Arg<jaxkv::S32x1>()   // num_tokens
+                                  .Ret<jaxkv::U8x3>()    // ring (aliased)
+                                  .Ret<jaxkv::U32x1>()   // error (aliased)
+                                  .Attr<int32_t>("layer")
+                                  .Attr<int32_t>("window")
+                                  .Attr<int32_t>("storage")
+                                  .Attr<int32_t>("fault")
+                                  .Attr<int64_t>("x_offset"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCsaRotateState, jaxkv::csa_rotate_state,

@@ -15,6 +15,7 @@ from jaxkv.formats.storage import STORAGE_CODES  # the kernels' storage-family a
 FFI_TARGETS = {
     "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
     "jaxkv_flush_write_hca": "JaxkvFlushWriteHca",
+    "jaxkv_window_write": "JaxkvWindowWrite",
     "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
     "jaxkv_hca_reset_state": "JaxkvHcaResetState",
     "jaxkv_dequant_gather": "JaxkvDequantGather",  # cuda/dequant_gather.cu

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jaxkv import _backend
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather
+from jaxkv.kernels.flush_write import window_write
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.math.compressor import finalize, fold_chunk, next_tail
@@ -71,10 +72,12 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     """Write the step's tokens into layer ``layer``'s SWA ring.
 
     kv: bf16[B, T, head_dim]  the layer's normalised, RoPE'd KV of the step's tokens
-      (or a ``Stacked`` row of ``bf16[n, B, T, head_dim]``). Only each row's last ``window`` real tokens are written (earlier ones would be
-    overwritten within the same step). A ring is one block of ``window`` entries in the
-    storage's entry format, so the flush-writers quantize and scatter it: impl as in
-    ``compress`` ("xla", "cuda", "auto"); same bytes.
+      (or a ``Stacked`` row of ``bf16[n, B, T, head_dim]``). Only each row's last ``window``
+      real tokens are written (earlier ones would be overwritten within the same step).
+    A ring is one block of ``window`` entries in the storage's entry format, so the
+    flush-writers quantize and scatter it: impl as in ``compress`` ("xla", "cuda", "auto");
+    same bytes. With "cuda", a decode step (T = 1) is one launch that also does the
+    finiteness check below (``jaxkv.kernels.flush_write.window_write``).
     A row whose real tokens hold a NaN or Inf writes nothing; its request gets NONFINITE_KV.
     """
     impl = check_impl(impl)
@@ -112,8 +115,12 @@ def _skip_rows(state, step: Step, bad):
 
 def _write_window(state, step, layer, kv, impl):
     c = state.config
-    state, step = _skip_rows(state, step, _nonfinite_rows(step, kv))
     B, T, _ = kv.shape
+    if impl == "cuda" and T == 1:  # decode: one launch that also checks the tokens
+        ring, error = window_write(state.window, layer, kv, step.write_slot, step.start, step.num_tokens,
+                                   state.error, storage=c.storage)
+        return state.replace(window=ring, error=error)
+    state, step = _skip_rows(state, step, _nonfinite_rows(step, kv))
     t = jnp.arange(T)[None, :]
     n = step.num_tokens[:, None]
     valid = (t < n) & (t >= n - c.window)
@@ -198,15 +205,15 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
 def _compress(state, step, layer, kv, score, params, index, impl):
     c = state.config
     csa = index is not None
+    B, T, _ = kv.shape
+    if impl == "cuda" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch (checks too)
+        return _compress_decode(state, step, layer, kv, score, params, index)
     state, step = _skip_rows(state, step, _nonfinite_rows(step, kv, score, *(index[:2] if csa else ())))
     ratio = c.compress_ratios[layer]
     g, j = state.group(layer)
     al = state.alloc[g]
-    B, T, _ = kv.shape
     if csa:
         ikv, iscore, iparams = index
-    if impl == "cuda" and T == 1 and (not csa or c.index_dim == 128):  # decode: one fused launch
-        return _compress_decode(state, step, layer, kv, score, params, index)
     kv, score, params = row(kv), row(score), _row_params(params)
     if csa:
         ikv, iscore, iparams = row(ikv), row(iscore), _row_params(iparams)

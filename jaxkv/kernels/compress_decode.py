@@ -8,7 +8,8 @@ official storage family; one float32 scale per entry in the per_entry family), t
 key (RMSNorm, RoPE, Hadamard, MXFP4 / NVFP4), the scatter through the block table, and
 the tail's move on (CSA a -> b rotation, HCA reset). Tails, pools and the error field are
 updated in place; a request whose flush finds no block gets ``Fault.POOL_EXHAUSTED`` in
-its error word.
+its error word, and a token with a NaN or Inf in kv, score (or the indexer's) changes
+nothing and gets ``Fault.NONFINITE_KV`` (``hybrid.compress``'s rule, checked in the kernel).
 
 The kernel is ``cuda/compress_decode.cu`` (one 128-thread CTA per request) reached through
 ``jax.ffi``, not Pallas: its flush is a scatter of one entry and one key per request to
@@ -133,6 +134,7 @@ def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_
     return call(*aliased, *(a for a, _ in operands), jnp.asarray(freqs, jnp.float32), *steps, table,
                 layer=np.int32(layer), ratio=np.int32(ratio), eps=np.float32(eps),
                 storage=np.int32(STORAGE_CODES[storage]), fault=np.int32(int(Fault.POOL_EXHAUSTED)),
+                nonfinite=np.int32(int(Fault.NONFINITE_KV)),
                 **{f"{n}_offset": np.int64(off) for n, (_, off) in zip(names, operands)})
 
 

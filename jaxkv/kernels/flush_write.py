@@ -1,6 +1,6 @@
 """CSA / HCA flush-write: finished entries -> FP8 entry bytes (and FP4 indexer keys)
-scattered into one layer of a paged pool, in place, in either storage family; and the
-tail-state moves after a flush.
+scattered into one layer of a paged pool, in place, in either storage family; the decode
+write of each request's token into its SWA ring; and the tail-state moves after a flush.
 
 The byte layout is ``jaxkv.formats.storage``'s (passed to the build as ``-D`` flags): the
 official family stores per entry 448 FP8 dims with one UE8M0 scale per 64-element tile and
@@ -18,6 +18,8 @@ Validation is the caller's (``hybrid.flush``); these take checked arguments.
     x: bf16[N, 512]                xi: bf16[N, 128] (CSA) or None
     block, slot: i32[N]            rows outside [0, NB) are not written
     tails: f32[R, streams, 3, width]   tail_slot: i32[B]  (outside [0, R): skipped)
+    ring: u8[L, R, window * E]     error: u32[R + 1]
+    write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ import jax
 import numpy as np
 
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
+from jaxkv.errors import Fault
 from jaxkv.formats.storage import entry_bytes, storage_name
+from jaxkv.stacked import as_stack
 
 
 def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
@@ -44,6 +48,24 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
         pool, index_pool, x, xi, block, slot, **attrs)
 
 
+def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, storage: str):
+    """A decode step's tokens into layer ``layer``'s SWA rings, in place: request ``b``'s
+    token ``x[b]`` (bf16[B, 512], or a ``jaxkv.stacked.Stacked`` row, read in place) goes to
+    item ``start[b] % window`` of ring ``write_slot[b]`` (one ring per request slot) where
+    ``num_tokens[b] > 0``; a token holding a NaN or Inf is not written and sets
+    ``Fault.NONFINITE_KV`` in its request's error word. Returns ``(ring, error)``. Needs a
+    GPU and nvcc."""
+    storage = storage_name(storage)
+    register_ffi_targets()
+    stack, index = as_stack(x)
+    rows = int(np.prod(stack.shape[1:]))
+    outs = (jax.ShapeDtypeStruct(ring.shape, ring.dtype), jax.ShapeDtypeStruct(error.shape, error.dtype))
+    return jax.ffi.ffi_call("jaxkv_window_write", outs, input_output_aliases={0: 0, 1: 1})(
+        ring, error, stack.reshape(-1), write_slot, start, num_tokens, layer=np.int32(layer),
+        window=np.int32(ring.shape[-1] // entry_bytes(storage)), storage=np.int32(STORAGE_CODES[storage]),
+        fault=np.int32(int(Fault.NONFINITE_KV)), x_offset=np.int64(index * rows))
+
+
 def tail_state(tails, tail_slot):
     """After a flush, in place: CSA tails (3 streams) rotate (previous-b <- current-b, a and b
     emptied), HCA tails (1 stream) are emptied, for each listed request."""
@@ -53,4 +75,4 @@ def tail_state(tails, tail_slot):
         tails, tail_slot)
 
 
-__all__ = ["flush_write", "tail_state"]
+__all__ = ["flush_write", "tail_state", "window_write"]

@@ -38,8 +38,9 @@ def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_compress_decode_fused_matches_xla(rng, storage):
     """Decode steps through the fused kernel (and the cuda/ SWA write) give the XLA path's
-    cache: CSA and HCA flushes on different steps, and a request whose flush finds no block
-    (POOL_EXHAUSTED recorded, nothing written for it)."""
+    cache: CSA and HCA flushes on different steps, a request whose flush finds no block
+    (POOL_EXHAUSTED recorded, nothing written for it), and tokens holding a NaN or Inf
+    (the kernels' own check: NONFINITE_KV recorded, nothing written for that token)."""
     from jaxkv import hybrid as H
     from jaxkv.errors import Fault
     import hybrid_driver as D
@@ -49,6 +50,11 @@ def test_compress_decode_fused_matches_xla(rng, storage):
     params = D.make_params(c, rng)
     pos0 = [130, 61, 127, 3, 20]
     x = D.make_inputs(c, rng, len(pos0), max(pos0) + 9)
+    T = max(pos0)  # decode step t reads token T + t
+    for layer, name, b, t, value in ((2, "kv", 1, 2, np.nan),  # SWA-only layer's window
+                                     (0, "iscore", 4, 7, np.inf),  # CSA indexer, on request 4's flush step
+                                     (1, "ckv", 0, 3, -np.inf)):  # HCA (request 2's flush at t = 0 stays)
+        x[layer][name] = x[layer][name].at[b, T + t, 5].set(value)
     slots = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
     want_before, want = _decode_run(c, params, x, slots, pos0, 9, "xla", drop_block=(3, 0))
     _, got = _decode_run(c, params, x, slots, pos0, 9, "cuda", drop_block=(3, 0))
@@ -68,7 +74,8 @@ def test_compress_decode_fused_matches_xla(rng, storage):
             np.testing.assert_array_equal(g, w, err_msg=name)
         if name.startswith((".entries", ".index_keys", ".window")):
             assert (w != b).any(), f"{name}: the decode steps wrote nothing"
-    assert int(want.error[3]) == int(Fault.POOL_EXHAUSTED) and not np.asarray(want.error)[[0, 1, 2, 4]].any()
+    nf, pe = int(Fault.NONFINITE_KV), int(Fault.POOL_EXHAUSTED)
+    np.testing.assert_array_equal(np.asarray(want.error), [nf, nf, 0, pe, nf, 0])  # and got's: equal above
     # the dropped request's CSA entries stay as the prefill left them (it had none)
     assert int(got.alloc[0].owned[3]) >= 1
     # the entries read back equal (dequantized)
