@@ -2,14 +2,18 @@
 // K over FP8 pool rows read where they are stored, in either storage family. The rows come
 // in blocks of 64 (a row list per query, a valid-row count per block); the output is the
 // split's normalized partial and its base-2 log-sum-exp, merged with the sink by XLA
-// (jaxkv.kernels.pool_attention: shapes, reference, the merge).
+// (jaxkv.kernels.pool_attention: shapes, reference, the merge); with one split the kernel
+// adds the sink to the denominator itself and its output is the attention.
 //
 // Hopper (sm_90a), warp-specialized: one CTA of 3 warpgroups per (query row, 64 heads, key
 // split), 1 CTA per SM (about 205 KiB of shared memory: Q, two BF16 K stages, P).
 //   * the producer warpgroup loads a block's raw row bytes (576 B of codes + rope, the scale
 //     bytes) into registers one block ahead, dequantizes them into a free BF16 K stage (the
 //     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
-//     signals the stage's mbarrier;
+//     signals the stage's mbarrier. With 128 heads or more, the CTAs of a query row's head
+//     groups 2 g and 2 g + 1 run as a 2-CTA cluster: each producer gathers half the block's
+//     rows and stores them dequantized into both CTAs' K stage (the peer's by st.async), so
+//     an SM gathers 32 rows per block, not 64 (FlashMLA's pairing);
 //   * warpgroup 0: S = Q K^T by wgmma m64n64k16 (Q and K from shared memory), the online
 //     softmax over whole rows in registers (base 2), P to shared memory for warpgroup 1, then
 //     O[:, :256] = alpha O + P V with P from registers (m64n256k16);
@@ -51,10 +55,11 @@ static_assert(kRawChunks == 4 * kPerThread && kCodeChunks == 4 * (kNope / kTile)
 constexpr int kTileBytes = kBlock * kHeadDim * 2;  // a BF16 [64, 512] tile: Q, a K stage
 constexpr int kPBytes = kBlock * kBlock * 2;
 constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 2 * kBlock * 4 + kStages * kBlock +
-                      2 * kMaxBlocks * 4 + 16 + 2 * kStages * 8;
+                      2 * kMaxBlocks * 4 + 16 + 3 * kStages * 8;
 // registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
 constexpr int kRegs0 = 208, kRegs2 = 128;
 constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3;  // named barriers (0 is __syncthreads)
+constexpr int kConsumerWarps = 8;                     // arrivals a K stage's `free` barrier takes per CTA
 
 struct Part {
   const uint8_t* pool;  // u8[blocks, bs * E]
@@ -68,6 +73,7 @@ struct AttnArgs {
   const int32_t* rows;     // i32[N, NB * 64]
   const int32_t* nvalid;   // i32[N, NB]
   Part part[kMaxParts];
+  const float* sink;       // f32[H]  per-head logit in the denominator (used with one split)
   __nv_bfloat16* out;      // bf16[N * splits, H, 512]
   float* lse;              // f32[N * splits, H]
   int32_t heads, nb, splits, storage;
@@ -84,9 +90,14 @@ struct AttnArgs {
 // stores into the swizzled tile spread evenly over the bank groups. (Landing the rows by
 // cp.async in the free stage instead, to hold no registers, measured 14% slower: the loads
 // can then only start once the consumers free the stage, RESULTS.md.)
+// In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4 only.
+template <int kCluster>
 struct RawRows {
-  uint4 v[2][kPerThread];  // the chunks
-  uint2 s[2];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
+  static constexpr int kRows = 2 / kCluster;
+  uint4 v[kRows][kPerThread];  // the chunks
+  uint2 s[kRows];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
+  bool ok[kRows];              // a real row
+  bool peer_ok;                // cluster: the peer's row 32 (1 - r) + t / 4 is real (its flag is set here)
 };
 
 // 16 bytes of a pool row, not kept in L1 (read once), fetched into L2 by 256 B (a row is 576 B)
@@ -96,17 +107,24 @@ __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-__device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, int nv, RawRows& raw, bool (&ok)[2]) {
+template <int kCluster>
+__device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, int nv, int rank,
+                                          RawRows<kCluster>& raw) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   int p = 0;
 #pragma unroll
   for (int i = 0; i < kMaxParts - 1; ++i) p += b >= a.part[i].end;
   const Part P = a.part[p];
   const bool official = a.storage == kOfficial;
+  const int32_t* ids = a.rows + (n * a.nb + b) * kBlock;
+  if (kCluster == 2) {
+    const int r = 32 * (1 - rank) + (t >> 2), id = __ldg(ids + r);
+    raw.peer_ok = r < nv && id >= 0 && id < P.items;
+  }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = 32 * h + (t >> 2);
-    const int id = __ldg(a.rows + (n * a.nb + b) * kBlock + r);
+  for (int h = 0; h < raw.kRows; ++h) {
+    const int r = 32 * (h + rank) + (t >> 2);
+    const int id = __ldg(ids + r);
     const bool valid = r < nv && id >= 0 && id < P.items;
     const int64_t blk = valid ? id / P.bs : 0;
     const int sl = valid ? id % P.bs : 0;
@@ -122,7 +140,7 @@ __device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, i
     raw.s[h] = !valid ? make_uint2(0, 0)
                : official ? __ldg(reinterpret_cast<const uint2*>(sc))
                           : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
-    ok[h] = valid;
+    raw.ok[h] = valid;
   }
 }
 
@@ -147,16 +165,26 @@ __device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
   return h | (h << 16);
 }
 
+// 16 bytes of the K stage: here, and in a cluster at the same offset of the peer's stage
+// (``peer_k``: that stage's shared::cluster address), counted on the peer's ``peer_bar``
+template <int kCluster>
+__device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_t peer_k, uint32_t peer_bar) {
+  *reinterpret_cast<uint4*>(K + off) = v;
+  if (kCluster == 2) st_async16(peer_k + off, v, peer_bar);
+}
+
 // the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
 // times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
 // is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
 // smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
-__device__ __forceinline__ void store_rows(const RawRows& raw, const bool (&valid)[2], uint8_t* K, uint8_t* ok,
-                                           bool official) {
+template <int kCluster>
+__device__ __forceinline__ void store_rows(const RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
+                                           uint32_t peer_k, uint32_t peer_bar, bool official) {
   const int t = threadIdx.x & 127, q4 = t & 3;
+  if (kCluster == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = 32 * h + (t >> 2);
+  for (int h = 0; h < raw.kRows; ++h) {
+    const int r = 32 * (h + rank) + (t >> 2);
 #pragma unroll
     for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
       const int c = q4 + 4 * k;
@@ -180,20 +208,22 @@ __device__ __forceinline__ void store_rows(const RawRows& raw, const bool (&vali
           }
         }
       }
-      *reinterpret_cast<uint4*>(K + swz(r, 2 * c)) = make_uint4(o[0], o[1], o[2], o[3]);
-      *reinterpret_cast<uint4*>(K + swz(r, 2 * c + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+      put16<kCluster>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
+      put16<kCluster>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
     }
 #pragma unroll
     for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
       const int c = q4 + 4 * k;
-      *reinterpret_cast<uint4*>(K + swz(r, c + kCodeChunks)) = raw.v[h][k];
+      put16<kCluster>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
     }
-    if (q4 == 0) ok[r] = valid[h];
+    if (q4 == 0) ok[r] = raw.ok[h];
   }
 }
 #endif  // sm_90a
 
-__global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
+// kCluster = 2: run by clusters of 2 CTAs along y (head groups 2 g, 2 g + 1 of a query row)
+template <int kCluster>
+__device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #ifdef JAXKV_POOL_SM90
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need 1024-byte alignment (the swizzle reads address bits 7..9)
@@ -206,8 +236,9 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
   int* nv_s = reinterpret_cast<int*>(ok + kStages * kBlock);  // i32[128]
   int* list = nv_s + kMaxBlocks;                         // i32[128] non-empty blocks, in order
   int* total_s = list + kMaxBlocks;
-  uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full[stages], free[stages]
-  const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full, free, peer_full [stages]
+  const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages, peer_full = free_ + 8 * kStages;
+  const int rank = kCluster == 2 ? static_cast<int>(cluster_ctarank()) : 0;
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5, wg = t >> 7;
   const int64_t n = blockIdx.x;
@@ -222,14 +253,22 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
   }
   fence_async_smem();
   if (t < a.nb) nv_s[t] = min(max(__ldg(a.nvalid + n * a.nb + t), 0), kBlock);
+  // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (cluster): the
+  // peer's rows landed here (one arrival + their bytes); free[s]: every consumer warp of the
+  // cluster is done with stage s (both CTAs' stages are written by both producers)
   if (t == 32) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 128);
-      mbar_init(free_ + 8 * s, 256);
+      mbar_init(free_ + 8 * s, kConsumerWarps * kCluster);
+      if (kCluster == 2) mbar_init(peer_full + 8 * s, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  if (kCluster == 2) {
+    cluster_sync();  // the peer's barriers exist before anything reaches them
+  } else {
+    __syncthreads();
+  }
   if (warp == 0) {
     int count = 0;
     for (int i0 = 0; i0 < a.nb; i0 += 32) {
@@ -246,21 +285,56 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
   const int per = (total + a.splits - 1) / a.splits;
   const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
 
+  // a consumer warp is done with stage s: one arrival on each CTA's free[s]
+  auto release = [&](int s) {
+    if (lane == 0) {
+      if (kCluster == 1) {
+        mbar_arrive(free_ + 8 * s);
+      } else {
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 0));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 1));
+      }
+    }
+  };
+
   if (wg == 2) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
-    RawRows raw;
-    bool okr[2] = {false, false};
-    if (blocks > 0) load_rows(a, n, list[j0], nv_s[list[j0]], raw, okr);
-    for (int i = 0; i < blocks; ++i) {
+    const uint32_t peer_k = kCluster == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
+    const uint32_t peer_bar = kCluster == 2 ? mapa(peer_full, 1 - rank) : 0;
+    auto load = [&](int i, RawRows<kCluster>& raw) {
+      if (i < blocks) load_rows<kCluster>(a, n, list[j0 + i], nv_s[list[j0 + i]], rank, raw);
+    };
+    auto put = [&](int i, const RawRows<kCluster>& raw) {  // block i's rows -> stage i % kStages
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
-      store_rows(raw, okr, Ks + s * kTileBytes, ok + s * kBlock, official);
+      // the peer's half of stage s: its bytes complete the phase (they may land before this)
+      if (kCluster == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
+      store_rows<kCluster>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
+                           peer_bar + 8 * s, official);
       fence_async_smem();
       mbar_arrive(full + 8 * s);
-      if (i + 1 < blocks) load_rows(a, n, list[j0 + i + 1], nv_s[list[j0 + i + 1]], raw, okr);
+    };
+    if (kCluster == 2) {  // half the rows each: registers for two blocks in flight
+      RawRows<kCluster> r0, r1;
+      load(0, r0);
+      load(1, r1);
+      for (int i = 0; i < blocks; i += 2) {
+        put(i, r0);
+        load(i + 2, r0);
+        if (i + 1 < blocks) {
+          put(i + 1, r1);
+          load(i + 3, r1);
+        }
+      }
+    } else {
+      RawRows<kCluster> raw;
+      load(0, raw);
+      for (int i = 0; i < blocks; ++i) {
+        put(i, raw);
+        load(i + 1, raw);
+      }
     }
-    return;
-  }
+  } else {
 
   // consumers: warp w of warpgroup wg holds rows (heads) 16 (w % 4) + lane / 4 (+ 8) of the
   // accumulators; O: output dims 256 wg + 8 j + 2 (lane % 4) (+ 1) in O[4 j ..]
@@ -277,6 +351,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
+      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       float S[32];
       wgmma_fence();
 #pragma unroll
@@ -346,7 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
       for (int kc = 0; kc < kBlock / 16; ++kc) wgmma_rs(O, Pr[kc], wgmma_desc(ks + kc * 2048, 8192));
       wgmma_commit();
       wgmma_wait();
-      mbar_arrive(free_ + 8 * s);
+      release(s);
     }
     bar_sync(kBarPFree, 256);  // warpgroup 1's last hand-back
 #pragma unroll
@@ -358,7 +433,11 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
     if ((lane & 3) == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        sum_s[row0 + 8 * h] = l[h];
+        // one split: the sink's weight 2^(sink log2(e) - m) joins the row's sum (base 2, scaled by 2^-m)
+        const float sink = a.splits == 1 && l[h] > 0.f
+                               ? ex2(__ldg(a.sink + hg * kBlock + row0 + 8 * h) * 1.4426950408889634f - m[h])
+                               : 0.f;
+        sum_s[row0 + 8 * h] = l[h] + sink;
         a.lse[orow + row0 + 8 * h] = l[h] > 0.f ? m[h] + __log2f(l[h]) : -INFINITY;
       }
     }
@@ -368,6 +447,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
+      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       bar_sync(kBarP, 256);
       const float a0 = alpha_s[row0], a1 = alpha_s[row0 + 8];
 #pragma unroll
@@ -384,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
       wgmma_commit();
       wgmma_wait();
       bar_arrive(kBarPFree, 256);
-      mbar_arrive(free_ + 8 * s);
+      release(s);
     }
   }
 
@@ -409,7 +489,20 @@ __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __gri
   uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
   for (int i = t; i < kBlock * kChunks; i += 256)
     out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
+  }  // consumers
+  if (kCluster == 2) cluster_sync();  // no CTA leaves while its peer may still reach its barriers
 #endif
+}
+
+// The cluster shape is the kernel's attribute, so both launch as plain launches: a launch
+// with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call on an
+// H100 (benchmarks/dsv4_attention.py's wall column).
+__global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
+  pool_attention_cta<1>(a);
+}
+__global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(kThreads, 1)
+    pool_attention_pairs_kernel(const __grid_constant__ AttnArgs a) {
+  pool_attention_cta<2>(a);
 }
 
 }  // namespace
@@ -419,7 +512,7 @@ namespace ffi = xla::ffi;
 static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::S32, 2> rows,
                                  ffi::Buffer<ffi::S32, 2> nvalid, ffi::Buffer<ffi::U8, 2> pool0,
                                  ffi::Buffer<ffi::U8, 2> pool1, ffi::Buffer<ffi::U8, 2> pool2,
-                                 ffi::ResultBuffer<ffi::BF16, 3> out, ffi::ResultBuffer<ffi::F32, 2> lse,
+                                 ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out, ffi::ResultBuffer<ffi::F32, 2> lse,
                                  int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
                                  int32_t storage) {
   const auto qd = q.dimensions();
@@ -436,6 +529,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   if (splits < 1 || out->dimensions()[0] != N * splits || out->dimensions()[1] != H ||
       lse->dimensions()[0] != N * splits || lse->dimensions()[1] != H)
     return ffi::Error::InvalidArgument("out, lse: expected bf16[N * splits, H, 512] and f32[N * splits, H]");
+  if (sink.dimensions()[0] != H) return ffi::Error::InvalidArgument("sink: expected f32[H]");
   AttnArgs a{};
   const ffi::Buffer<ffi::U8, 2>* pools[kMaxParts] = {&pool0, &pool1, &pool2};
   const int32_t blocks[kMaxParts] = {blocks0, blocks1, blocks2};
@@ -451,6 +545,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data());
   a.rows = rows.typed_data();
   a.nvalid = nvalid.typed_data();
+  a.sink = sink.typed_data();
   a.out = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   a.lse = lse->typed_data();
   a.heads = static_cast<int32_t>(H);
@@ -463,9 +558,11 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (major != 9) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
-  cudaFuncSetAttribute(pool_attention_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  pool_attention_kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem,
-                          stream>>>(a);
+  // head groups in pairs: a 2-CTA cluster per (query row, 128 heads, split)
+  const bool pairs = (H / kBlock) % 2 == 0;
+  const auto kernel = pairs ? pool_attention_pairs_kernel : pool_attention_kernel;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem, stream>>>(a);
   return launch_status(cudaGetLastError(), "pool_attention");
 }
 
@@ -477,6 +574,7 @@ using Index = xla::ffi::Buffer<xla::ffi::S32, 2>;
 using Pool = xla::ffi::Buffer<xla::ffi::U8, 2>;
 using Out = xla::ffi::Buffer<xla::ffi::BF16, 3>;
 using Lse = xla::ffi::Buffer<xla::ffi::F32, 2>;
+using Sink = xla::ffi::Buffer<xla::ffi::F32, 1>;
 using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 }  // namespace jaxkv::attention_types
 
@@ -489,6 +587,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                                   .Arg<jaxkv::attention_types::Pool>()   // pools, one per part
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Pool>()
+                                  .Arg<jaxkv::attention_types::Sink>()   // sink f32[H]
                                   .Ret<jaxkv::attention_types::Out>()    // bf16[N * splits, H, 512]
                                   .Ret<jaxkv::attention_types::Lse>()    // f32[N * splits, H]
                                   .Attr<int32_t>("blocks0")

@@ -36,7 +36,8 @@ The Mosaic GPU kernel reads official (``ds_mla``) storage only: per_entry pools 
 multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
-``splits`` programs when the batch alone does not fill the GPU.
+``splits`` programs when the batch alone does not fill the GPU. The CUDA kernel adds it
+itself when ``splits`` is 1 (no merge launch; one bf16 rounding of the output).
 
     q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
     pools: tuple of u8[P, bs * E] one pool per part, rows ``block * bs + slot``
@@ -390,9 +391,10 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
         (jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
-    )(q, rows, nvalid, *pools, blocks0=np.int32(blocks[0]), blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]),
-      splits=np.int32(splits), scale=np.float32(scale), storage=np.int32(STORAGE_CODES[storage]))
-    return _merge_splits(out, lse, N, splits, sink)
+    )(q, rows, nvalid, *pools, jnp.asarray(sink, jnp.float32), blocks0=np.int32(blocks[0]),
+      blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]), splits=np.int32(splits), scale=np.float32(scale),
+      storage=np.int32(STORAGE_CODES[storage]))
+    return out if splits == 1 else _merge_splits(out, lse, N, splits, sink)  # one split: the sink is in
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
