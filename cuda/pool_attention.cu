@@ -12,16 +12,17 @@
 //     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
 //     signals the stage's mbarrier. With 128 heads or more, the CTAs of a query row's head
 //     groups 2 g and 2 g + 1 run as a 2-CTA cluster: each producer gathers half the block's
-//     rows and stores them dequantized into both CTAs' K stage (the peer's by st.async), so
-//     an SM gathers 32 rows per block, not 64 (FlashMLA's pairing);
+//     rows (two blocks ahead: half a block fits the registers twice) and stores them
+//     dequantized into both CTAs' K stage (the peer's by st.async), so an SM gathers 32 rows
+//     per block, not 64 (FlashMLA's pairing);
 //   * warpgroup 0: S = Q K^T by wgmma m64n64k16 (Q and K from shared memory), the online
 //     softmax over whole rows in registers (base 2), P to shared memory for warpgroup 1, then
 //     O[:, :256] = alpha O + P V with P from registers (m64n256k16);
 //   * warpgroup 1: O[:, 256:] = alpha O + P V with P from shared memory. V is the same K stage
 //     read N-major (transposed): the dequantized tile is both operands.
 // So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
-// block j. What bounds it is the gather: on an H100 a block's 37 KB of scattered rows take
-// about 4.5 us to arrive, the consumers' products about 2 us (benchmarks/RESULTS.md). Rows
+// block j. At 64 heads the gather bounds it (a block's 37 KB of scattered rows take about
+// 4.5 us to arrive, the products about 2 us); paired, no one part does (benchmarks/RESULTS.md). Rows
 // past a block's count, and ids outside their pool, are zero-filled and masked: no read
 // outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
 // setmaxnreg); the launcher refuses other devices.

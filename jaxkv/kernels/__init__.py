@@ -9,7 +9,9 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   (``hybrid.gather_entries(impl="cuda")``; ``cuda/dequant_gather.cu`` through jax.ffi).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
   (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
-  ``hybrid.compress(impl="cuda")``; ``cuda/flush_write.cu``).
+  ``hybrid.compress(impl="cuda")``; ``cuda/flush_write.cu``); ``window_write``: a decode
+  step's tokens into their SWA rings, NaN / Inf checked in the kernel
+  (``hybrid.write_window(impl="cuda")`` with one token per request).
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
   (``hybrid.compress(impl="cuda")`` with one token per request; ``cuda/compress_decode.cu``).
@@ -19,21 +21,22 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
 * ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
-  (Mosaic GPU, Hopper; ``hybrid.attention(impl="pallas")``).
+  (Mosaic GPU, Hopper; ``hybrid.attention(impl="pallas")``); ``pool_attention_cuda``: the
+  same contract in ``cuda/pool_attention.cu`` (``impl="cuda"``, auto on Hopper).
 * ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
   Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
 """
 
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.compress_decode import compress_decode
-from jaxkv.kernels.flush_write import flush_write
+from jaxkv.kernels.flush_write import flush_write, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 from jaxkv.kernels.index_scores import index_scores, ref_index_scores
-from jaxkv.kernels.pool_attention import pool_attention, ref_pool_attention
+from jaxkv.kernels.pool_attention import pool_attention, pool_attention_cuda, ref_pool_attention
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
 
-__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "prefix_attention",
-           "prefix_attention_cuda", "quantize_mxfp4",
-           "quantize_nvfp4", "ref_dequant_gather", "ref_index_scores", "ref_pool_attention", "ref_prefix_attention",
-           "ref_quantize_mxfp4", "ref_quantize_nvfp4", "ref_write_frame", "write_frame"]
+__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "pool_attention_cuda",
+           "prefix_attention", "prefix_attention_cuda", "quantize_mxfp4", "quantize_nvfp4", "ref_dequant_gather",
+           "ref_index_scores", "ref_pool_attention", "ref_prefix_attention", "ref_quantize_mxfp4", "ref_quantize_nvfp4",
+           "ref_write_frame", "window_write", "write_frame"]
