@@ -335,7 +335,9 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
         load(i + 1, raw);
       }
     }
-  } else {
+    if (kCluster == 2) cluster_sync();  // the consumers' is at the end
+    return;
+  }
 
   // consumers: warp w of warpgroup wg holds rows (heads) 16 (w % 4) + lane / 4 (+ 8) of the
   // accumulators; O: output dims 256 wg + 8 j + 2 (lane % 4) (+ 1) in O[4 j ..]
@@ -490,7 +492,6 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
   for (int i = t; i < kBlock * kChunks; i += 256)
     out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
-  }  // consumers
   if (kCluster == 2) cluster_sync();  // no CTA leaves while its peer may still reach its barriers
 #endif
 }
@@ -513,7 +514,8 @@ namespace ffi = xla::ffi;
 static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::S32, 2> rows,
                                  ffi::Buffer<ffi::S32, 2> nvalid, ffi::Buffer<ffi::U8, 2> pool0,
                                  ffi::Buffer<ffi::U8, 2> pool1, ffi::Buffer<ffi::U8, 2> pool2,
-                                 ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out, ffi::ResultBuffer<ffi::F32, 2> lse,
+                                 ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out,
+                                 ffi::ResultBuffer<ffi::F32, 2> lse,
                                  int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
                                  int32_t storage) {
   const auto qd = q.dimensions();
