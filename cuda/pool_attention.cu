@@ -366,37 +366,15 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       wgmma_wait();
       // the online softmax over the block's 64 keys (base 2): whole rows in this warpgroup
       const uint8_t* okb = ok + s * kBlock;
-      float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int col = 8 * j + 2 * (lane & 3);
         if (!okb[col]) S[4 * j] = S[4 * j + 2] = -INFINITY;
         if (!okb[col + 1]) S[4 * j + 1] = S[4 * j + 3] = -INFINITY;
-        mx[0] = fmaxf(mx[0], fmaxf(S[4 * j], S[4 * j + 1]));
-        mx[1] = fmaxf(mx[1], fmaxf(S[4 * j + 2], S[4 * j + 3]));
-      }
-      float base_[2], alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-        const float mn = fmaxf(m[h], mx[h] * a.c);
-        base_[h] = mn == -INFINITY ? 0.f : mn;
-        alpha[h] = ex2(m[h] - base_[h]);
-        m[h] = mn;
       }
       uint32_t Pr[4][4];  // P as wgmma's A operand: [k step][fragment]
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float p0 = ex2(fmaf(S[4 * j], a.c, -base_[0])), p1 = ex2(fmaf(S[4 * j + 1], a.c, -base_[0]));
-        const float p2 = ex2(fmaf(S[4 * j + 2], a.c, -base_[1])), p3 = ex2(fmaf(S[4 * j + 3], a.c, -base_[1]));
-        sum[0] += p0 + p1;
-        sum[1] += p2 + p3;
-        Pr[j >> 1][(j & 1) * 2] = pack_bf16(p0, p1);
-        Pr[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+      float alpha[2];
+      softmax_block<8>(S, a.c, m, l, Pr, alpha);
       // P and the row rescales -> warpgroup 1, once it is done with the previous block's
       bar_sync(kBarPFree, 256);
 #pragma unroll

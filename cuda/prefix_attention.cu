@@ -194,33 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
         if (col + 1 >= left) S[4 * j + 1] = S[4 * j + 3] = -INFINITY;
       }
     }
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int j = 0; j < kBlockKV / 8; ++j) {
-      mx[0] = fmaxf(mx[0], fmaxf(S[4 * j], S[4 * j + 1]));
-      mx[1] = fmaxf(mx[1], fmaxf(S[4 * j + 2], S[4 * j + 3]));
-    }
-    float base_[2], alpha[2], sum[2] = {0.f, 0.f};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
-      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
-      const float mn = fmaxf(m[h], mx[h] * a.c);
-      base_[h] = mn == -INFINITY ? 0.f : mn;
-      alpha[h] = ex2(m[h] - base_[h]);
-      m[h] = mn;
-    }
-#pragma unroll
-    for (int j = 0; j < kBlockKV / 8; ++j) {
-      const float p0 = ex2(fmaf(S[4 * j], a.c, -base_[0])), p1 = ex2(fmaf(S[4 * j + 1], a.c, -base_[0]));
-      const float p2 = ex2(fmaf(S[4 * j + 2], a.c, -base_[1])), p3 = ex2(fmaf(S[4 * j + 3], a.c, -base_[1]));
-      sum[0] += p0 + p1;
-      sum[1] += p2 + p3;
-      P[j >> 1][(j & 1) * 2] = pack_bf16(p0, p1);
-      P[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+    float alpha[2];
+    softmax_block<kBlockKV / 8>(S, a.c, m, l, P, alpha);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       O[4 * j] *= alpha[0];

@@ -32,6 +32,44 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// One block of the online softmax (base 2) for a thread's two rows of a wgmma accumulator
+// (rows lane / 4 and + 8 of its warp, each spread over the 4 lanes of a quad): S holds the
+// block's raw scores (masked keys at -inf, J column pairs per row); c is the softmax scale
+// times log2(e). The running maxima m (scaled) and sums l move on; P gets the block's
+// probabilities as bf16 pairs in wgmma's A-operand order; alpha is what the earlier sums and
+// outputs are rescaled by. A row with no key yet keeps m = -inf and gets P = 0.
+template <int J>
+__device__ __forceinline__ void softmax_block(const float (&S)[4 * J], float c, float (&m)[2], float (&l)[2],
+                                              uint32_t (&P)[J / 2][4], float (&alpha)[2]) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(S[4 * j], S[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(S[4 * j + 2], S[4 * j + 3]));
+  }
+  float base[2], sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+    const float mn = fmaxf(m[h], mx[h] * c);
+    base[h] = mn == -INFINITY ? 0.f : mn;
+    alpha[h] = ex2(m[h] - base[h]);
+    m[h] = mn;
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const float p0 = ex2(fmaf(S[4 * j], c, -base[0])), p1 = ex2(fmaf(S[4 * j + 1], c, -base[0]));
+    const float p2 = ex2(fmaf(S[4 * j + 2], c, -base[1])), p3 = ex2(fmaf(S[4 * j + 3], c, -base[1]));
+    sum[0] += p0 + p1;
+    sum[1] += p2 + p3;
+    P[j >> 1][(j & 1) * 2] = pack_bf16(p0, p1);
+    P[j >> 1][(j & 1) * 2 + 1] = pack_bf16(p2, p3);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha[h] + sum[h];
+}
+
 // Byte offset of 16-byte chunk ``c`` of row ``r`` in a swizzled BF16 tile: rows of 64 BF16
 // (128 B), a chunk's index inside its row XORed with the row's low 3 bits (wgmma's "128-byte
 // swizzle", so the tensor cores read the tile straight from shared memory, and 8 consecutive
