@@ -186,6 +186,16 @@ __device__ __forceinline__ uint8_t nvfp4_lane(const float (&v)[N], float g, uint
   return b8;
 }
 
+// A 32-bit word holding a NaN or an Inf: one float32, or either of two bfloat16 / float16
+// halves (all exponent bits set; a bit test, so no compiler flag can drop it). ``dtype``:
+// the frame append's codes (0 bfloat16, 1 float16, 2 float32).
+enum WordDtype : int32_t { kWordBf16 = 0, kWordF16 = 1, kWordF32 = 2 };
+__device__ __forceinline__ bool word_nonfinite(uint32_t w, int32_t dtype) {
+  if (dtype == kWordF32) return (w & 0x7F800000u) == 0x7F800000u;
+  const uint32_t e = dtype == kWordBf16 ? 0x7F80u : 0x7C00u;
+  return (w & e) == e || ((w >> 16) & e) == e;
+}
+
 // Four E2M1 codes -> two packed bytes (element 2i in the low nibble), low byte first.
 __device__ __forceinline__ uint32_t pack_e2m1x4(const uint8_t (&c)[4]) {
   return (c[0] | (c[1] << 4)) | ((c[2] | (c[3] << 4)) << 8);

@@ -80,8 +80,7 @@ __device__ __forceinline__ Triple combine(Triple x, Triple y) {  // compressor.c
   return {m, __fadd_rn(__fmul_rn(x.s, ex), __fmul_rn(y.s, ey)), __fadd_rn(__fmul_rn(x.a, ex), __fmul_rn(y.a, ey))};
 }
 
-// Exponent bits all set: NaN or Inf (a bit test, so no compiler flag can drop it).
-__device__ __forceinline__ bool is_nonfinite(float x) { return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u; }
+__device__ __forceinline__ bool is_nonfinite(float x) { return word_nonfinite(__float_as_uint(x), kWordF32); }
 
 __device__ __forceinline__ float bf16r(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 

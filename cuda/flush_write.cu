@@ -79,9 +79,9 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) window_write_kernel(Window
   const int32_t blk = a.write_slot[row];
   if (a.num_tokens[row] <= 0 || blk < 0 || blk >= a.ring.num_blocks) return;  // warp-uniform
   const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
-  bool bad = false;  // a bf16 with all exponent bits set: NaN or Inf
+  bool bad = false;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) bad |= (w[k] & 0x7f80u) == 0x7f80u || (w[k] & 0x7f800000u) == 0x7f800000u;
+  for (int k = 0; k < 8; ++k) bad |= word_nonfinite(w[k], kWordBf16);
   if (__any_sync(0xffffffffu, bad)) {
     if (lane == 0) atomicOr(a.error + blk, a.fault);  // the ring's block is the request's slot
     return;

@@ -15,17 +15,13 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "codes.cuh"  // word_nonfinite
+
 namespace jaxkv {
 
 constexpr int kCheckThreads = 256;
 constexpr int kMaxCheckBlocks = 256;  // scratch holds this many ints
 constexpr int kWriteThreads = 128;
-
-__device__ __forceinline__ bool word_nonfinite(uint32_t w, int32_t dtype) {
-  if (dtype == 2) return (w & 0x7F800000u) == 0x7F800000u;
-  const uint32_t e = dtype == 0 ? 0x7F80u : 0x7C00u;
-  return (w & e) == e || ((w >> 16) & e) == e;
-}
 
 __global__ void __launch_bounds__(kCheckThreads)
     check_kernel(const uint32_t* k, const uint32_t* v, int64_t words, int32_t dtype, int32_t* scratch) {
