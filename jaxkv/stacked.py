@@ -13,6 +13,8 @@ the array it stands for.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 
 from jaxkv._pytree import cache_dataclass, static_field
@@ -59,6 +61,13 @@ def as_stack(x, dtype=None):
     return (stack if dtype is None else stack.astype(dtype)), index
 
 
+def as_flat(x, dtype=None):
+    """``(flat, offset)``: ``as_stack``'s whole stack flattened, and the element where the
+    row ``x`` stands for starts (what a kernel that reads the row in place takes)."""
+    stack, index = as_stack(x, dtype)
+    return stack.reshape(-1), index * math.prod(stack.shape[1:])
+
+
 def map_stack(fn, x):
     """Apply ``fn`` to the whole stack, keeping the row: ``fn`` maps ``[n, ...]`` to
     ``[n, ...]`` row by row (a reshape of the trailing axes, a cast)."""
@@ -67,4 +76,4 @@ def map_stack(fn, x):
     return fn(x[None])[0]
 
 
-__all__ = ["Stacked", "as_stack", "check_stacked", "map_stack", "row"]
+__all__ = ["Stacked", "as_flat", "as_stack", "check_stacked", "map_stack", "row"]

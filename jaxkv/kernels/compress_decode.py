@@ -47,7 +47,7 @@ import numpy as np
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.errors import Fault
 from jaxkv.formats.storage import HEAD_DIM as HEAD, INDEX_DIM as INDEX, entry_bytes, key_bytes, storage_name
-from jaxkv.stacked import as_stack, check_stacked
+from jaxkv.stacked import as_flat, check_stacked
 
 
 def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, *, layer, ratio, index, index_pool,
@@ -96,13 +96,6 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
         want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // E * key_bytes(storage_name(storage))), (jnp.uint8,))
 
 
-def _flat(x, dtype=None):
-    """An operand or ``Stacked`` row -> (its whole stack, flattened; the element where the
-    row starts). The kernel reads the row in place."""
-    stack, index = as_stack(x, dtype)
-    return stack.reshape(-1), index * int(np.prod(stack.shape[1:], dtype=np.int64))
-
-
 def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
                     layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None):
     """The kernel. ``index = (ikv, iscore, ibias, inorm)`` for a CSA layer (with
@@ -125,7 +118,7 @@ def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_
     register_ffi_targets()
     names = ("kv", "score", "bias", "norm") + (("ikv", "iscore", "ibias", "inorm") if csa else ())
     dtypes = (None, None, jnp.float32, jnp.float32) * (2 if csa else 1)
-    operands = [_flat(x, d) for x, d in zip((kv, score, bias, norm) + (tuple(index) if csa else ()), dtypes)]
+    operands = [as_flat(x, d) for x, d in zip((kv, score, bias, norm) + (tuple(index) if csa else ()), dtypes)]
     aliased = (tails, pool) + ((index_pool,) if csa else ()) + (error,)
     steps = [a.astype(jnp.int32) for a in (slot, write_slot, start, num_tokens)]
     call = jax.ffi.ffi_call("jaxkv_compress_decode_" + ("csa" if csa else "hca"),

@@ -30,7 +30,7 @@ import numpy as np
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.errors import Fault
 from jaxkv.formats.storage import entry_bytes, storage_name
-from jaxkv.stacked import as_stack
+from jaxkv.stacked import as_flat
 
 
 def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
@@ -57,13 +57,12 @@ def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, s
     GPU and nvcc."""
     storage = storage_name(storage)
     register_ffi_targets()
-    stack, index = as_stack(x)
-    rows = int(np.prod(stack.shape[1:]))
+    flat, offset = as_flat(x)
     outs = (jax.ShapeDtypeStruct(ring.shape, ring.dtype), jax.ShapeDtypeStruct(error.shape, error.dtype))
     return jax.ffi.ffi_call("jaxkv_window_write", outs, input_output_aliases={0: 0, 1: 1})(
-        ring, error, stack.reshape(-1), write_slot, start, num_tokens, layer=np.int32(layer),
+        ring, error, flat, write_slot, start, num_tokens, layer=np.int32(layer),
         window=np.int32(ring.shape[-1] // entry_bytes(storage)), storage=np.int32(STORAGE_CODES[storage]),
-        fault=np.int32(int(Fault.NONFINITE_KV)), x_offset=np.int64(index * rows))
+        fault=np.int32(int(Fault.NONFINITE_KV)), x_offset=np.int64(offset))
 
 
 def tail_state(tails, tail_slot):
