@@ -85,8 +85,9 @@ def _runs(num_special: int, page_size: int, tpf: int, rows: int):
     return tuple((src, anchor, off, n, min(rows, n)) for src, anchor, off, n in runs if n > 0)
 
 
-def _write_frame_kernel(k, v, rows, bufs, *, num_special: int, page_size: int, R: int, slots: int):
-    # k, v: dtype[L, B, tpf, hd]; rows: i32[2, Bp] (special_row; patch_row, padded);
+def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int, page_size: int, R: int,
+                        slots: int):
+    # k, v: dtype[L, B, tpf, hd]; special_row, patch_row: i32[B];
     # bufs: 2L refs dtype[B, T, hd], written in place
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -101,26 +102,24 @@ def _write_frame_kernel(k, v, rows, bufs, *, num_special: int, page_size: int, R
     unit = 1024 // math.gcd(hd, 1024)  # a register store fills whole 1024-element tiles
     zero_alloc = max(-(-zero_rows // unit) * unit, 1)
 
-    def body(rows_ref, k_ref, v_ref, *refs):
-        outs, (rows_smem, stage, zeros, ready) = refs[:2 * L], refs[2 * L]
+    def body(special_ref, patch_ref, k_ref, v_ref, *refs):
+        outs, (stage, zeros, ready) = refs[:2 * L], refs[2 * L]
         i, s = lax.axis_index("buffer"), lax.axis_index("split")
-        plgpu.copy_gmem_to_smem(rows_ref, rows_smem, ready.at[slots])
         if zero_rows:
             zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
             plgpu.commit_smem()
-        plgpu.barrier_wait(ready.at[slots])
 
         for idx in range(2 * L * B):  # static: one branch per buffer and stream
             kv, rest = divmod(idx, L * B)
             l, b = divmod(rest, B)
             src, dst = (k_ref, v_ref)[kv].at[l, b], outs[kv * L + l].at[b]
 
-            def chunks(issue, src=src, dst=dst, b=b):
+            def chunks(issue, anchors, src=src, dst=dst):
                 for q in range(slots):
                     g = s * slots + q  # this slot's chunk of the stream's writes
                     for r, (src_row, anchor, off, n, c) in enumerate(runs):
                         first = jnp.minimum((g - firsts[r]) * c, n - c)
-                        base = rows_smem[anchor, b] + off
+                        base = anchors[anchor] + off
                         pl.when((g >= firsts[r]) & (g < firsts[r + 1]))(
                             functools.partial(issue, q, src_row, c, first, base, src, dst))
 
@@ -137,17 +136,18 @@ def _write_frame_kernel(k, v, rows, bufs, *, num_special: int, page_size: int, R
                     plgpu.copy_smem_to_gmem(stage.at[q, pl.ds(0, c)], dst.at[pl.ds(base + first, c)])
 
             @pl.when(i == idx)
-            def _(chunks=chunks):
-                chunks(load)  # every slot's read in flight before the first write
-                chunks(store)
-                plgpu.wait_smem_to_gmem(0)
+            def _(chunks=chunks, b=b):
+                anchors = (special_ref[b], patch_ref[b])  # scalar loads from GMEM, no staging copy
+                chunks(load, anchors)  # every slot's read in flight before the first write
+                chunks(store, anchors)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage may go; the writes land by kernel end
 
-    scratch = (plgpu.SMEM(rows.shape, jnp.int32), plgpu.SMEM((slots, R, hd), k.dtype),
-               plgpu.SMEM((zero_alloc, hd), k.dtype), plgpu.Barrier(num_arrivals=1, num_barriers=slots + 1))
+    scratch = (plgpu.SMEM((slots, R, hd), k.dtype), plgpu.SMEM((zero_alloc, hd), k.dtype),
+               plgpu.Barrier(num_arrivals=1, num_barriers=slots))
     # pl.kernel, not plgpu.kernel: the latter's vmap wrapper does not take Ref operands (jax 0.10)
     mesh = plgpu.Mesh(grid=(2 * L * B, splits), grid_names=("buffer", "split"))
     pl.kernel(lambda *refs: pl.run_scoped(lambda *s: body(*refs, s), *scratch), out_type=(), mesh=mesh,
-              name="jaxkv_frame_append")(rows, k, v, *bufs)
+              name="jaxkv_frame_append")(special_row, patch_row, k, v, *bufs)
 
 
 @functools.partial(jax.jit, static_argnames=("num_special", "page_size"), donate_argnums=(0, 1))
@@ -157,10 +157,8 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
     L, B = k.shape[:2]
     tune = launch("frame_append")
-    Bp = -(-B // 16) * 16  # rows padded so their copy is a whole number of 128 bytes
-    rows = jnp.zeros((2, Bp), jnp.int32).at[:, :B].set(jnp.stack([special_row, patch_row]))
     bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
-    _write_frame_kernel(k, v, rows, bufs, num_special=num_special, page_size=page_size, R=tune["rows"],
+    _write_frame_kernel(k, v, special_row, patch_row, bufs, num_special=num_special, page_size=page_size, R=tune["rows"],
                         slots=tune["slots"])
     out = [r[...] for r in bufs]
     return tuple(out[:L]), tuple(out[L:])

@@ -17,7 +17,7 @@ DEFAULT = "NVIDIA H100 80GB HBM3"
 
 TABLES = {
     "NVIDIA H100 80GB HBM3": {
-        "frame_append": dict(rows=16, slots=4),  # not swept
+        "frame_append": dict(rows=8, slots=2),
         "prefix_attention": dict(block_kv=256, stages=2),
         "prefix_attention_cuda": dict(block_kv=192, stages=2),  # one of the shapes cuda/prefix_attention.cu builds
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
