@@ -9,7 +9,9 @@ kernel (Pallas, Mosaic GPU lowering: ``pl.kernel`` over a ``plgpu.Mesh``) writes
 
 A chunk is ``rows`` contiguous rows (``tuning``): one bulk copy (``cp.async.bulk``, no
 tensor map, so a row may be any multiple of 16 bytes) into shared memory, one back out at
-the destination row; a program puts all its reads in flight before its first write.
+the destination row; a program puts all its reads in flight before its first write, and
+reads its destination rows as two scalars from GMEM (no staging copy to wait for). It waits
+only for its writes to leave shared memory: the kernel's end makes them visible.
 Buffers are passed as ``jax.Ref``s, so the kernel updates them in place. ``ref_write_frame`` is the plain-jnp
 reference with the same contract. Shapes::
 
