@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from _timing import kernel_ms_per_step  # benchmarks/, the script's directory
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda, ref_pool_attention
+from jaxkv.kernels.pool_attention import BLOCK, fill_splits, pool_attention, pool_attention_cuda, ref_pool_attention
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
@@ -45,10 +45,6 @@ def case(B, H, K, key):
     q = jax.random.normal(k4, (B, H, 512), jnp.bfloat16)
     sink = jax.random.normal(k5, (H,), jnp.float32)
     return q, (entries, ring), (K // BLOCK, WINDOW // BLOCK), rows, nvalid, sink
-
-
-def splits_for(B, H):
-    return max(1, min(8, 132 // (B * (H // 64))))
 
 
 def time_jax(fn, reps, inner=20):
@@ -118,7 +114,7 @@ def main():
             flops = 4 * B * H * keys * 512
             bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
             ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
-            S = splits_for(B, H)
+            S = fill_splits(B, H)
             fns = dict(
                 cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
                 pallas=jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S)),

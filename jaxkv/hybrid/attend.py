@@ -29,7 +29,7 @@ from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
-from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda
+from jaxkv.kernels.pool_attention import BLOCK, fill_splits, pool_attention, pool_attention_cuda
 from jaxkv.stacked import row
 
 OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
@@ -183,14 +183,8 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
     out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
-                 splits=_splits(N, H))
+                 splits=fill_splits(N, H))
     return out.reshape(B, T, H, D)
-
-
-def _splits(rows: int, heads: int) -> int:
-    """Key splits so that the programs fill an H100's 132 SMs about once (at most 8)."""
-    programs = rows * (heads // BLOCK)
-    return max(1, min(8, 132 // max(programs, 1)))
 
 
 __all__ = ["attention"]

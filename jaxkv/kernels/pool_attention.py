@@ -409,4 +409,10 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
-__all__ = ["pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
+def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
+    """Key splits so that the programs (one per query row, 64 heads and split) fill ``sms``
+    (an H100's 132) about once, at most 8."""
+    return max(1, min(8, sms // max(rows * (heads // BLOCK), 1)))
+
+
+__all__ = ["fill_splits", "pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
