@@ -21,8 +21,9 @@
 //   * warpgroup 1: O[:, 256:] = alpha O + P V with P from shared memory. V is the same K stage
 //     read N-major (transposed): the dequantized tile is both operands.
 // So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
-// block j. At 64 heads the gather bounds it (a block's 37 KB of scattered rows take about
-// 4.5 us to arrive, the products about 2 us); paired, no one part does (benchmarks/RESULTS.md). Rows
+// block j. At 64 heads the gather bounds it; paired, no one part does. Pairing at 64 heads
+// too (each CTA gathering half the rows and writing half the output dims) ran twice the CTAs
+// for less than half the time per block, a net loss (benchmarks/RESULTS.md). Rows
 // past a block's count, and ids outside their pool, are zero-filled and masked: no read
 // outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
 // setmaxnreg); the launcher refuses other devices.
