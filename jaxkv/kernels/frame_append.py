@@ -160,7 +160,7 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     L, B = k.shape[:2]
     tune = launch("frame_append")
     bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
-    _write_frame_kernel(k, v, special_row, patch_row, bufs, num_special=num_special, page_size=page_size, R=tune["rows"],
-                        slots=tune["slots"])
+    _write_frame_kernel(k, v, special_row, patch_row, bufs, num_special=num_special, page_size=page_size,
+                        R=tune["rows"], slots=tune["slots"])
     out = [r[...] for r in bufs]
     return tuple(out[:L]), tuple(out[L:])
