@@ -100,7 +100,7 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--batches", default="1,64,128")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--contenders", default="cuda,pallas,xla")
     ap.add_argument("--json")
