@@ -28,6 +28,12 @@
 
 namespace jaxkv {
 
+// The row kernels (flush-write, SWA ring write) run one warp per row, kRowsPerBlock rows per
+// CTA (launch_rows): this warp's row.
+__device__ __forceinline__ int64_t warp_row() {
+  return static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+}
+
 // ---- flush-write ---------------------------------------------------------------------------
 struct FlushArgs {
   PoolView pools;           // one layer's entry pool and key pool (null for HCA)
@@ -39,7 +45,7 @@ struct FlushArgs {
 };
 
 __global__ void __launch_bounds__(32 * kRowsPerBlock) flush_write_kernel(FlushArgs a) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int64_t row = warp_row();
   const int lane = threadIdx.x % 32;
   if (row >= a.n) return;
   // Load the entry and its key before the block table: every load is in flight at once,
@@ -71,7 +77,7 @@ struct WindowArgs {
 // One warp per request. The XLA path (hybrid.write_window, impl="xla") does the same with a
 // finiteness reduction, an error scatter and the index arithmetic as launches of their own.
 __global__ void __launch_bounds__(32 * kRowsPerBlock) window_write_kernel(WindowArgs a) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int64_t row = warp_row();
   const int lane = threadIdx.x % 32;
   if (row >= a.n) return;
   const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
@@ -109,17 +115,12 @@ __global__ void tail_state_kernel(float* tails, int64_t R, int32_t streams, int3
   }
 }
 
-cudaError_t launch_flush_write(cudaStream_t stream, const FlushArgs& a) {
+// a row kernel over its a.n rows (warp_row)
+template <class Args>
+cudaError_t launch_rows(void (*kernel)(Args), cudaStream_t stream, const Args& a) {
   if (a.n == 0) return cudaSuccess;
   const unsigned grid = static_cast<unsigned>((a.n + kRowsPerBlock - 1) / kRowsPerBlock);
-  flush_write_kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_window_write(cudaStream_t stream, const WindowArgs& a) {
-  if (a.n == 0) return cudaSuccess;
-  const unsigned grid = static_cast<unsigned>((a.n + kRowsPerBlock - 1) / kRowsPerBlock);
-  window_write_kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
+  kernel<<<grid, 32 * kRowsPerBlock, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
@@ -142,7 +143,7 @@ int jaxkv_flush_write(void* stream, uint8_t* pool, uint8_t* index_pool, const vo
                       int32_t storage) {
   jaxkv::FlushArgs a{{pool, index_pool, num_blocks, block_size, storage}, static_cast<const __nv_bfloat16*>(x),
                      static_cast<const __nv_bfloat16*>(xi), block, slot, n};
-  return static_cast<int>(jaxkv::launch_flush_write(static_cast<cudaStream_t>(stream), a));
+  return static_cast<int>(jaxkv::launch_rows(jaxkv::flush_write_kernel, static_cast<cudaStream_t>(stream), a));
 }
 
 // streams == 3: CSA rotation; streams == 1: HCA reset.
@@ -201,7 +202,7 @@ static ffi::Error flush_write_ffi(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> p
               reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()),
               with_index ? reinterpret_cast<const __nv_bfloat16*>(xi.untyped_data()) : nullptr,
               block.typed_data(), slot.typed_data(), n};
-  return launch_status(launch_flush_write(stream, a), "flush_write");
+  return launch_status(launch_rows(flush_write_kernel, stream, a), "flush_write");
 }
 
 static ffi::Error flush_write_csa(cudaStream_t stream, ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::U8, 3> index_pool,
@@ -247,7 +248,7 @@ static ffi::Error window_write_ffi(cudaStream_t stream, U8x3 ring, U32x1 error, 
                error_out->typed_data(),
                static_cast<uint32_t>(fault),
                n};
-  return launch_status(launch_window_write(stream, a), "window_write");
+  return launch_status(launch_rows(window_write_kernel, stream, a), "window_write");
 }
 
 static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
