@@ -1,20 +1,12 @@
 // Pool attention for DeepSeek-V4 (MQA, K = V, head_dim 512): per query row, softmax(q K^T)
 // K over FP8 pool rows read where they are stored, in either storage family. The rows come
-// in blocks of 64 (a row list per query, a valid-row count per block). Key splits, where the
-// batch does not fill the GPU, leave a normalized partial per split with its base-2
-// log-sum-exp, merged with the sink by XLA (jaxkv.kernels.pool_attention: shapes, reference,
-// that merge), except two splits at 64 heads, which merge inside the kernel. With one partial
-// per query left the kernel adds the sink to the denominator itself and its output is the
-// attention.
+// in blocks of 64 (a row list per query, a valid-row count per block); the output is the
+// split's normalized partial and its base-2 log-sum-exp, merged with the sink by XLA
+// (jaxkv.kernels.pool_attention: shapes, reference, the merge); with one split the kernel
+// adds the sink to the denominator itself and its output is the attention.
 //
 // Hopper (sm_90a), warp-specialized: one CTA of 3 warpgroups per (query row, 64 heads, key
 // split), 1 CTA per SM (about 205 KiB of shared memory: Q, two BF16 K stages, P).
-//   * at 64 heads, two splits run as a 2-CTA cluster and merge at the end: each
-//     CTA takes half the output dims, the peer's weighted partial of them comes through
-//     distributed shared memory into its K stages (free by then), and the two are summed in
-//     split order. At V4-Flash batch 64 (2 splits) no partial reaches global memory and no
-//     merge kernel runs: 12% of the time (benchmarks/RESULTS.md). Clusters of 4 or 8 CTAs (one
-//     per SM) ran in two waves, twice the time, so more splits still merge in XLA;
 //   * the producer warpgroup loads a block's raw row bytes (576 B of codes + rope, the scale
 //     bytes) into registers one block ahead, dequantizes them into a free BF16 K stage (the
 //     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
@@ -64,7 +56,7 @@ static_assert(kRawChunks == 4 * kPerThread && kCodeChunks == 4 * (kNope / kTile)
 // shared memory, bytes
 constexpr int kTileBytes = kBlock * kHeadDim * 2;  // a BF16 [64, 512] tile: Q, a K stage
 constexpr int kPBytes = kBlock * kBlock * 2;
-constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 3 * kBlock * 4 + kStages * kBlock +
+constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 2 * kBlock * 4 + kStages * kBlock +
                       2 * kMaxBlocks * 4 + 16 + 3 * kStages * 8;
 // registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
 constexpr int kRegs0 = 208, kRegs2 = 128;
@@ -83,9 +75,9 @@ struct AttnArgs {
   const int32_t* rows;     // i32[N, NB * 64]
   const int32_t* nvalid;   // i32[N, NB]
   Part part[kMaxParts];
-  const float* sink;       // f32[H]  per-head logit in the denominator (used with one partial per query)
-  __nv_bfloat16* out;      // bf16[N * parts, H, 512]  parts = splits / kSplits
-  float* lse;              // f32[N * parts, H]
+  const float* sink;       // f32[H]  per-head logit in the denominator (used with one split)
+  __nv_bfloat16* out;      // bf16[N * splits, H, 512]
+  float* lse;              // f32[N * splits, H]
   int32_t heads, nb, splits, storage;
   float c;                 // softmax scale * log2(e)
 };
@@ -100,11 +92,10 @@ struct AttnArgs {
 // stores into the swizzled tile spread evenly over the bank groups. (Landing the rows by
 // cp.async in the free stage instead, to hold no registers, measured 14% slower: the loads
 // can then only start once the consumers free the stage, RESULTS.md.)
-// Paired (a 2-CTA cluster of head groups), the CTA of pair rank r's producer thread t owns
-// row 32 r + t / 4 only.
-template <int kPairs>
+// In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4 only.
+template <int kCluster>
 struct RawRows {
-  static constexpr int kRows = 2 / kPairs;
+  static constexpr int kRows = 2 / kCluster;
   uint4 v[kRows][kPerThread];  // the chunks
   uint2 s[kRows];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
   bool ok[kRows];              // a real row
@@ -118,9 +109,9 @@ __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
-template <int kPairs, int kFrom = 0, int kTo = 2 / kPairs>  // rows [kFrom, kTo) of raw
+template <int kCluster>
 __device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, int nv, int rank,
-                                          RawRows<kPairs>& raw) {
+                                          RawRows<kCluster>& raw) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   int p = 0;
 #pragma unroll
@@ -128,12 +119,12 @@ __device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, i
   const Part P = a.part[p];
   const bool official = a.storage == kOfficial;
   const int32_t* ids = a.rows + (n * a.nb + b) * kBlock;
-  if (kPairs == 2 && kFrom == 0) {
+  if (kCluster == 2) {
     const int r = 32 * (1 - rank) + (t >> 2), id = __ldg(ids + r);
     raw.peer_ok = r < nv && id >= 0 && id < P.items;
   }
 #pragma unroll
-  for (int h = kFrom; h < kTo; ++h) {
+  for (int h = 0; h < raw.kRows; ++h) {
     const int r = 32 * (h + rank) + (t >> 2);
     const int id = __ldg(ids + r);
     const bool valid = r < nv && id >= 0 && id < P.items;
@@ -178,23 +169,23 @@ __device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
 
 // 16 bytes of the K stage: here, and in a cluster at the same offset of the peer's stage
 // (``peer_k``: that stage's shared::cluster address), counted on the peer's ``peer_bar``
-template <int kPairs>
+template <int kCluster>
 __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_t peer_k, uint32_t peer_bar) {
   *reinterpret_cast<uint4*>(K + off) = v;
-  if (kPairs == 2) st_async16(peer_k + off, v, peer_bar);
+  if (kCluster == 2) st_async16(peer_k + off, v, peer_bar);
 }
 
 // the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
 // times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
 // is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
 // smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
-template <int kPairs, int kFrom = 0, int kTo = 2 / kPairs>  // rows [kFrom, kTo) of raw
-__device__ __forceinline__ void store_rows(const RawRows<kPairs>& raw, int rank, uint8_t* K, uint8_t* ok,
+template <int kCluster>
+__device__ __forceinline__ void store_rows(const RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
                                            uint32_t peer_k, uint32_t peer_bar, bool official) {
   const int t = threadIdx.x & 127, q4 = t & 3;
-  if (kPairs == 2 && kFrom == 0 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
+  if (kCluster == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
 #pragma unroll
-  for (int h = kFrom; h < kTo; ++h) {
+  for (int h = 0; h < raw.kRows; ++h) {
     const int r = 32 * (h + rank) + (t >> 2);
 #pragma unroll
     for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
@@ -219,52 +210,44 @@ __device__ __forceinline__ void store_rows(const RawRows<kPairs>& raw, int rank,
           }
         }
       }
-      put16<kPairs>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
-      put16<kPairs>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
+      put16<kCluster>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
+      put16<kCluster>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
     }
 #pragma unroll
     for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
       const int c = q4 + 4 * k;
-      put16<kPairs>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
+      put16<kCluster>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
     }
     if (q4 == 0) ok[r] = raw.ok[h];
   }
 }
 #endif  // sm_90a
 
-// A cluster of kPairs x kSplits CTAs along (y, z): head groups 2 g, 2 g + 1 of a query row
-// (kPairs = 2), or its two key splits (kSplits = 2, merged at the end); cluster rank =
-// pair rank + kPairs x split rank.
-template <int kPairs, int kSplits>
+// kCluster = 2: run by clusters of 2 CTAs along y (head groups 2 g, 2 g + 1 of a query row)
+template <int kCluster>
 __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #ifdef JAXKV_POOL_SM90
-  constexpr bool kCluster = kPairs * kSplits > 1;
-  constexpr int kOwn = kChunks / kSplits;  // 8-dim output chunks a split owns in the merge
-  static_assert(kPairs * kSplits <= 2, "one CTA per SM: larger clusters did not fit the GPU in one wave");
-  static_assert((kSplits - 1) * kOwn * 128 * 16 <= kStages * kTileBytes, "the peers' partials fit the K stages");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need 1024-byte alignment (the swizzle reads address bits 7..9)
   uint8_t* Q = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // bf16[64, 512]; the output at the end
-  uint8_t* Ks = Q + kTileBytes;                          // bf16[stages][64, 512] swizzled; the peers' partials at the end
+  uint8_t* Ks = Q + kTileBytes;                          // bf16[stages][64, 512] swizzled
   uint8_t* P = Ks + kStages * kTileBytes;                // bf16[64, 64] swizzled
   float* alpha_s = reinterpret_cast<float*>(P + kPBytes);  // f32[64] the block's rescale of each row
-  float* ml = alpha_s + kBlock;                          // f32[64, 2] each row's final (max, sum), for the merge
-  uint8_t* ok = reinterpret_cast<uint8_t*>(ml + 2 * kBlock);  // u8[stages][64] real keys of each stage
+  float* sum_s = alpha_s + kBlock;                       // f32[64] row sums, for warpgroup 1's epilogue
+  uint8_t* ok = reinterpret_cast<uint8_t*>(sum_s + kBlock);  // u8[stages][64] real keys of each stage
   int* nv_s = reinterpret_cast<int*>(ok + kStages * kBlock);  // i32[128]
   int* list = nv_s + kMaxBlocks;                         // i32[128] non-empty blocks, in order
   int* total_s = list + kMaxBlocks;
   uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full, free, peer_full [stages]
   const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages, peer_full = free_ + 8 * kStages;
-  const int rank = kCluster ? static_cast<int>(cluster_ctarank()) : 0;
-  const int prank = rank % kPairs, pair0 = rank - prank;  // this CTA's half of a pair; the pair's first rank
+  const int rank = kCluster == 2 ? static_cast<int>(cluster_ctarank()) : 0;
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5, wg = t >> 7;
   const int64_t n = blockIdx.x;
   const int hg = blockIdx.y, split = blockIdx.z;
-  const int zr = split % kSplits, part = split / kSplits, parts = a.splits / kSplits;  // rank in the merge; the partial
   const bool official = a.storage == kOfficial;
 
-  // Q (64 heads) -> shared; the non-empty blocks, in order (warp 0: a ballot per 32)
+  // Q (64 heads) -> shared, by every thread; the non-empty blocks, in order (warp 0: a ballot per 32)
   const __nv_bfloat16* qn = a.q + (n * a.heads + hg * kBlock) * kHeadDim;
   for (int i = t; i < kBlock * kChunks; i += kThreads) {
     const int r = i / kChunks, c = i % kChunks;
@@ -272,18 +255,18 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   }
   fence_async_smem();
   if (t < a.nb) nv_s[t] = min(max(__ldg(a.nvalid + n * a.nb + t), 0), kBlock);
-  // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (pairs): the
+  // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (cluster): the
   // peer's rows landed here (one arrival + their bytes); free[s]: every consumer warp of the
-  // pair is done with stage s (both CTAs' stages are written by both producers)
+  // cluster is done with stage s (both CTAs' stages are written by both producers)
   if (t == 32) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 128);
-      mbar_init(free_ + 8 * s, kConsumerWarps * kPairs);
-      if (kPairs == 2) mbar_init(peer_full + 8 * s, 1);
+      mbar_init(free_ + 8 * s, kConsumerWarps * kCluster);
+      if (kCluster == 2) mbar_init(peer_full + 8 * s, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (kPairs == 2) {
+  if (kCluster == 2) {
     cluster_sync();  // the peer's barriers exist before anything reaches them
   } else {
     __syncthreads();
@@ -304,38 +287,37 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   const int per = (total + a.splits - 1) / a.splits;
   const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
 
-  // a consumer warp is done with stage s: one arrival on each of the pair's free[s]
+  // a consumer warp is done with stage s: one arrival on each CTA's free[s]
   auto release = [&](int s) {
     if (lane == 0) {
-      if (kPairs == 1) {
+      if (kCluster == 1) {
         mbar_arrive(free_ + 8 * s);
       } else {
-        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0));
-        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0 + 1));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 0));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 1));
       }
     }
   };
 
   if (wg == 2) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
-    const int peer = pair0 + 1 - prank;
-    const uint32_t peer_k = kPairs == 2 ? mapa(smem_addr(Ks), peer) : 0;
-    const uint32_t peer_bar = kPairs == 2 ? mapa(peer_full, peer) : 0;
-    auto load = [&](int i, RawRows<kPairs>& raw) {
-      if (i < blocks) load_rows<kPairs>(a, n, list[j0 + i], nv_s[list[j0 + i]], prank, raw);
+    const uint32_t peer_k = kCluster == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
+    const uint32_t peer_bar = kCluster == 2 ? mapa(peer_full, 1 - rank) : 0;
+    auto load = [&](int i, RawRows<kCluster>& raw) {
+      if (i < blocks) load_rows<kCluster>(a, n, list[j0 + i], nv_s[list[j0 + i]], rank, raw);
     };
-    auto put = [&](int i, const RawRows<kPairs>& raw) {  // block i's rows -> stage i % kStages
+    auto put = [&](int i, const RawRows<kCluster>& raw) {  // block i's rows -> stage i % kStages
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
       // the peer's half of stage s: its bytes complete the phase (they may land before this)
-      if (kPairs == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
-      store_rows<kPairs>(raw, prank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
-                         peer_bar + 8 * s, official);
+      if (kCluster == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
+      store_rows<kCluster>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
+                           peer_bar + 8 * s, official);
       fence_async_smem();
       mbar_arrive(full + 8 * s);
     };
-    if constexpr (kPairs == 2) {  // half the rows each: registers for two blocks in flight
-      RawRows<kPairs> r0, r1;
+    if (kCluster == 2) {  // half the rows each: registers for two blocks in flight
+      RawRows<kCluster> r0, r1;
       load(0, r0);
       load(1, r1);
       for (int i = 0; i < blocks; i += 2) {
@@ -347,24 +329,14 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
         }
       }
     } else {
-      RawRows<kPairs> raw;
+      RawRows<kCluster> raw;
       load(0, raw);
-      // row h of block i stored, then row h of block i + 1 loaded into its registers: the
-      // loads of one row fly while the other is dequantized
       for (int i = 0; i < blocks; ++i) {
-        const int s = i % kStages, b1 = i + 1 < blocks ? list[j0 + i + 1] : 0;
-        mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
-        uint8_t* K = Ks + s * kTileBytes;
-        store_rows<kPairs, 0, 1>(raw, prank, K, ok + s * kBlock, 0, 0, official);
-        if (i + 1 < blocks) load_rows<kPairs, 0, 1>(a, n, b1, nv_s[b1], prank, raw);
-        store_rows<kPairs, 1, 2>(raw, prank, K, ok + s * kBlock, 0, 0, official);
-        if (i + 1 < blocks) load_rows<kPairs, 1, 2>(a, n, b1, nv_s[b1], prank, raw);
-        fence_async_smem();
-        mbar_arrive(full + 8 * s);
+        put(i, raw);
+        load(i + 1, raw);
       }
     }
-    if (kCluster) cluster_sync();  // the consumers' two: the loops are done, the partials sent
-    if (kSplits > 1) cluster_sync();
+    if (kCluster == 2) cluster_sync();  // the consumers' is at the end
     return;
   }
 
@@ -383,7 +355,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
-      if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       float S[32];
       wgmma_fence();
 #pragma unroll
@@ -438,9 +410,17 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-      if ((lane & 3) == 0) {
-        ml[2 * (row0 + 8 * h)] = m[h];
-        ml[2 * (row0 + 8 * h) + 1] = l[h];
+    }
+    const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
+    if ((lane & 3) == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // one split: the sink's weight 2^(sink log2(e) - m) joins the row's sum (base 2, scaled by 2^-m)
+        const float sink = a.splits == 1 && l[h] > 0.f
+                               ? ex2(__ldg(a.sink + hg * kBlock + row0 + 8 * h) * 1.4426950408889634f - m[h])
+                               : 0.f;
+        sum_s[row0 + 8 * h] = l[h] + sink;
+        a.lse[orow + row0 + 8 * h] = l[h] > 0.f ? m[h] + __log2f(l[h]) : -INFINITY;
       }
     }
   } else {  // warpgroup 1
@@ -449,7 +429,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
-      if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       bar_sync(kBarP, 256);
       const float a0 = alpha_s[row0], a1 = alpha_s[row0 + 8];
 #pragma unroll
@@ -470,115 +450,40 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     }
   }
 
-  // every loop of the cluster is done (its K stages are free; no peer reaches this CTA's
-  // barriers any more) and every (max, sum) is in ml
-  if (kCluster) {
-    cluster_sync();
-  } else {
-    bar_sync(kBarOut, 256);
-  }
-  // the merge's weights: split k's partial counts 2^(m_k - M) / (sum_k l_k 2^(m_k - M) + 2^(sink - M)),
-  // M the largest of the maxima and the sink (base 2; the sink only with one partial per query,
-  // else XLA adds it); a split with no key counts 0. The partial's lse: M' + log2(sum without the sink)
-  float w[2];
+  // epilogue: the normalized output through shared memory (Q's tile: its last reader is done)
+  bar_sync(kBarOut, 256);  // the row sums are in sum_s
+  float inv[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = row0 + 8 * h;
-    const uint32_t at = smem_addr(ml + 2 * r);
-    auto ml_of = [&](int k) {  // split k's (max, sum) of row r
-      return kSplits == 1 ? make_float2(ml[2 * r], ml[2 * r + 1]) : ld_cluster_f32x2(mapa(at, prank + kPairs * k));
-    };
-    const float sink = parts == 1 ? __ldg(a.sink + hg * kBlock + r) * 1.4426950408889634f : -INFINITY;
-    float top = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kSplits; ++k) {
-      const float2 v = ml_of(k);
-      top = v.y > 0.f ? fmaxf(top, v.x) : top;
-    }
-    float keys = 0.f;  // the keys' sum, scaled by 2^-top
-#pragma unroll
-    for (int k = 0; k < kSplits; ++k) {
-      const float2 v = ml_of(k);
-      keys += v.y > 0.f ? v.y * ex2(v.x - top) : 0.f;
-    }
-    const float both = fmaxf(top, sink);  // -inf: no key (then no weight is used)
-    w[h] = ml[2 * r + 1] > 0.f ? ex2(ml[2 * r] - both) / (keys * ex2(top - both) + ex2(sink - both)) : 0.f;
-    if (zr == 0 && wg == 0 && (lane & 3) == 0)
-      a.lse[(n * parts + part) * a.heads + hg * kBlock + r] = keys > 0.f ? top + __log2f(keys) : -INFINITY;
+    const float s = sum_s[row0 + 8 * h];
+    inv[h] = s > 0.f ? 1.f / s : 0.f;
   }
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    O[4 * j] *= w[0];
-    O[4 * j + 1] *= w[0];
-    O[4 * j + 2] *= w[1];
-    O[4 * j + 3] *= w[1];
-  }
-  // the epilogue: this split's output chunks, as bf16, through shared memory (Q's tile: its
-  // last reader is done), then to global memory by whole rows
-  auto stage = [&](int c, float x0, float x1, float x2, float x3) {  // chunk c (8 output dims) of rows row0, + 8
+    const int chunk = 32 * wg + j;  // 8 output dims per chunk
     const uint32_t col = 4 * (lane & 3);
-    *reinterpret_cast<uint32_t*>(Q + swz(row0, c) + col) = pack_bf16(x0, x1);
-    *reinterpret_cast<uint32_t*>(Q + swz(row0 + 8, c) + col) = pack_bf16(x2, x3);
-  };
-  // split s owns output chunks [s kOwn, (s + 1) kOwn) (a warpgroup holds 32 / kOwn such runs):
-  // the others' weighted partials of them arrive in its K stages, slot k' (the sender's split,
-  // less one past s) of kOwn x 2 KiB, as float4s at (chunk - s kOwn) * 128 + (thread of the warpgroup)
-  if constexpr (kSplits > 1) {
-    const uint32_t tw16 = (t & 127) * 16;
-#pragma unroll
-    for (int q = 0; q < 32 / kOwn; ++q) {
-      const int o = 32 / kOwn * wg + q;  // the run's owner
-      if (o == zr) continue;
-      const uint32_t dst = mapa(k_s, prank + kPairs * o) + (zr < o ? zr : zr - 1) * kOwn * 2048 + tw16;
-#pragma unroll
-      for (int jj = 0; jj < kOwn; ++jj) {
-        const int j = q * kOwn + jj;
-        st_cluster_f32x4(dst + jj * 2048, O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
-      }
-    }
-    cluster_sync();
-#pragma unroll
-    for (int q = 0; q < 32 / kOwn; ++q) {
-      if (32 / kOwn * wg + q != zr) continue;
-#pragma unroll
-      for (int jj = 0; jj < kOwn; ++jj) {
-        const int j = q * kOwn + jj;
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int k = 0; k < kSplits; ++k) {  // in split order: the same bits every run
-          float4 v = make_float4(O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
-          if (k != zr) v = *reinterpret_cast<const float4*>(Ks + ((k < zr ? k : k - 1) * kOwn + jj) * 2048 + tw16);
-          acc.x += v.x;
-          acc.y += v.y;
-          acc.z += v.z;
-          acc.w += v.w;
-        }
-        stage(32 * wg + j, acc.x, acc.y, acc.z, acc.w);
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) stage(32 * wg + j, O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0, chunk) + col) = pack_bf16(O[4 * j] * inv[0], O[4 * j + 1] * inv[0]);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0 + 8, chunk) + col) =
+        pack_bf16(O[4 * j + 2] * inv[1], O[4 * j + 3] * inv[1]);
   }
   bar_sync(kBarOut, 256);
-  uint4* out = reinterpret_cast<uint4*>(a.out + ((n * parts + part) * a.heads + hg * kBlock) * kHeadDim);
-  for (int i = t; i < kBlock * kOwn; i += 256) {
-    const int r = i / kOwn, c = zr * kOwn + i % kOwn;
-    out[r * kChunks + c] = *reinterpret_cast<const uint4*>(Q + swz(r, c));
-  }
+  const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
+  uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
+  for (int i = t; i < kBlock * kChunks; i += 256)
+    out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
+  if (kCluster == 2) cluster_sync();  // no CTA leaves while its peer may still reach its barriers
 #endif
 }
 
-// The cluster shape is the kernel's attribute, so every kernel launches as a plain launch: a
-// launch with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call on
-// an H100 (benchmarks/dsv4_attention.py's wall column).
+// The cluster shape is the kernel's attribute, so both launch as plain launches: a launch
+// with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call on an
+// H100 (benchmarks/dsv4_attention.py's wall column).
 __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
-  pool_attention_cta<1, 1>(a);
+  pool_attention_cta<1>(a);
 }
-template <int kPairs, int kSplits>
-__global__ void __cluster_dims__(1, kPairs, kSplits) __launch_bounds__(kThreads, 1)
-    pool_attention_cluster_kernel(const __grid_constant__ AttnArgs a) {
-  pool_attention_cta<kPairs, kSplits>(a);
+__global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(kThreads, 1)
+    pool_attention_pairs_kernel(const __grid_constant__ AttnArgs a) {
+  pool_attention_cta<2>(a);
 }
 
 }  // namespace
@@ -589,7 +494,8 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
                                  ffi::Buffer<ffi::S32, 2> nvalid, ffi::Buffer<ffi::U8, 2> pool0,
                                  ffi::Buffer<ffi::U8, 2> pool1, ffi::Buffer<ffi::U8, 2> pool2,
                                  ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out,
-                                 ffi::ResultBuffer<ffi::F32, 2> lse, int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
+                                 ffi::ResultBuffer<ffi::F32, 2> lse,
+                                 int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
                                  int32_t storage) {
   const auto qd = q.dimensions();
   const int64_t N = qd[0], H = qd[1];
@@ -602,17 +508,9 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   if (rows.dimensions()[0] != N || rows.dimensions()[1] != int64_t(nb) * kBlock || nvalid.dimensions()[0] != N ||
       nvalid.dimensions()[1] != nb)
     return ffi::Error::InvalidArgument("rows, nvalid: expected i32[N, blocks * 64] and i32[N, blocks]");
-  // a 2-CTA cluster per query row's head groups 2 g, 2 g + 1 when they pair up, else per its
-  // two splits when it has two (one partial left). With more splits, merging pairs inside and
-  // the rest in XLA measured slower than XLA alone (V4-Flash batch 1 and 32, RESULTS.md).
-  const bool pairs = (H / kBlock) % 2 == 0, split_pairs = !pairs && splits == 2;
-  const int64_t parts = split_pairs ? splits / 2 : splits;
-  if (splits < 1) return ffi::Error::InvalidArgument("splits: expected >= 1");
-  if (out->dimensions()[0] != N * parts || out->dimensions()[1] != H || lse->dimensions()[0] != N * parts ||
-      lse->dimensions()[1] != H)
-    return ffi::Error::InvalidArgument(
-        "out, lse: expected bf16[N * parts, H, 512] and f32[N * parts, H], parts = 1 for 2 splits at H = 64 "
-        "(mod 128), else splits");
+  if (splits < 1 || out->dimensions()[0] != N * splits || out->dimensions()[1] != H ||
+      lse->dimensions()[0] != N * splits || lse->dimensions()[1] != H)
+    return ffi::Error::InvalidArgument("out, lse: expected bf16[N * splits, H, 512] and f32[N * splits, H]");
   if (sink.dimensions()[0] != H) return ffi::Error::InvalidArgument("sink: expected f32[H]");
   AttnArgs a{};
   const ffi::Buffer<ffi::U8, 2>* pools[kMaxParts] = {&pool0, &pool1, &pool2};
@@ -642,9 +540,9 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (major != 9) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
-  const auto kernel = pairs         ? pool_attention_cluster_kernel<2, 1>
-                      : split_pairs ? pool_attention_cluster_kernel<1, 2>
-                                    : pool_attention_kernel;
+  // head groups in pairs: a 2-CTA cluster per (query row, 128 heads, split)
+  const bool pairs = (H / kBlock) % 2 == 0;
+  const auto kernel = pairs ? pool_attention_pairs_kernel : pool_attention_kernel;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem, stream>>>(a);
   return launch_status(cudaGetLastError(), "pool_attention");
@@ -672,8 +570,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Sink>()   // sink f32[H]
-                                  .Ret<jaxkv::attention_types::Out>()    // bf16[N * parts, H, 512]
-                                  .Ret<jaxkv::attention_types::Lse>()    // f32[N * parts, H]
+                                  .Ret<jaxkv::attention_types::Out>()    // bf16[N * splits, H, 512]
+                                  .Ret<jaxkv::attention_types::Lse>()    // f32[N * splits, H]
                                   .Attr<int32_t>("blocks0")
                                   .Attr<int32_t>("blocks1")
                                   .Attr<int32_t>("blocks2")

@@ -36,10 +36,8 @@ The Mosaic GPU kernel reads official (``ds_mla``) storage only: per_entry pools 
 multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
-``splits`` programs when the batch alone does not fill the GPU. The CUDA kernel merges
-two splits itself at 64 heads (a 2-CTA cluster, through distributed shared memory;
-``cuda_partials``) and adds the sink itself when one partial per query is left: at
-V4-Flash batch 64 (2 splits) no merge launch and one bf16 rounding of the output.
+``splits`` programs when the batch alone does not fill the GPU. The CUDA kernel adds it
+itself when ``splits`` is 1 (no merge launch; one bf16 rounding of the output).
 
     q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
     pools: tuple of u8[P, bs * E] one pool per part, rows ``block * bs + slot``
@@ -77,7 +75,7 @@ CUDA_PARTS = 3  # pools the cuda/ kernel takes (a V4 layer has entries, its ring
 i32 = jnp.int32
 
 
-def _check(q, pools, part_blocks, rows, nvalid, sink, storage, splits, lowering="mosaic"):
+def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"):
     if q.ndim != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % BLOCK or q.dtype != jnp.bfloat16:
         raise ValueError(f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got "
                          f"{q.dtype}{list(q.shape)}")
@@ -103,8 +101,6 @@ def _check(q, pools, part_blocks, rows, nvalid, sink, storage, splits, lowering=
         raise ValueError(f"rows: at most {127 * BLOCK} rows per query, got {NB * BLOCK}")
     if lowering == "cuda" and len(pools) > CUDA_PARTS:
         raise ValueError(f"pools: the cuda/ kernel reads at most {CUDA_PARTS} pools, got {len(pools)}")
-    if not isinstance(splits, (int, np.integer)) or splits < 1:
-        raise ValueError(f"splits: expected an int >= 1, got {splits!r}")
 
 
 def _part_of(part_blocks):
@@ -386,39 +382,31 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     GPU and nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
-    _check(q, pools, part_blocks, rows, nvalid, sink, storage, splits, lowering="cuda")
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
     register_ffi_targets()
     scale = HEAD_DIM**-0.5 if scale is None else scale
     N, H, D = q.shape
     blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
     pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
-    parts = cuda_partials(splits, H)
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
-        (jax.ShapeDtypeStruct((N * parts, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * parts, H), jnp.float32)),
+        (jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
     )(q, rows, nvalid, *pools, jnp.asarray(sink, jnp.float32), blocks0=np.int32(blocks[0]),
       blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]), splits=np.int32(splits), scale=np.float32(scale),
       storage=np.int32(STORAGE_CODES[storage]))
-    return out if parts == 1 else _merge_splits(out, lse, N, parts, sink)  # one partial: the sink is in
+    return out if splits == 1 else _merge_splits(out, lse, N, splits, sink)  # one split: the sink is in
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
-    _check(q, pools, part_blocks, rows, nvalid, sink, storage, splits)
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
     scales = row_scales(pools, part_blocks, rows, storage)
     out, lse = _partials(q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale),
                          splits=splits)
     return _merge_splits(out, lse, q.shape[0], splits, sink)
-
-
-def cuda_partials(splits: int, heads: int) -> int:
-    """Partials per query the cuda/ kernel leaves to the XLA merge: two splits merge inside it
-    (a 2-CTA cluster) where the head groups do not pair up already (H = 64 mod 128). Merging
-    pairs of more splits inside and the rest in XLA was slower than XLA alone."""
-    return 1 if heads // BLOCK % 2 and splits == 2 else splits
 
 
 def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
@@ -427,4 +415,4 @@ def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
     return max(1, min(8, sms // max(rows * (heads // BLOCK), 1)))
 
 
-__all__ = ["cuda_partials", "fill_splits", "pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
+__all__ = ["fill_splits", "pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
