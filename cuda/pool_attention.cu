@@ -23,7 +23,8 @@
 // So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
 // block j. At 64 heads the gather bounds it; paired, no one part does. Pairing at 64 heads
 // too (each CTA gathering half the rows and writing half the output dims) ran twice the CTAs
-// for less than half the time per block, a net loss (benchmarks/RESULTS.md). Rows
+// for less than half the time per block, a net loss; merging two splits in a 2-CTA cluster
+// was faster alone but slower inside the decode step (both in benchmarks/RESULTS.md). Rows
 // past a block's count, and ids outside their pool, are zero-filled and masked: no read
 // outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
 // setmaxnreg); the launcher refuses other devices.
