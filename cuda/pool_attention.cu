@@ -7,8 +7,9 @@
 //
 // Hopper (sm_90a), warp-specialized: one CTA of 3 warpgroups per (query row, 64 heads, key
 // split), 1 CTA per SM (about 205 KiB of shared memory: Q, two BF16 K stages, P).
-//   * the producer warpgroup loads a block's raw row bytes (576 B of codes + rope, the scale
-//     bytes) into registers one block ahead, dequantizes them into a free BF16 K stage (the
+//   * the producer warpgroup lists the non-empty blocks while the consumers load Q, then loads
+//     a block's raw row bytes (576 B of codes + rope, the scale bytes) into registers one block
+//     ahead (its row ids one block further), dequantizes them into a free BF16 K stage (the
 //     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
 //     signals the stage's mbarrier. With 128 heads or more, the CTAs of a query row's head
 //     groups 2 g and 2 g + 1 run as a 2-CTA cluster: each producer gathers half the block's
@@ -61,7 +62,7 @@ constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 2 * kBlock *
                       2 * kMaxBlocks * 4 + 16 + 3 * kStages * 8;
 // registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
 constexpr int kRegs0 = 208, kRegs2 = 128;
-constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3;  // named barriers (0 is __syncthreads)
+constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3, kBarList = 4, kBarReady = 5;  // named barriers (0: __syncthreads)
 constexpr int kConsumerWarps = 8;                     // arrivals a K stage's `free` barrier takes per CTA
 
 struct Part {
@@ -86,21 +87,30 @@ struct AttnArgs {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define JAXKV_POOL_SM90 1
 // ---- the producer ---------------------------------------------------------------------------
-// The producer loads block j + 1's raw rows into registers right after storing block j, so
-// the loads fly while the consumers work on block j. Producer thread t (of 128) owns rows
-// t / 4 and 32 + t / 4 of a block and their 16-byte chunks t % 4 + 4 k (k < 9: 7 of codes, then
-// 2 of rope): a warp reads 64 contiguous bytes of each of 8 rows per load, and its 16-byte
-// stores into the swizzled tile spread evenly over the bank groups. (Landing the rows by
-// cp.async in the free stage instead, to hold no registers, measured 14% slower: the loads
-// can then only start once the consumers free the stage, RESULTS.md.)
-// In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4 only.
+// Producer thread t (of 128) owns rows t / 4 and 32 + t / 4 of a block and their 16-byte
+// chunks t % 4 + 4 k (k < 9: 7 of codes, then 2 of rope): a warp reads 64 contiguous bytes of
+// each of 8 rows per load, and its 16-byte stores into the swizzled tile spread evenly over
+// the bank groups. In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4
+// only. A block's rows take two dependent global reads (the row ids, then the rows), so the
+// producer runs them a block apart: while it stores block j it holds block j + 1's ids (j + 2
+// in a cluster), and right after storing each of its rows of block j it loads the same row
+// of the next block into the registers just freed. (Landing the rows by cp.async in the free
+// stage instead, to hold no registers, measured 14% slower: the loads can then only start
+// once the consumers free the stage, RESULTS.md.)
+template <int kCluster>
+struct RowIds {
+  static constexpr int kRows = 2 / kCluster;
+  int id[kRows];  // the pool ids of this thread's rows
+  int peer;       // cluster: the id of the peer's row 32 (1 - r) + t / 4
+  int b, nv;      // the block (-1: past the split's last) and its valid-row count
+};
 template <int kCluster>
 struct RawRows {
   static constexpr int kRows = 2 / kCluster;
   uint4 v[kRows][kPerThread];  // the chunks
   uint2 s[kRows];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
   bool ok[kRows];              // a real row
-  bool peer_ok;                // cluster: the peer's row 32 (1 - r) + t / 4 is real (its flag is set here)
+  bool peer_ok;                // cluster: the peer's row is real (its flag is set here)
 };
 
 // 16 bytes of a pool row, not kept in L1 (read once), fetched into L2 by 256 B (a row is 576 B)
@@ -110,41 +120,55 @@ __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
+// the ids of this thread's rows of list block b (b < 0: none)
 template <int kCluster>
-__device__ __forceinline__ void load_rows(const AttnArgs& a, int64_t n, int b, int nv, int rank,
-                                          RawRows<kCluster>& raw) {
-  const int t = threadIdx.x & 127, q4 = t & 3;
+__device__ __forceinline__ RowIds<kCluster> fetch_ids(const AttnArgs& a, int64_t n, int b, const int* nv_s,
+                                                      int rank) {
+  RowIds<kCluster> ids;
+  ids.b = b;
+  ids.nv = b >= 0 ? nv_s[b] : 0;
+  const int32_t* rows = a.rows + (n * a.nb + max(b, 0)) * kBlock;
+  const int t = threadIdx.x & 127;
+#pragma unroll
+  for (int h = 0; h < ids.kRows; ++h) ids.id[h] = b >= 0 ? __ldg(rows + 32 * (h + rank) + (t >> 2)) : -1;
+  ids.peer = kCluster == 2 && b >= 0 ? __ldg(rows + 32 * (1 - rank) + (t >> 2)) : -1;
+  return ids;
+}
+__device__ __forceinline__ const Part& part_of(const AttnArgs& a, int b) {
   int p = 0;
 #pragma unroll
   for (int i = 0; i < kMaxParts - 1; ++i) p += b >= a.part[i].end;
-  const Part P = a.part[p];
+  return a.part[p];
+}
+// row h of the block ``ids`` names -> raw (zeros and !ok past the count, for ids outside the pool)
+template <int kCluster>
+__device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kCluster>& ids, int h, int rank,
+                                         RawRows<kCluster>& raw) {
+  const int t = threadIdx.x & 127, q4 = t & 3;
+  const Part& P = part_of(a, max(ids.b, 0));
   const bool official = a.storage == kOfficial;
-  const int32_t* ids = a.rows + (n * a.nb + b) * kBlock;
-  if (kCluster == 2) {
-    const int r = 32 * (1 - rank) + (t >> 2), id = __ldg(ids + r);
-    raw.peer_ok = r < nv && id >= 0 && id < P.items;
+  if (kCluster == 2 && h == 0) {
+    const int r = 32 * (1 - rank) + (t >> 2);
+    raw.peer_ok = r < ids.nv && ids.peer >= 0 && ids.peer < P.items;
   }
+  const int r = 32 * (h + rank) + (t >> 2), id = ids.id[h];
+  const bool valid = r < ids.nv && id >= 0 && id < P.items;
+  const int64_t blk = valid ? id / P.bs : 0;
+  const int sl = valid ? id % P.bs : 0;
+  const uint8_t* base = P.pool + blk * P.bs * entry_bytes(a.storage);
+  const uint8_t* codes = base + sl * (official ? kOffData : kPeCodes);
+  const uint8_t* rope = official ? codes + kNope : base + P.bs * kPeCodes + sl * kPeRope;
+  const uint8_t* sc = base + P.bs * kOffData + sl * (official ? kOffScales : kPeScale);
 #pragma unroll
-  for (int h = 0; h < raw.kRows; ++h) {
-    const int r = 32 * (h + rank) + (t >> 2);
-    const int id = __ldg(ids + r);
-    const bool valid = r < nv && id >= 0 && id < P.items;
-    const int64_t blk = valid ? id / P.bs : 0;
-    const int sl = valid ? id % P.bs : 0;
-    const uint8_t* base = P.pool + blk * P.bs * entry_bytes(a.storage);
-    const uint8_t* codes = base + sl * (official ? kOffData : kPeCodes);
-    const uint8_t* rope = official ? codes + kNope : base + P.bs * kPeCodes + sl * kPeRope;
-    const uint8_t* sc = base + P.bs * kOffData + sl * (official ? kOffScales : kPeScale);
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      const int c = q4 + 4 * k;
-      raw.v[h][k] = valid ? ld_row16(k < kCodeChunks / 4 ? codes + 16 * c : rope + 16 * (c - kCodeChunks)) : make_uint4(0, 0, 0, 0);
-    }
-    raw.s[h] = !valid ? make_uint2(0, 0)
-               : official ? __ldg(reinterpret_cast<const uint2*>(sc))
-                          : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
-    raw.ok[h] = valid;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int c = q4 + 4 * k;
+    raw.v[h][k] = valid ? ld_row16(k < kCodeChunks / 4 ? codes + 16 * c : rope + 16 * (c - kCodeChunks))
+                        : make_uint4(0, 0, 0, 0);
   }
+  raw.s[h] = !valid ? make_uint2(0, 0)
+             : official ? __ldg(reinterpret_cast<const uint2*>(sc))
+                        : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
+  raw.ok[h] = valid;
 }
 
 // 2 FP8 E4M3 codes (bytes ``sel`` picks: 0x1404 the low two, 0x3424 the high two of ``w``) ->
@@ -176,13 +200,15 @@ __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_
   if (kCluster == 2) st_async16(peer_k + off, v, peer_bar);
 }
 
-// the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
+// the loaded rows -> the BF16 K stage (swizzled) and its row flags; after each row, the same
+// row of the block ``next`` names is loaded into its registers. The codes' exact values
 // times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
 // is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
 // smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
 template <int kCluster>
-__device__ __forceinline__ void store_rows(const RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
-                                           uint32_t peer_k, uint32_t peer_bar, bool official) {
+__device__ __forceinline__ void store_rows(RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
+                                           uint32_t peer_k, uint32_t peer_bar, bool official, const AttnArgs& a,
+                                           const RowIds<kCluster>& next) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   if (kCluster == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
 #pragma unroll
@@ -220,6 +246,7 @@ __device__ __forceinline__ void store_rows(const RawRows<kCluster>& raw, int ran
       put16<kCluster>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
     }
     if (q4 == 0) ok[r] = raw.ok[h];
+    if (next.b >= 0) load_row<kCluster>(a, next, h, rank, raw);
   }
 }
 #endif  // sm_90a
@@ -248,14 +275,6 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   const int hg = blockIdx.y, split = blockIdx.z;
   const bool official = a.storage == kOfficial;
 
-  // Q (64 heads) -> shared, by every thread; the non-empty blocks, in order (warp 0: a ballot per 32)
-  const __nv_bfloat16* qn = a.q + (n * a.heads + hg * kBlock) * kHeadDim;
-  for (int i = t; i < kBlock * kChunks; i += kThreads) {
-    const int r = i / kChunks, c = i % kChunks;
-    *reinterpret_cast<uint4*>(Q + swz(r, c)) = __ldg(reinterpret_cast<const uint4*>(qn + r * kHeadDim + 8 * c));
-  }
-  fence_async_smem();
-  if (t < a.nb) nv_s[t] = min(max(__ldg(a.nvalid + n * a.nb + t), 0), kBlock);
   // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (cluster): the
   // peer's rows landed here (one arrival + their bytes); free[s]: every consumer warp of the
   // cluster is done with stage s (both CTAs' stages are written by both producers)
@@ -272,18 +291,34 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   } else {
     __syncthreads();
   }
-  if (warp == 0) {
-    int count = 0;
-    for (int i0 = 0; i0 < a.nb; i0 += 32) {
-      const int i = i0 + lane;
-      const bool f = i < a.nb && nv_s[i] > 0;
-      const unsigned m = __ballot_sync(0xffffffffu, f);
-      if (f) list[count + __popc(m & ((1u << lane) - 1))] = i;
-      count += __popc(m);
+  // The prologue runs in two parts at once: the consumers load Q while the producer lists
+  // the non-empty blocks and starts the first block's reads (its path to the first product
+  // is three dependent global reads: the counts, the ids, the rows).
+  if (wg == 2) {
+    if (t - 256 < a.nb) nv_s[t - 256] = min(max(__ldg(a.nvalid + n * a.nb + t - 256), 0), kBlock);
+    bar_sync(kBarList, 128);
+    if (warp == 8) {  // the non-empty blocks, in order: a ballot per 32
+      int count = 0;
+      for (int i0 = 0; i0 < a.nb; i0 += 32) {
+        const int i = i0 + lane;
+        const bool f = i < a.nb && nv_s[i] > 0;
+        const unsigned m = __ballot_sync(0xffffffffu, f);
+        if (f) list[count + __popc(m & ((1u << lane) - 1))] = i;
+        count += __popc(m);
+      }
+      if (lane == 0) *total_s = count;
     }
-    if (lane == 0) *total_s = count;
+    bar_sync(kBarList, 128);
+    bar_arrive(kBarReady, kThreads);  // the list -> the consumers
+  } else {
+    const __nv_bfloat16* qn = a.q + (n * a.heads + hg * kBlock) * kHeadDim;
+    for (int i = t; i < kBlock * kChunks; i += 256) {
+      const int r = i / kChunks, c = i % kChunks;
+      *reinterpret_cast<uint4*>(Q + swz(r, c)) = __ldg(reinterpret_cast<const uint4*>(qn + r * kHeadDim + 8 * c));
+    }
+    fence_async_smem();
+    bar_sync(kBarReady, kThreads);  // also: both consumer warpgroups' parts of Q are in
   }
-  __syncthreads();
   const int total = *total_s;
   const int per = (total + a.splits - 1) / a.splits;
   const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
@@ -304,37 +339,45 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
     const uint32_t peer_k = kCluster == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
     const uint32_t peer_bar = kCluster == 2 ? mapa(peer_full, 1 - rank) : 0;
-    auto load = [&](int i, RawRows<kCluster>& raw) {
-      if (i < blocks) load_rows<kCluster>(a, n, list[j0 + i], nv_s[list[j0 + i]], rank, raw);
-    };
-    auto put = [&](int i, const RawRows<kCluster>& raw) {  // block i's rows -> stage i % kStages
+    auto ids_of = [&](int i) { return fetch_ids<kCluster>(a, n, i < blocks ? list[j0 + i] : -1, nv_s, rank); };
+    // block i's rows -> stage i % kStages; the rows of block i + kCluster (``next``) -> raw
+    auto put = [&](int i, RawRows<kCluster>& raw, const RowIds<kCluster>& next) {
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
       // the peer's half of stage s: its bytes complete the phase (they may land before this)
       if (kCluster == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
       store_rows<kCluster>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
-                           peer_bar + 8 * s, official);
+                           peer_bar + 8 * s, official, a, next);
       fence_async_smem();
       mbar_arrive(full + 8 * s);
     };
+    auto load = [&](const RowIds<kCluster>& ids, RawRows<kCluster>& raw) {
+#pragma unroll
+      for (int h = 0; h < raw.kRows; ++h)
+        if (ids.b >= 0) load_row<kCluster>(a, ids, h, rank, raw);
+    };
+    RowIds<kCluster> ids = ids_of(0);
     if (kCluster == 2) {  // half the rows each: registers for two blocks in flight
       RawRows<kCluster> r0, r1;
-      load(0, r0);
-      load(1, r1);
+      load(ids, r0);
+      ids = ids_of(1);
+      load(ids, r1);
+      ids = ids_of(2);
       for (int i = 0; i < blocks; i += 2) {
-        put(i, r0);
-        load(i + 2, r0);
+        put(i, r0, ids);
+        ids = ids_of(i + 3);
         if (i + 1 < blocks) {
-          put(i + 1, r1);
-          load(i + 3, r1);
+          put(i + 1, r1, ids);
+          ids = ids_of(i + 4);
         }
       }
     } else {
       RawRows<kCluster> raw;
-      load(0, raw);
+      load(ids, raw);
+      ids = ids_of(1);
       for (int i = 0; i < blocks; ++i) {
-        put(i, raw);
-        load(i + 1, raw);
+        put(i, raw, ids);
+        ids = ids_of(i + 2);
       }
     }
     if (kCluster == 2) cluster_sync();  // the consumers' is at the end
