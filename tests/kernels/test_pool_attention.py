@@ -101,7 +101,7 @@ def test_kernel_matches_reference(rng, H, splits):
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
-@pytest.mark.parametrize("H,splits", [(64, 1), (128, 3), (64, 8)])
+@pytest.mark.parametrize("H,splits", [(64, 1), (64, 2), (64, 8), (128, 1), (128, 3)])
 def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     """Three parts as a V4 layer has them, ragged counts (full, partial, empty blocks; a query
     with no key), out-of-range ids past the counts, more splits than some queries have blocks.
