@@ -31,6 +31,13 @@
 // setmaxnreg); the launcher refuses other devices.
 // Why CUDA and not Mosaic GPU: a block's rows are scattered over the pool and Mosaic GPU has
 // no per-thread gather; per-row TMAs cost more than the math (kernels.pool_attention).
+// Why one producer warpgroup although at 64 heads the row loads bound the kernel
+// (benchmarks/RESULTS.md): with a fourth warpgroup (512 threads, 128 registers each at
+// launch) ptxas refuses an m64n256 wgmma even inside a raised setmaxnreg region (the one
+// instruction needs 158); as two m64n128 halves it compiles, but no split of the 512
+// registers per thread (65536 / 128) among the four warpgroups avoids spills: consumers 208 /
+// 176 or 208 / 160 leave the producers (one row per thread) 64 or 72 and they spill; producers
+// at 88 leave the consumers 192 / 144 and they spill 1.9 KB (nvcc 13.0, compile-only).
 
 #include <cstdint>
 #include <cuda_bf16.h>
