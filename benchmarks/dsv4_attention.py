@@ -33,12 +33,13 @@ from jaxkv.kernels.pool_attention import BLOCK, fill_splits, pool_attention, poo
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
+CODEC = STORAGES["official"].entry  # the pools' rows: u8[584] each
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def rows_of(key, n):
     """n random rows in the official storage: u8[n, 584]."""
-    return STORAGES["official"].entry.encode(jax.random.normal(key, (n, 512), jnp.bfloat16))
+    return CODEC.encode(jax.random.normal(key, (n, 512), jnp.bfloat16))
 
 
 def pool_of(key, blocks, bs, chunk=1 << 18):
@@ -47,16 +48,15 @@ def pool_of(key, blocks, bs, chunk=1 << 18):
     n = blocks * bs
     keys = jax.random.split(key, -(-n // chunk))
     items = jnp.concatenate([rows_of(k, min(chunk, n - i * chunk)) for i, k in enumerate(keys)])
-    return pack_items(items, bs, STORAGES["official"].entry.segments)
+    return pack_items(items, bs, CODEC.segments)
 
 
 def case(B, H, K, key, pool_mib=0):
     """One decode batch: q, (entry pool, ring pool), blocks per part, row ids, valid counts, sink.
     The pools hold at least ``pool_mib`` MiB (entries) and ``pool_mib / 8`` MiB (windows)."""
     k1, k2, k3, k4, k5, k6 = jax.random.split(key, 6)
-    row_bytes = STORAGES["official"].entry_bytes
-    nb = max(2 * B * K // BS, 64, pool_mib * 2**20 // (BS * row_bytes))
-    rings = max(B, pool_mib * 2**20 // 8 // (WINDOW * row_bytes))
+    nb = max(2 * B * K // BS, 64, pool_mib * 2**20 // (BS * CODEC.bytes))
+    rings = max(B, pool_mib * 2**20 // 8 // (WINDOW * CODEC.bytes))
     entries, ring = pool_of(k1, nb, BS), pool_of(k2, rings, WINDOW)
     picked = jax.vmap(lambda k: jax.random.permutation(k, nb * BS)[:K])(jax.random.split(k3, B)).astype(jnp.int32)
     home = jax.random.permutation(k6, rings)[:B]  # each request's ring block
