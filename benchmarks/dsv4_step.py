@@ -4,7 +4,8 @@ One token per request. Per layer, in model order: the compressor update (``compr
 tail append, flush where a block of ``ratio`` tokens completes), for a CSA layer the
 indexer's top-k (``index_query`` + ``index_topk``), attention over the cache
 (``hybrid.attention``: the window ring + the token itself + the top-k / every visible HCA
-entry, with the sink), ``after_reads`` (so the writes that follow stay in place), then the
+entry, with the sink; its whole output written, as a model's output projection would read
+it), ``after_reads`` (so the writes that follow stay in place), then the
 window write (``write_window``). ``prepare_forward`` opens the step. One jitted call per step, state donated, no host sync.
 
 Requests sit at scattered positions in the last quarter of ``--contexts``; every pool (the
@@ -38,10 +39,12 @@ import dataclasses
 import functools
 import json
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from _timing import kernel_ms_per_step, times_ms
 from hybrid_step import make_inputs, make_params
@@ -123,8 +126,10 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
         if (index or attend) and cfg.kind(layer) == H.CSA:
             idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx[..., 0]
-        if attend:
-            out = H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl)[..., 0]
+        if attend:  # a model's output projection reads every element: the barrier has the step write the
+            # whole output (and any split merge) instead of letting XLA compute only the slice summed below
+            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx,
+                                                       impl=impl))[..., 0]
         if out is not None:
             acc = acc + out.astype(jnp.float32).sum()
             state = H.after_reads(state, out)
@@ -158,7 +163,10 @@ def run_case(B, context, args):
             box["s"], acc = fn(box["s"], slots, inputs, params, extra)
             acc.block_until_ready()
 
+        t0 = time.perf_counter()
         run(0)
+        print(f"  {B} requests, context {context}: {name}: first call (compile + run) "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run, args.iters, warmup=2))
         top = args.top if kw["attend"] else 0
