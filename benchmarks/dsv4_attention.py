@@ -1,7 +1,9 @@
 """DeepSeek-V4 decode attention over the FP8 pools: the ``cuda/`` kernel
 (``kernels.pool_attention_cuda``) vs the Mosaic GPU kernel (``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
-FlashMLA's sm90 sparse decode on the same pool bytes (when ``FLASHMLA_SRC`` is set and
-torch with CUDA is importable), per shape: one token per request, top-k entries + a
+FlashMLA's sm90 sparse decode on the same pool bytes, through jax.ffi (``flashmla``:
+``kernels.pool_attention_flashmla``, opt-in with ``--contenders``) and through its own torch
+binding (``flashmla-torch``, whenever ``FLASHMLA_SRC`` is set and torch with CUDA is
+importable), per shape: one token per request, top-k entries + a
 128-item window, an attention sink. Back-to-back calls (dispatch amortized), median of
 ``--reps`` rounds after warm-up; TFLOP/s counts QK and PV (4 * H * keys * 512 per token).
 
@@ -29,7 +31,8 @@ import jax.numpy as jnp
 
 from _timing import kernel_ms_per_step  # benchmarks/, the script's directory
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import BLOCK, fill_splits, pool_attention, pool_attention_cuda, ref_pool_attention
+from jaxkv.kernels.pool_attention import (BLOCK, fill_splits, pool_attention, pool_attention_cuda,
+                                          pool_attention_flashmla, ref_pool_attention)
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
@@ -140,6 +143,7 @@ def main():
             fns = dict(
                 cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
                 pallas=jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S)),
+                flashmla=jax.jit(lambda q, p, r, n, s: pool_attention_flashmla(q, p, pb, r, n, s)),
                 xla=jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16)))
             res = {}
             for cname in a.contenders.split(","):
@@ -152,25 +156,25 @@ def main():
             timed, why = flashmla_contender(q, pools, rows, sink, B, H, K)
             if timed is not None:
                 ms, out = timed(a.reps)
-                res["flashmla"] = (ms, ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
+                res["flashmla-torch"] = (ms, ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
             for cname, (ms, gpu, err) in res.items():
                 k = gpu or ms
                 rows_out.append(dict(shape=name, batch=B, heads=H, topk=K, impl=cname, ms=ms, kernel_ms=gpu,
                                      tflops=flops / k / 1e9, gbs=bytes_ / k / 1e6, max_err=err, splits=S))
             if why:
-                print(f"flashmla skipped: {why}")
+                print(f"flashmla-torch skipped: {why}")
     print(f"\n{dev}, jax {jax.__version__}; decode, top-k + {WINDOW}-item window, official storage, "
           f"pools of >= {a.pool_mib} MiB")
     print("wall: per call over back-to-back calls (JAX: host dispatch included); kernel: GPU time per call from a "
-          "profiler trace (FlashMLA: CUDA events around back-to-back calls); TFLOP/s and GB/s from kernel time")
-    print(f"{'shape':9} {'B':>4} {'impl':9} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'max err':>8} "
-          f"{'vs flashmla':>11}")
+          "profiler trace (flashmla-torch: CUDA events around back-to-back calls); TFLOP/s and GB/s from kernel time")
+    print(f"{'shape':9} {'B':>4} {'impl':14} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'max err':>8} "
+          f"{'vs fm-torch':>11}")
     for r in rows_out:
-        fm = [x for x in rows_out if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla"]
+        fm = [x for x in rows_out if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla-torch"]
         k = r["kernel_ms"] or r["ms"]
         rel = f"{k / fm[0]['ms']:.2f}x" if fm else "-"
         kern = f"{r['kernel_ms']:9.4f}" if r["kernel_ms"] else f"{'-':>9}"
-        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:9} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} {r['gbs']:7.0f} "
+        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:14} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} {r['gbs']:7.0f} "
               f"{r['max_err']:8.4f} {rel:>11}")
     if a.json:
         with open(a.json, "w") as f:

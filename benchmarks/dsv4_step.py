@@ -16,6 +16,7 @@ Contenders per (requests, context), in one process:
 * ``step``: the whole step, attention ``impl="auto"`` (the ``cuda/`` kernel on a GPU with nvcc);
 * ``pallas`` (opt-in): the same with the Mosaic GPU attention kernel;
 * ``xla`` (opt-in): the same with the attention's dequantize + float32 path;
+* ``flashmla`` (opt-in, ``$FLASHMLA_SRC``): the same with FlashMLA's sm90 kernel through jax.ffi;
 * ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
 * ``indexer-xla`` (opt-in): the same with the indexer's scores on XLA instead of the kernel;
 * ``bookkeeping``: the step without indexer and attention.
@@ -56,6 +57,7 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "step": ("step (attention impl=auto)", dict(index=True, attend=True, impl="auto")),
     "pallas": ("step (attention impl=pallas)", dict(index=True, attend=True, impl="pallas")),
     "xla": ("step (attention impl=xla)", dict(index=True, attend=True, impl="xla")),
+    "flashmla": ("step (attention impl=flashmla)", dict(index=True, attend=True, impl="flashmla")),
     "indexer": ("bookkeeping + indexer (no attention)", dict(index=True, attend=False, impl="auto")),
     "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),
     "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),

@@ -18,7 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why. An old name in
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
-| ``hybrid.attention`` | xla, pallas, cuda | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla |
+| ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
 """
 
 from __future__ import annotations
@@ -83,6 +83,16 @@ def _pool_cuda_missing(*, heads: int = 64, block_size: int = 64, window: int = 1
     return why or _cuda_missing()
 
 
+def _flashmla_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
+                      **_) -> str | None:
+    from jaxkv.cuda import flashmla
+
+    why = _hopper_and("64 or 128 heads, block_size and window multiples of 32 and official storage",
+                      heads in flashmla.HEADS and block_size % 32 == window % 32 == 0 and storage == "official",
+                      f"{heads} heads, block_size {block_size}, window {window}, {storage} storage")
+    return why or flashmla.missing()
+
+
 def _attention_auto(**ctx) -> str:
     return "cuda" if _pool_cuda_missing(**ctx) is None else "pallas" if _heads_missing(**ctx) is None else "xla"
 
@@ -139,8 +149,8 @@ OPERATIONS = {op.name: op for op in (
     _cuda_op("hybrid.index_query"),
     Operation("hybrid.index_scores", ("xla", "pallas"),
               lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
-    Operation("hybrid.attention", ("xla", "pallas", "cuda"), _attention_auto,
-              {"pallas": _heads_missing, "cuda": _pool_cuda_missing}),
+    Operation("hybrid.attention", ("xla", "pallas", "cuda", "flashmla"), _attention_auto,
+              {"pallas": _heads_missing, "cuda": _pool_cuda_missing, "flashmla": _flashmla_missing}),
 )}
 
 

@@ -15,7 +15,8 @@ trimmed tree of ``.upstream/flashmla`` (``build.sh`` there). The extension is ca
 ``$FLASHMLA_BUILD`` if set, else ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``)
 ``/flashmla/<key>/``, the key hashing the sources, flags, torch and nvcc.
 
-Imports torch and the standard library only; ``import jaxkv`` does not import it. jax
+Imports torch, the standard library and ``jaxkv.cuda.flashmla`` (the FlashMLA file list and
+flags, shared with the JAX FFI build of the same kernels); ``import jaxkv`` does not import it. jax
 arrays cross with ``torch.from_dlpack`` (``torch_bridge.to_torch``): zero-copy views.
 The kernels run on torch's current stream of the tensors' device.
 """
@@ -31,32 +32,17 @@ from pathlib import Path
 
 import torch
 
+from jaxkv.cuda.flashmla import HEADS, INCLUDES, KEYED, NVCC_FLAGS, SOURCES, source_dir
+
 HEAD_DIM = 512  # q / entry dims FlashMLA's MODEL1 path takes (448 FP8 nope + 64 BF16 rope)
 TOPK_BLOCK = 64  # the kernel walks indices 64 at a time: topk and window widths are multiples
-HEADS = (64, 128)  # query heads per KV head the sm90 kernel is instantiated for
 # FlashMLA's MODEL1 bytes per token (its api/sparse_decode.h computes it so); equal to
 # jaxkv.formats.storage.entry_bytes("official"), which tests/torch_bridge/test_flashmla.py checks.
 _NOPE, _ROPE, _TILE = 448, 64, 64
 MODEL1_ENTRY_BYTES = _NOPE + 2 * _ROPE + _NOPE // _TILE + 1  # 584
 
-# --- build -------------------------------------------------------------------------------
-SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
-    "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu",
-    "smxx/decode/combine/combine.cu",
-    "sm90/decode/sparse_fp8/instantiations/model1_persistent_h64.cu",
-    "sm90/decode/sparse_fp8/instantiations/model1_persistent_h128.cu",
-)
-_KEYED = SOURCES + ("sm90/decode/sparse_fp8/splitkv_mla.cuh", "sm90/decode/sparse_fp8/config.h",
-                    "api/sparse_decode.h", "api/common.h", "params.h")  # hashed into the key
-INCLUDES = ("", "kerutils/include", "sm90", "cutlass/include")  # under csrc/, as FlashMLA's setup.py
+# --- build: the FlashMLA files, includes and nvcc flags are jaxkv.cuda.flashmla's (its FFI build compiles the same) ---
 CXX_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations")
-NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas -v
-    "-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
-    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
-    "--use_fast_math", "--ptxas-options=--register-usage-level=10",
-    "-gencode", "arch=compute_90a,code=sm_90a",
-)
 
 # The binding: FlashMLA's api.cpp binds every kernel family; this one binds the sparse decode.
 _BINDING = r"""// written by jaxkv torch_bridge.flashmla: FlashMLA's sparse FP8 decode alone
@@ -98,21 +84,6 @@ _lock = threading.Lock()
 _module = None
 
 
-def source_dir(src=None) -> Path:
-    """FlashMLA's ``csrc/`` under ``src`` or ``$FLASHMLA_SRC``; an ImportError naming the
-    variable when neither is given or the tree lacks the files the build needs."""
-    root = src if src is not None else os.environ.get("FLASHMLA_SRC")
-    if not root:
-        raise ImportError("FlashMLA source not given: pass load(src=...) or set FLASHMLA_SRC to a FlashMLA "
-                          "checkout (with its csrc/cutlass submodule) or to jaxkv's .upstream/flashmla")
-    csrc = Path(root).expanduser().resolve() / "csrc"
-    missing = [f for f in _KEYED + ("cutlass/include/cute/tensor.hpp",) if not (csrc / f).is_file()]
-    if missing:
-        raise ImportError(f"FLASHMLA_SRC={root}: not a FlashMLA tree with the sm90 sparse decode "
-                          f"(missing under csrc/: {', '.join(missing)})")
-    return csrc
-
-
 def _nvcc_version() -> str:
     from torch.utils.cpp_extension import CUDA_HOME
 
@@ -124,7 +95,7 @@ def _nvcc_version() -> str:
 
 def _key(csrc: Path) -> str:
     h = hashlib.sha256()
-    for f in _KEYED:
+    for f in KEYED:
         h.update((csrc / f).read_bytes())
     for part in (_BINDING, _STUBS, " ".join(CXX_FLAGS), " ".join(NVCC_FLAGS), torch.__version__,
                  str(torch.version.cuda), _nvcc_version()):

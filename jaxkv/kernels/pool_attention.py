@@ -129,19 +129,27 @@ def _valid_mask(nvalid):
     return (jnp.arange(BLOCK)[None, None, :] < nvalid[:, :, None]).reshape(nvalid.shape[0], -1)
 
 
-def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None):
-    """float32 reference: decode every valid row, softmax with the sink in the denominator."""
+def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scale=None):
+    """float32 attention over the valid rows alone, no sink: (out f32[N, H, 512] normalized
+    by its own sum, lse f32[N, H] natural log, -inf for a row with no valid key), the
+    pieces ``merge_partials`` combines with other parts and the sink."""
     keys = _decode_rows(pools, part_blocks, rows, storage).astype(jnp.float32)  # [N, K, D]
     scale = HEAD_DIM**-0.5 if scale is None else scale
     logits = jnp.einsum("nhd,nkd->nhk", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST) * scale
     logits = jnp.where(_valid_mask(nvalid)[:, None, :], logits, -jnp.inf)
-    s = jnp.asarray(sink, jnp.float32)[None, :]
-    m = jnp.maximum(jnp.max(logits, axis=-1), s)
+    m = jnp.max(logits, axis=-1)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m[..., None])
-    denom = jnp.sum(p, axis=-1) + jnp.exp(s - m)
+    denom = jnp.sum(p, axis=-1)
     out = jnp.einsum("nhk,nkd->nhd", p, keys, precision=lax.Precision.HIGHEST)
-    return out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    out = out / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out, jnp.where(denom > 0, jnp.log(denom) + m, -jnp.inf)
+
+
+def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None):
+    """float32 reference: decode every valid row, softmax with the sink in the denominator."""
+    out, lse = ref_partial(q, pools, part_blocks, rows, nvalid, storage=storage, scale=scale)
+    return merge_partials(out[:, None, None], lse[:, None, None], sink=sink)[:, 0]
 
 
 def row_scales(pools, part_blocks, rows, storage):
@@ -398,6 +406,52 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
+def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+    """``pool_attention``'s contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
+    (``jaxkv.cuda.flashmla``: built from ``$FLASHMLA_SRC`` on first use; Hopper, official
+    storage, 64 or 128 heads). FlashMLA reads two pools, its cache and its extra cache:
+    parts 0 and 1, each row a pool-wide id with -1 past ``nvalid``, and with them the sink.
+    A third part (the step's own tokens in ``hybrid.attention``) is attended by XLA
+    (``ref_partial``) and merged with FlashMLA's (out, lse) and the sink by log-sum-exp
+    here. ``splits`` is unused: FlashMLA plans its own
+    split-KV schedule (a scheduler launch per call, then its decode and combine kernels)."""
+    from jaxkv.cuda import flashmla
+
+    pools = tuple(pools)
+    storage = storage_name(storage)
+    if storage != "official" or q.ndim != 3 or q.shape[1] not in flashmla.HEADS:
+        raise ValueError(f"q, storage: FlashMLA's MODEL1 decode expects official storage and {flashmla.HEADS} "
+                         f"heads, got {storage!r} and q {q.dtype}{list(q.shape)}")
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
+    N, H, D = q.shape
+    flashmla.register_ffi_target()
+    scale = HEAD_DIM**-0.5 if scale is None else scale
+    E = STORAGES[storage].entry_bytes
+    bounds = _part_of(part_blocks)
+    ids = jnp.where(_valid_mask(nvalid), rows, -1)  # FlashMLA skips -1
+    part_ids = [ids[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK][:, None] for p in range(min(len(pools), 2))]
+    extra = len(pools) > 1
+    sm_parts = max(getattr(jax.devices()[0], "core_count", 132) // (H // BLOCK), 1)
+    f32 = jnp.float32
+    out, lse = jax.ffi.ffi_call(flashmla.FFI_TARGET, (
+        jax.ShapeDtypeStruct((N, 1, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N, 1, H), f32),
+        jax.ShapeDtypeStruct((sm_parts, 8), i32), jax.ShapeDtypeStruct((N + 1,), i32),
+        jax.ShapeDtypeStruct((N + sm_parts, 1, H), f32), jax.ShapeDtypeStruct((N + sm_parts, 1, H, D), f32),
+    ))(q[:, None], pools[0], part_ids[0], pools[1 if extra else 0], part_ids[1 if extra else 0],
+       jnp.asarray(sink, f32), block_size=np.int32(pools[0].shape[1] // E),
+       extra_block_size=np.int32(pools[1].shape[1] // E if extra else 0), scale=np.float32(scale),
+       with_sink=np.int32(len(pools) <= 2))[:2]
+    if len(pools) <= 2:  # the sink is in
+        return out[:, 0]
+    o, l = ref_partial(q, pools[2:], part_blocks[2:], rows[:, bounds[2] * BLOCK:], nvalid[:, bounds[2]:],
+                       storage=storage, scale=scale)
+    lse = jnp.where(lse[:, 0] == jnp.inf, -jnp.inf, lse[:, 0])  # FlashMLA's lse: +inf for no key
+    out = merge_partials(jnp.stack([out[:, 0].astype(f32), o], 1)[:, :, None], jnp.stack([lse, l], 1)[:, :, None],
+                         sink=sink)
+    return out[:, 0].astype(jnp.bfloat16)
+
+
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
@@ -415,4 +469,5 @@ def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
     return max(1, min(8, sms // max(rows * (heads // BLOCK), 1)))
 
 
-__all__ = ["fill_splits", "pool_attention", "pool_attention_cuda", "ref_pool_attention", "row_scales"]
+__all__ = ["fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
+           "ref_pool_attention", "row_scales"]

@@ -157,10 +157,13 @@ def test_bad_inputs(rng, filled):
     if _missing("cuda"):
         with pytest.raises(ValueError, match="impl='cuda' for hybrid.attention: expected"):
             H.attention(st, step, 0, q, sink, kv, None, impl="cuda")
+    if _missing("flashmla"):
+        with pytest.raises(ValueError, match="impl='flashmla' for hybrid.attention: expected"):
+            H.attention(st, step, 0, q, sink, kv, None, impl="flashmla")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+@pytest.mark.parametrize("impl", ["pallas", "cuda", "flashmla"])
 def test_kernel_equals_xla_on_gpu(rng, filled, impl):
     why = _missing(impl)
     if why:

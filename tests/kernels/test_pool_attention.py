@@ -6,13 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxkv._backend import _pool_cuda_missing, is_hopper
+from jaxkv._backend import _flashmla_missing, _pool_cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda, ref_pool_attention,
-                                          row_scales)
+from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda,
+                                          pool_attention_flashmla, ref_partial, ref_pool_attention, row_scales)
+from jaxkv.math import merge_partials
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
 cuda = pytest.mark.skipif(_pool_cuda_missing() is not None, reason=f"the cuda/ kernel: {_pool_cuda_missing()}")
+flashmla = pytest.mark.skipif(_flashmla_missing() is not None, reason=f"FlashMLA: {_flashmla_missing()}")
 
 
 def _pool(rng, storage, blocks, bs):
@@ -58,6 +60,22 @@ def test_reference_sink_and_empty_rows(rng):
     assert float(jnp.max(jnp.abs(out[:-1]))) > 0.01
 
 
+def test_partials_merge_into_the_reference(rng):
+    """``ref_partial`` per part, merged by log-sum-exp with the sink (what the FlashMLA
+    lowering does with FlashMLA's two pools and the own-token part), equals the reference
+    over all parts at once; a part with no valid key has lse -inf."""
+    q, pools, pb, rows, nvalid, sink = _case(rng, "official", 5, 64, [(6, 64, 2), (3, 128, 1), (2, 32, 1)])
+    nvalid = nvalid.at[0, 2:].set(0)  # row 0: its second and third parts are empty
+    bounds = np.cumsum((0,) + pb)
+    outs, lses = zip(*(ref_partial(q, pools[p:p + 1], pb[p:p + 1], rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK],
+                                   nvalid[:, bounds[p]: bounds[p + 1]]) for p in range(3)))
+    assert bool(jnp.all(lses[1][0] == -jnp.inf)) and bool(jnp.all(jnp.isfinite(lses[0][:-1])))
+    merged = merge_partials(jnp.stack(outs, 1)[:, :, None], jnp.stack(lses, 1)[:, :, None], sink=sink)[:, 0]
+    ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
+    np.testing.assert_allclose(np.asarray(merged), np.asarray(ref), rtol=1e-5, atol=1e-5)  # f32 rounding
+    assert float(jnp.max(jnp.abs(ref[:-1]))) > 0.01
+
+
 def test_bad_inputs(rng):
     q, pools, pb, rows, nvalid, sink = _case(rng, "official", 2, 64, [(4, 64, 1)])
     with pytest.raises(ValueError, match="q: expected bf16"):
@@ -81,6 +99,12 @@ def test_bad_inputs(rng):
         pool_attention_cuda(q, pools * 4, pb * 4, jnp.tile(rows, (1, 4)), jnp.tile(nvalid, (1, 4)), sink)
     with pytest.raises(ValueError, match="storage: expected one of"):
         pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage="fp8")
+    # FlashMLA's: before it looks for its source tree
+    with pytest.raises(ValueError, match="FlashMLA's MODEL1 decode expects official storage"):
+        pool_attention_flashmla(q, pools, pb, rows, nvalid, sink, storage="per_entry")
+    q3, sink3 = jnp.concatenate([q] * 3, axis=1), jnp.concatenate([sink] * 3)
+    with pytest.raises(ValueError, match=r"\(64, 128\) heads, got 'official' and q bfloat16\[2, 192, 512\]"):
+        pool_attention_flashmla(q3, pools, pb, rows, nvalid, sink3)
 
 
 @pytest.mark.gpu
@@ -114,4 +138,23 @@ def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
     assert bool(jnp.all(out[-1] == 0))  # no valid key
     again = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
+
+
+@pytest.mark.gpu
+@flashmla
+@pytest.mark.parametrize("H", [64, 128])
+@pytest.mark.parametrize("parts", [[(9, 64, 3), (4, 128, 2), (2, 32, 1)], [(9, 64, 3), (4, 128, 2)], [(4, 128, 2)]])
+def test_flashmla_matches_reference(rng, H, parts):
+    """FlashMLA's kernel through jax.ffi (its cache and extra cache: parts 0 and 1; a third
+    part by XLA), on the same bytes: ragged counts, out-of-range ids past the counts (sent as
+    -1), a query with no key. Same bound as the cuda/ kernel (bf16 P and output)."""
+    q, pools, pb, rows, nvalid, sink = _case(rng, "official", 7, H, parts)
+    rows = jnp.where(jnp.arange(rows.shape[1])[None] % BLOCK >= jnp.repeat(nvalid, BLOCK, axis=1), 1 << 30, rows)
+    ref = ref_pool_attention(q, pools, pb, jnp.where(rows < (1 << 30), rows, 0), nvalid, sink)
+    out = pool_attention_flashmla(q, pools, pb, rows, nvalid, sink)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
+    assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
+    assert bool(jnp.all(out[-1] == 0))  # no valid key
+    again = pool_attention_flashmla(q, pools, pb, rows, nvalid, sink)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic

@@ -1,0 +1,123 @@
+"""FlashMLA's sm90 sparse FP8 decode as an XLA FFI target, built from a FlashMLA source tree
+on first use: ``kernels.pool_attention_flashmla`` and ``hybrid.attention(impl="flashmla")``.
+
+Nothing of FlashMLA lives in this package. ``$FLASHMLA_SRC`` names a FlashMLA checkout (with
+its ``csrc/cutlass`` submodule) or the trimmed tree ``.upstream/flashmla``; ``build`` compiles
+the scheduler, the combine and the two MODEL1 decode instantiations from it, plus jaxkv's
+handler ``cuda/flashmla_sparse_decode.cu``, one nvcc per file on all cores, and caches the
+library like ``cuda/`` (``$JAXKV_CACHE_DIR``/flashmla-ffi/<key>/, the key hashing the
+sources, the FFI headers, the flags and nvcc). ``torch_bridge.flashmla`` builds the same
+sources as a torch extension and takes the lists below from here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from jaxkv.cuda.build import BuildError, _ffi_include, _run, cache_dir, nvcc, source_dir as jaxkv_source_dir
+
+SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
+    "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu",
+    "smxx/decode/combine/combine.cu",
+    "sm90/decode/sparse_fp8/instantiations/model1_persistent_h64.cu",
+    "sm90/decode/sparse_fp8/instantiations/model1_persistent_h128.cu",
+)
+KEYED = SOURCES + ("sm90/decode/sparse_fp8/splitkv_mla.cuh", "sm90/decode/sparse_fp8/config.h",
+                   "api/sparse_decode.h", "api/common.h", "params.h")  # hashed into the key
+INCLUDES = ("", "kerutils/include", "sm90", "cutlass/include")  # under csrc/, as FlashMLA's setup.py
+NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas -v
+    "-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
+    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
+    "--use_fast_math", "--ptxas-options=--register-usage-level=10",
+    "-gencode", "arch=compute_90a,code=sm_90a",
+)
+HANDLER = "flashmla_sparse_decode.cu"  # under cuda/: the FFI handler, jaxkv's
+FFI_TARGET = "jaxkv_flashmla_sparse_decode"
+HEADS = (64, 128)  # query heads the sm90 kernel is instantiated for
+
+
+def source_dir(src=None) -> Path:
+    """FlashMLA's ``csrc/`` under ``src`` or ``$FLASHMLA_SRC``; an ImportError naming the
+    variable when neither is given or the tree lacks the files the build needs."""
+    root = src if src is not None else os.environ.get("FLASHMLA_SRC")
+    if not root:
+        raise ImportError("FlashMLA source not given: set FLASHMLA_SRC to a FlashMLA checkout (with its "
+                          "csrc/cutlass submodule) or to jaxkv's .upstream/flashmla")
+    csrc = Path(root).expanduser().resolve() / "csrc"
+    missing = [f for f in KEYED + ("cutlass/include/cute/tensor.hpp",) if not (csrc / f).is_file()]
+    if missing:
+        raise ImportError(f"FLASHMLA_SRC={root}: not a FlashMLA tree with the sm90 sparse decode "
+                          f"(missing under csrc/: {', '.join(missing)})")
+    return csrc
+
+
+def missing() -> str | None:
+    """Why the FlashMLA target cannot be built here, or None (no build is attempted)."""
+    try:
+        source_dir()
+        nvcc()
+    except (ImportError, BuildError) as e:
+        return str(e)
+    return None
+
+
+def _flags(csrc: Path) -> list[str]:
+    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", _ffi_include(), *(f"-I{csrc / i}" for i in INCLUDES)]
+
+
+def _key(csrc: Path) -> str:
+    h = hashlib.sha256()
+    for f in KEYED:
+        h.update((csrc / f).read_bytes())
+    h.update((jaxkv_source_dir() / HANDLER).read_bytes())
+    for hdr in sorted(Path(_ffi_include(), "xla", "ffi", "api").glob("*.h")):
+        h.update(hdr.read_bytes())
+    h.update(subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout.encode())
+    h.update(" ".join(NVCC_FLAGS).encode())
+    return h.hexdigest()[:16]
+
+
+def build(src=None) -> Path:
+    """The shared library (FlashMLA's sm90 sparse decode + jaxkv's FFI handler), compiled if
+    the cache lacks it."""
+    csrc = source_dir(src)
+    out = cache_dir().parent / "flashmla-ffi" / _key(csrc) / "libjaxkv_flashmla.so"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    files = [str(csrc / s) for s in SOURCES] + [str(jaxkv_source_dir() / HANDLER)]
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            objs = [os.path.join(d, f"{i}.o") for i in range(len(files))]
+            with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as ex:
+                list(ex.map(lambda fo: _run([nvcc(), *_flags(csrc), "-c", "-o", fo[1], fo[0]]), zip(files, objs)))
+            _run([nvcc(), "-shared", "-o", tmp, *objs])
+        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def register_ffi_target() -> str:
+    """Build (or load) the library and register ``FFI_TARGET`` with jax, once per process."""
+    import jax
+
+    lib = ctypes.CDLL(str(build()))
+    jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.JaxkvFlashmlaSparseDecode), platform="CUDA")
+    return FFI_TARGET
+
+
+__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "NVCC_FLAGS", "SOURCES", "build", "missing",
+           "register_ffi_target", "source_dir"]
