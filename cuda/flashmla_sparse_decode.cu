@@ -29,17 +29,19 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kHeadDim = 512;      // d_qk = d_v of MODEL1
-constexpr int kEntryBytes = 584;   // 448 FP8 codes + 64 BF16 rope dims + 7 UE8M0 scales + 1 pad
+// the official storage family is FlashMLA's MODEL1 byte for byte; its numbers come from
+// jaxkv.formats.storage as -D flags (jaxkv/cuda/flashmla.py passes cuda_defines())
+constexpr int kHeadDim = JAXKV_HEAD_DIM;                   // d_qk = d_v of MODEL1
+constexpr int kEntryBytes = JAXKV_OFFICIAL_ENTRY_BYTES;    // FP8 codes, BF16 rope dims, UE8M0 scales, pad
 constexpr int kTopkBlock = 64;     // FlashMLA walks indices 64 at a time (api/sparse_decode.h: block_size_topk)
 constexpr int kFixedOverhead = 5;  // its scheduler's per-request overhead in blocks (Decode_Sm90_Impl::get_meta)
 constexpr int kSchedInts = sizeof(DecodingSchedMeta) / sizeof(int);
 
 ffi::Error sparse_decode(cudaStream_t stream,
                          ffi::Buffer<ffi::BF16, 4> q,            // bf16[N, 1, H, 512]
-                         ffi::Buffer<ffi::U8, 2> kv,             // u8[num_blocks, block_size * 584]
+                         ffi::Buffer<ffi::U8, 2> kv,             // u8[num_blocks, block_size * E], official storage
                          ffi::Buffer<ffi::S32, 3> indices,       // i32[N, 1, K] pool-wide ids, -1 = none
-                         ffi::Buffer<ffi::U8, 2> extra_kv,       // u8[extra_blocks, extra_block_size * 584]
+                         ffi::Buffer<ffi::U8, 2> extra_kv,       // u8[extra_blocks, extra_block_size * E]
                          ffi::Buffer<ffi::S32, 3> extra_indices, // i32[N, 1, W]
                          ffi::Buffer<ffi::F32, 1> sink,          // f32[H] (read iff with_sink)
                          ffi::ResultBuffer<ffi::BF16, 4> out,    // bf16[N, 1, H, 512]
@@ -56,14 +58,14 @@ ffi::Error sparse_decode(cudaStream_t stream,
   if (qd[1] != 1 || qd[3] != kHeadDim || (H != 64 && H != 128))
     return ffi::Error::InvalidArgument("q: expected bf16[N, 1, H, 512] with H 64 or 128");
   if (block_size <= 0 || kv.dimensions()[1] != int64_t(block_size) * kEntryBytes)
-    return ffi::Error::InvalidArgument("kv: expected u8[blocks, block_size * 584] (official storage)");
+    return ffi::Error::InvalidArgument("kv: expected u8[blocks, block_size * entry bytes] (official storage)");
   const auto id = indices.dimensions();
   if (id[0] != N || id[1] != 1 || id[2] <= 0 || id[2] % kTopkBlock)
     return ffi::Error::InvalidArgument("indices: expected i32[N, 1, K], K a positive multiple of 64");
   const auto xd = extra_indices.dimensions();
   if (extra && (extra_kv.dimensions()[1] != int64_t(extra_block_size) * kEntryBytes || xd[0] != N || xd[1] != 1 ||
                 xd[2] <= 0 || xd[2] % kTopkBlock))
-    return ffi::Error::InvalidArgument("extra_kv, extra_indices: expected u8[blocks, extra_block_size * 584] and "
+    return ffi::Error::InvalidArgument("extra_kv, extra_indices: expected u8[blocks, extra_block_size * entry bytes] and "
                                        "i32[N, 1, W], W a positive multiple of 64");
   if (with_sink && sink.dimensions()[0] != H) return ffi::Error::InvalidArgument("sink: expected f32[H]");
   if (parts < 1 || sched->dimensions()[1] != kSchedInts || splits->dimensions()[0] != N + 1 ||

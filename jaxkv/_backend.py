@@ -29,6 +29,7 @@ from typing import Callable
 
 import jax
 
+from jaxkv.cuda import flashmla
 from jaxkv.cuda.build import BuildError, nvcc
 
 
@@ -85,8 +86,6 @@ def _pool_cuda_missing(*, heads: int = 64, block_size: int = 64, window: int = 1
 
 def _flashmla_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
                       **_) -> str | None:
-    from jaxkv.cuda import flashmla
-
     why = _hopper_and("64 or 128 heads, block_size and window multiples of 32 and official storage",
                       heads in flashmla.HEADS and block_size % 32 == window % 32 == 0 and storage == "official",
                       f"{heads} heads, block_size {block_size}, window {window}, {storage} storage")

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from jaxkv.cuda.build import BuildError, _ffi_include, _run, cache_dir, nvcc, source_dir as jaxkv_source_dir
+from jaxkv.formats.storage import cuda_defines
 
 SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
     "smxx/decode/get_decoding_sched_meta/get_decoding_sched_meta.cu",
@@ -70,7 +71,8 @@ def missing() -> str | None:
 
 
 def _flags(csrc: Path) -> list[str]:
-    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", _ffi_include(), *(f"-I{csrc / i}" for i in INCLUDES)]
+    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", _ffi_include(), *cuda_defines(),
+            *(f"-I{csrc / i}" for i in INCLUDES)]
 
 
 def _key(csrc: Path) -> str:
@@ -81,7 +83,7 @@ def _key(csrc: Path) -> str:
     for hdr in sorted(Path(_ffi_include(), "xla", "ffi", "api").glob("*.h")):
         h.update(hdr.read_bytes())
     h.update(subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout.encode())
-    h.update(" ".join(NVCC_FLAGS).encode())
+    h.update(" ".join(NVCC_FLAGS + tuple(cuda_defines())).encode())
     return h.hexdigest()[:16]
 
 

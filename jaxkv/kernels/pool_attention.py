@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
+from jaxkv.cuda import STORAGE_CODES, flashmla, register_ffi_targets
 from jaxkv.kernels.dequant_gather import ref_dequant_gather
 from jaxkv.math.attention import merge_partials
 from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets, storage_name
@@ -415,8 +415,6 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     (``ref_partial``) and merged with FlashMLA's (out, lse) and the sink by log-sum-exp
     here. ``splits`` is unused: FlashMLA plans its own
     split-KV schedule (a scheduler launch per call, then its decode and combine kernels)."""
-    from jaxkv.cuda import flashmla
-
     pools = tuple(pools)
     storage = storage_name(storage)
     if storage != "official" or q.ndim != 3 or q.shape[1] not in flashmla.HEADS:
