@@ -413,8 +413,10 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     parts 0 and 1, each row a pool-wide id with -1 past ``nvalid``, and with them the sink.
     A third part (the step's own tokens in ``hybrid.attention``) is attended by XLA
     (``ref_partial``) and merged with FlashMLA's (out, lse) and the sink by log-sum-exp
-    here. ``splits`` is unused: FlashMLA plans its own
-    split-KV schedule (a scheduler launch per call, then its decode and combine kernels)."""
+    here. ``splits`` is unused: FlashMLA plans its own split-KV schedule (a scheduler launch
+    per call, then its decode and combine kernels). A decode kernel: its scratch holds float32
+    partials of (N + SMs) x H x 512 per call (N query rows), so long prefill chunks belong on
+    ``pool_attention_cuda``."""
     pools = tuple(pools)
     storage = storage_name(storage)
     if storage != "official" or q.ndim != 3 or q.shape[1] not in flashmla.HEADS:
@@ -426,8 +428,11 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     scale = HEAD_DIM**-0.5 if scale is None else scale
     E = STORAGES[storage].entry_bytes
     bounds = _part_of(part_blocks)
-    ids = jnp.where(_valid_mask(nvalid), rows, -1)  # FlashMLA skips -1
-    part_ids = [ids[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK][:, None] for p in range(min(len(pools), 2))]
+    valid = _valid_mask(nvalid)
+    part_ids = []  # i32[N, 1, K_p]: -1 (skipped by FlashMLA) past the counts and outside the pool, as cuda/ skips
+    for p in range(min(len(pools), 2)):
+        r, v = (x[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK] for x in (rows, valid))
+        part_ids.append(jnp.where(v & (r >= 0) & (r < pools[p].shape[0] * (pools[p].shape[1] // E)), r, -1)[:, None])
     extra = len(pools) > 1
     sm_parts = max(getattr(jax.devices()[0], "core_count", 132) // (H // BLOCK), 1)
     f32 = jnp.float32
