@@ -14,10 +14,10 @@
 // with its other parts and the sink (kernels/pool_attention.py).
 
 #include <cstdint>
-#include <string>
 
 #include <cuda_runtime.h>
 
+#include "ffi_handler.cuh"
 #include "xla/ffi/api/ffi.h"
 
 #include "params.h"
@@ -181,9 +181,7 @@ ffi::Error sparse_decode(cudaStream_t stream,
   cp.stream = stream;
   smxx::decode::run_flash_mla_combine_kernel<bf16>(cp);
 
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string("flashmla sparse decode: ") + cudaGetErrorString(e));
-  return ffi::Error::Success();
+  return jaxkv::launch_status(cudaGetLastError(), "flashmla sparse decode");
 }
 
 }  // namespace

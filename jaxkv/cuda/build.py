@@ -86,14 +86,31 @@ def _run(cmd: list[str]) -> None:
         raise BuildError(f"nvcc failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-4000:]}")
 
 
-def _objects(arch: str, d: str) -> list[str]:
-    """Compile every source for ``arch`` into ``d``, one nvcc per source on all cores
-    (sequentially the seven take ~45 s; the largest alone ~8 s)."""
-    outs = [os.path.join(d, f"{arch}_{s}.o") for s in SOURCES]
-    with ThreadPoolExecutor(max_workers=max(1, min(len(SOURCES), os.cpu_count() or 1))) as ex:
-        list(ex.map(lambda so: _run([nvcc(), *_flags(arch), "-c", "-o", so[1], str(source_dir() / so[0])]),
-                    zip(SOURCES, outs)))
+def _objects(sources, flags: list[str], d: str, tag: str = "") -> list[str]:
+    """Compile each source into ``d`` (objects named by ``tag``), one nvcc per source on all
+    cores (``cuda/``'s seven take ~45 s one after another; the largest alone ~8 s)."""
+    outs = [os.path.join(d, f"{tag}{i}_{Path(s).name}.o") for i, s in enumerate(sources)]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(outs), os.cpu_count() or 1))) as ex:
+        list(ex.map(lambda so: _run([nvcc(), *flags, "-c", "-o", so[1], str(so[0])]), zip(sources, outs)))
     return outs
+
+
+def link_cached(out: Path, sources, flags: list[str]) -> Path:
+    """``out``, a shared library of ``sources`` compiled with ``flags`` (``_objects``) and
+    linked, unless it already exists; written atomically."""
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            _run([nvcc(), "-shared", "-o", tmp, *_objects(sources, flags, d)])
+        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return out
 
 
 def cache_dir() -> Path:
@@ -102,20 +119,8 @@ def cache_dir() -> Path:
 
 def build(arch: str) -> Path:
     """The shared library for ``arch`` (e.g. "90a"), compiling it if the cache lacks it."""
-    out = cache_dir() / _key(arch) / "libjaxkv_cuda.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            _run([nvcc(), "-shared", "-o", tmp, *_objects(arch, d)])
-        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    return link_cached(cache_dir() / _key(arch) / "libjaxkv_cuda.so", [source_dir() / s for s in SOURCES],
+                       _flags(arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,4 +133,4 @@ def check_compile(archs=ARCHS) -> None:
     """Compile every source for every arch, without linking or loading (CI has no GPU)."""
     with tempfile.TemporaryDirectory() as d:
         for arch in archs:
-            _objects(arch, d)
+            _objects([source_dir() / s for s in SOURCES], _flags(arch), d, tag=arch)

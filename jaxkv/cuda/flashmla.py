@@ -4,8 +4,8 @@ on first use: ``kernels.pool_attention_flashmla`` and ``hybrid.attention(impl="f
 Nothing of FlashMLA lives in this package. ``$FLASHMLA_SRC`` names a FlashMLA checkout (with
 its ``csrc/cutlass`` submodule) or the trimmed tree ``.upstream/flashmla``; ``build`` compiles
 the scheduler, the combine and the two MODEL1 decode instantiations from it, plus jaxkv's
-handler ``cuda/flashmla_sparse_decode.cu``, one nvcc per file on all cores, and caches the
-library like ``cuda/`` (``$JAXKV_CACHE_DIR``/flashmla-ffi/<key>/, the key hashing the
+handler ``cuda/flashmla_sparse_decode.cu`` (``build.link_cached``, as ``cuda/``: one nvcc
+per file on all cores), and caches the library (``$JAXKV_CACHE_DIR``/flashmla-ffi/<key>/, the key hashing the
 sources, the FFI headers, the flags and nvcc). ``torch_bridge.flashmla`` builds the same
 sources as a torch extension and takes the lists below from here.
 """
@@ -17,11 +17,9 @@ import functools
 import hashlib
 import os
 import subprocess
-import tempfile
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jaxkv.cuda.build import BuildError, _ffi_include, _run, cache_dir, nvcc, source_dir as jaxkv_source_dir
+from jaxkv.cuda.build import BuildError, _ffi_include, cache_dir, link_cached, nvcc, source_dir as jaxkv_source_dir
 from jaxkv.formats.storage import cuda_defines
 
 SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
@@ -41,6 +39,7 @@ NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas 
     "-gencode", "arch=compute_90a,code=sm_90a",
 )
 HANDLER = "flashmla_sparse_decode.cu"  # under cuda/: the FFI handler, jaxkv's
+HANDLER_HEADERS = ("ffi_handler.cuh",)  # under cuda/, included by HANDLER: part of the key
 FFI_TARGET = "jaxkv_flashmla_sparse_decode"
 HEADS = (64, 128)  # query heads the sm90 kernel is instantiated for
 
@@ -79,7 +78,8 @@ def _key(csrc: Path) -> str:
     h = hashlib.sha256()
     for f in KEYED:
         h.update((csrc / f).read_bytes())
-    h.update((jaxkv_source_dir() / HANDLER).read_bytes())
+    for f in (HANDLER,) + HANDLER_HEADERS:
+        h.update((jaxkv_source_dir() / f).read_bytes())
     for hdr in sorted(Path(_ffi_include(), "xla", "ffi", "api").glob("*.h")):
         h.update(hdr.read_bytes())
     h.update(subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout.encode())
@@ -92,23 +92,7 @@ def build(src=None) -> Path:
     the cache lacks it."""
     csrc = source_dir(src)
     out = cache_dir().parent / "flashmla-ffi" / _key(csrc) / "libjaxkv_flashmla.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    files = [str(csrc / s) for s in SOURCES] + [str(jaxkv_source_dir() / HANDLER)]
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            objs = [os.path.join(d, f"{i}.o") for i in range(len(files))]
-            with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as ex:
-                list(ex.map(lambda fo: _run([nvcc(), *_flags(csrc), "-c", "-o", fo[1], fo[0]]), zip(files, objs)))
-            _run([nvcc(), "-shared", "-o", tmp, *objs])
-        os.replace(tmp, out)  # atomic: concurrent builders never load a half-written file
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return out
+    return link_cached(out, [csrc / s for s in SOURCES] + [jaxkv_source_dir() / HANDLER], _flags(csrc))
 
 
 @functools.lru_cache(maxsize=None)
