@@ -6,6 +6,10 @@ binding (``flashmla-torch``, whenever ``FLASHMLA_SRC`` is set and torch with CUD
 importable), per shape: one token per request, top-k entries + a
 128-item window, an attention sink. Back-to-back calls (dispatch amortized), median of
 ``--reps`` rounds after warm-up; TFLOP/s counts QK and PV (4 * H * keys * 512 per token).
+The floors beside them: the H100's dense BF16 peak (``PEAK_TFLOPS``) and the device-to-device
+copy bandwidth measured in the same run (``x + 0`` over 1 GiB, read + write, kernel time); per
+case, ``copy ms`` is a copy kernel of the call's own bytes, the latency floor of a call that
+small, and ``floor ms`` the larger of the bytes at copy bandwidth and the FLOPs at peak.
 
 The top-k rows are picked at random from an entry pool of ``--pool-mib`` MiB (1024 by default) and
 each request's window lies in a ring pool of an eighth of that, so what one call reads is mostly
@@ -37,6 +41,7 @@ from jaxkv.kernels.pool_attention import (BLOCK, fill_splits, pool_attention, po
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
 CODEC = STORAGES["official"].entry  # the pools' rows: u8[584] each
+PEAK_TFLOPS = 989.0  # H100 SXM dense BF16 (the FLOP floor)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -69,6 +74,15 @@ def case(B, H, K, key, pool_mib=0):
     q = jax.random.normal(k4, (B, H, 512), jnp.bfloat16)
     sink = jax.random.normal(k5, (H,), jnp.float32)
     return q, (entries, ring), (K // BLOCK, WINDOW // BLOCK), rows, nvalid, sink
+
+
+def copy_kernel_ms(nbytes):
+    """GPU time of one ``x + 0`` over ``nbytes`` / 2 bytes (it reads and writes ``nbytes`` in
+    all), from a profiler trace of 10 calls."""
+    x = jnp.ones((max(nbytes // 4, 1),), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 0)
+    jax.block_until_ready(f(x))
+    return kernel_ms_per_step(lambda i: jax.block_until_ready(f(x)), 10)
 
 
 def time_jax(fn, reps, inner=20):
@@ -131,7 +145,10 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = jax.devices()[0].device_kind
-    rows_out = []
+    copy_ms = copy_kernel_ms(2 << 30)
+    copy_gbs = (2 << 30) / copy_ms / 1e6 if copy_ms else None
+    print(f"copy bandwidth: {copy_gbs or 0:.0f} GB/s (x + 0 over 1 GiB, read + write, kernel time)", flush=True)
+    rows_out, floors = [], {}
     for name, (H, K) in SHAPES.items():
         for B in map(int, a.batches.split(",")):
             q, pools, pb, rows, nvalid, sink = case(B, H, K, jax.random.key(B * 7 + H), a.pool_mib)
@@ -140,6 +157,8 @@ def main():
             bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
             ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
             S = fill_splits(B, H)
+            small = copy_kernel_ms(bytes_)
+            floors[name, B] = (small, max(bytes_ / copy_gbs / 1e6 if copy_gbs else 0, flops / PEAK_TFLOPS / 1e9))
             fns = dict(
                 cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
                 pallas=jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S)),
@@ -167,18 +186,25 @@ def main():
           f"pools of >= {a.pool_mib} MiB")
     print("wall: per call over back-to-back calls (JAX: host dispatch included); kernel: GPU time per call from a "
           "profiler trace (flashmla-torch: CUDA events around back-to-back calls); TFLOP/s and GB/s from kernel time")
-    print(f"{'shape':9} {'B':>4} {'impl':14} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'GB/s':>7} {'max err':>8} "
-          f"{'vs fm-torch':>11}")
+    print(f"copy bandwidth {copy_gbs or 0:.0f} GB/s, dense BF16 peak {PEAK_TFLOPS:.0f} TFLOP/s; of peak / of copy: "
+          "the kernel's TFLOP/s and GB/s against them; copy ms: a copy kernel of the call's bytes")
+    print(f"{'shape':9} {'B':>4} {'impl':14} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'of peak':>7} {'GB/s':>7} "
+          f"{'of copy':>7} {'max err':>8} {'vs fm-torch':>11}")
     for r in rows_out:
         fm = [x for x in rows_out if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla-torch"]
         k = r["kernel_ms"] or r["ms"]
         rel = f"{k / fm[0]['ms']:.2f}x" if fm else "-"
         kern = f"{r['kernel_ms']:9.4f}" if r["kernel_ms"] else f"{'-':>9}"
-        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:14} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} {r['gbs']:7.0f} "
-              f"{r['max_err']:8.4f} {rel:>11}")
+        of_copy = f"{r['gbs'] / copy_gbs:7.2f}" if copy_gbs else f"{'-':>7}"
+        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:14} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} "
+              f"{r['tflops'] / PEAK_TFLOPS:7.2f} {r['gbs']:7.0f} {of_copy} {r['max_err']:8.4f} {rel:>11}")
+    print(f"\n{'shape':9} {'B':>4} {'copy ms':>8} {'floor ms':>8}")
+    for (name, B), (small, floor) in floors.items():
+        print(f"{name:9} {B:4d} {small or 0:8.4f} {floor:8.4f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=dev, jax=jax.__version__, rows=rows_out), f, indent=1)
+            json.dump(dict(device=dev, jax=jax.__version__, copy_gbs=copy_gbs, peak_tflops=PEAK_TFLOPS,
+                           floors={f"{n} {b}": v for (n, b), v in floors.items()}, rows=rows_out), f, indent=1)
 
 
 if __name__ == "__main__":
