@@ -107,7 +107,10 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
         from torch_bridge import flashmla
     except ImportError as e:
         return None, f"no torch / torch_bridge.flashmla ({e})"
-    flashmla.load()
+    try:
+        flashmla.load()
+    except (ImportError, RuntimeError) as e:  # a failed build: say why, time the others
+        return None, f"FlashMLA's torch binding did not build: {str(e).splitlines()[0][:300]}"
     tq = torch.from_dlpack(q).reshape(B, 1, H, 512)
     pool, ring = (torch.from_dlpack(p) for p in pools)
     idx = torch.from_dlpack(rows[:, :K]).reshape(B, 1, K)

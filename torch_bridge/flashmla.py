@@ -11,7 +11,7 @@ dims with 4 f32 scales per 128), so there it raises.
 Nothing of FlashMLA lives in this package. ``load`` compiles the sm90 sparse decode alone
 (5 translation units, the binding and stubs written below) from a FlashMLA source tree:
 ``load(src)`` or ``$FLASHMLA_SRC`` -- a checkout with its ``csrc/cutlass`` submodule, or the
-trimmed tree of ``.upstream/flashmla`` (``build.sh`` there). The extension is cached under
+trimmed tree ``tools/flashmla_tree.sh`` makes in ``.upstream/flashmla``. The extension is cached under
 ``$FLASHMLA_BUILD`` if set, else ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``)
 ``/flashmla/<key>/``, the key hashing the sources, flags, torch and nvcc.
 
@@ -54,13 +54,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("sparse_decode_fwd", &sparse_attn_decode_interface);
 }
 """
+BINDING_HEADERS = ("sm100/decode/head64/kernel.h", "sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h")
 # The kernels left out (V3.2's layout, the sm100 paths): api/sparse_decode.h's dispatcher
 # names them, so they are defined here to raise instead of being compiled.
 _STUBS = r"""// written by jaxkv torch_bridge.flashmla: kernels this build leaves out raise
 #include <torch/extension.h>
 #include "params.h"
 #include "sm90/decode/sparse_fp8/splitkv_mla.h"
-#include "sm100/decode/head64/kernel.h"
+#include "sm100/decode/head64/kernel.h"  // BINDING_HEADERS
 #include "sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h"
 
 [[noreturn]] static void not_built(const char *what) {
@@ -119,6 +120,10 @@ def load(src=None, *, verbose: bool = False):
         if _module is not None:
             return _module
         csrc = source_dir(src)
+        absent = [h for h in BINDING_HEADERS if not (csrc / h).is_file()]
+        if absent:  # the FFI build needs only the sm90 files; this binding's dispatcher names the rest
+            raise ImportError(f"{csrc.parent}: FlashMLA's torch binding also needs {', '.join(absent)} under csrc/ "
+                              "(its api/sparse_decode.h includes them)")
         if not torch.cuda.is_available() or torch.version.cuda is None:
             raise RuntimeError("FlashMLA needs a CUDA build of torch and a GPU")
         from torch.utils import cpp_extension

@@ -2,7 +2,8 @@
 on first use: ``kernels.pool_attention_flashmla`` and ``hybrid.attention(impl="flashmla")``.
 
 Nothing of FlashMLA lives in this package. ``$FLASHMLA_SRC`` names a FlashMLA checkout (with
-its ``csrc/cutlass`` submodule) or the trimmed tree ``.upstream/flashmla``; ``build`` compiles
+its ``csrc/cutlass`` submodule) or the trimmed tree ``tools/flashmla_tree.sh`` makes in
+``.upstream/flashmla``; ``build`` compiles
 the scheduler, the combine and the two MODEL1 decode instantiations from it, plus jaxkv's
 handler ``cuda/flashmla_sparse_decode.cu`` (``build.link_cached``, as ``cuda/``: one nvcc
 per file on all cores), and caches the library (``$JAXKV_CACHE_DIR``/flashmla-ffi/<key>/, the key hashing the

@@ -4,7 +4,7 @@ the same dequantized entries: top-k entries with -1 padding through a block tabl
 SWA window as FlashMLA's extra cache.
 
 The GPU tests need a Hopper GPU, CUDA torch and ``FLASHMLA_SRC`` (a FlashMLA tree; the
-trimmed one is built by ``.upstream/flashmla/build.sh``)."""
+trimmed one: ``tools/flashmla_tree.sh``)."""
 
 import os
 
