@@ -100,10 +100,12 @@ struct AttnArgs {
 // the bank groups. In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4
 // only. A block's rows take two dependent global reads (the row ids, then the rows), so the
 // producer runs them a block apart: while it stores block j it holds block j + 1's ids (j + 2
-// in a cluster), and right after storing each of its rows of block j it loads the same row
-// of the next block into the registers just freed. (Landing the rows by cp.async in the free
-// stage instead, to hold no registers, measured 14% slower: the loads can then only start
-// once the consumers free the stage, RESULTS.md.)
+// in a cluster), and once it has stored block j, fenced the stage for the tensor cores and
+// arrived on its barrier, it loads the next block's rows into the registers just freed.
+// (Loading each row of the next block right after storing the same row of block j, so the
+// loads were in flight across the stage's fence, measured 3-8% slower at 64 heads; landing
+// the rows by cp.async in the free stage instead, to hold no registers, 14% slower: the loads
+// can then only start once the consumers free the stage. RESULTS.md.)
 template <int kCluster>
 struct RowIds {
   static constexpr int kRows = 2 / kCluster;
@@ -207,15 +209,13 @@ __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_
   if (kCluster == 2) st_async16(peer_k + off, v, peer_bar);
 }
 
-// the loaded rows -> the BF16 K stage (swizzled) and its row flags; after each row, the same
-// row of the block ``next`` names is loaded into its registers. The codes' exact values
+// the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
 // times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
 // is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
 // smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
 template <int kCluster>
 __device__ __forceinline__ void store_rows(RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
-                                           uint32_t peer_k, uint32_t peer_bar, bool official, const AttnArgs& a,
-                                           const RowIds<kCluster>& next) {
+                                           uint32_t peer_k, uint32_t peer_bar, bool official) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   if (kCluster == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
 #pragma unroll
@@ -253,7 +253,6 @@ __device__ __forceinline__ void store_rows(RawRows<kCluster>& raw, int rank, uin
       put16<kCluster>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
     }
     if (q4 == 0) ok[r] = raw.ok[h];
-    if (next.b >= 0) load_row<kCluster>(a, next, h, rank, raw);
   }
 }
 #endif  // sm_90a
@@ -347,21 +346,23 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     const uint32_t peer_k = kCluster == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
     const uint32_t peer_bar = kCluster == 2 ? mapa(peer_full, 1 - rank) : 0;
     auto ids_of = [&](int i) { return fetch_ids<kCluster>(a, n, i < blocks ? list[j0 + i] : -1, nv_s, rank); };
-    // block i's rows -> stage i % kStages; the rows of block i + kCluster (``next``) -> raw
+    auto load = [&](const RowIds<kCluster>& ids, RawRows<kCluster>& raw) {
+#pragma unroll
+      for (int h = 0; h < raw.kRows; ++h)
+        if (ids.b >= 0) load_row<kCluster>(a, ids, h, rank, raw);
+    };
+    // block i's rows -> stage i % kStages; then the rows of block i + kCluster (``next``) -> raw,
+    // issued after the stage's fence and arrival, not between its rows (below)
     auto put = [&](int i, RawRows<kCluster>& raw, const RowIds<kCluster>& next) {
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
       // the peer's half of stage s: its bytes complete the phase (they may land before this)
       if (kCluster == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
       store_rows<kCluster>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
-                           peer_bar + 8 * s, official, a, next);
+                           peer_bar + 8 * s, official);
       fence_async_smem();
       mbar_arrive(full + 8 * s);
-    };
-    auto load = [&](const RowIds<kCluster>& ids, RawRows<kCluster>& raw) {
-#pragma unroll
-      for (int h = 0; h < raw.kRows; ++h)
-        if (ids.b >= 0) load_row<kCluster>(a, ids, h, rank, raw);
+      load(next, raw);
     };
     RowIds<kCluster> ids = ids_of(0);
     if (kCluster == 2) {  // half the rows each: registers for two blocks in flight
