@@ -50,6 +50,18 @@ def test_window_ids_follow_the_ring_rule():
             assert set(got) - {-1} == want and got.count(-1) == W - len(want)
 
 
+def test_a_tree_without_the_binding_headers_is_named_before_any_build(tmp_path, monkeypatch):
+    from jaxkv.cuda.flashmla import KEYED
+
+    monkeypatch.setattr(flashmla, "_module", None)  # as before a first load in this process
+    csrc = tmp_path / "csrc"
+    for f in KEYED + ("cutlass/include/cute/tensor.hpp",):  # what the FFI build needs, and no sm100/
+        (csrc / f).parent.mkdir(parents=True, exist_ok=True)
+        (csrc / f).write_text("// stand-in\n")
+    with pytest.raises(ImportError, match="sm100/decode/head64/kernel.h"):
+        flashmla.load(tmp_path)
+
+
 def test_entry_ids_map_through_the_block_table():
     table = torch.tensor([[5, 2], [0, 7]], dtype=torch.int32)
     entries = torch.tensor([[[0, 3, 4, -1]], [[7, -1, 4, 1]]], dtype=torch.int32)  # bs = 4
