@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxkv.formats.storage import STORAGES, Storage, storage_name
+from jaxkv.formats.storage import INDEX_DIM, STORAGES, Storage, storage_name
 
 SWA, CSA, HCA = "swa", "csa", "hca"
 
@@ -31,7 +31,8 @@ class HybridConfig:
       head_dim, rope_dim: stored entry width (512) and its RoPE tail (last 64 dims, kept
         in BF16; the other 448 are FP8).
       window: raw tokens each layer keeps per request (the SWA ring).
-      index_heads, index_dim: lightning-indexer query heads and key width.
+      index_heads, index_dim: lightning-indexer query heads and key width (128: the width
+        the key formats' flush and the kernels are built for).
       top_k: compressed entries each query attends to in a CSA layer.
       block_size: compressed entries per block of the paged pool.
       max_requests: request slots (R).
@@ -83,8 +84,9 @@ class HybridConfig:
                 f"head_dim, rope_dim: the stored formats are 448 FP8 + 64 BF16 dims, got head_dim={self.head_dim}, "
                 f"rope_dim={self.rope_dim}"
             )
-        if self.index_dim % 32 or self.index_dim & (self.index_dim - 1):
-            raise ValueError(f"index_dim: expected a power of two and a multiple of 32, got {self.index_dim}")
+        if self.index_dim != INDEX_DIM:
+            raise ValueError(f"index_dim: expected {INDEX_DIM} (DeepSeek-V4's indexer key width, which the key "
+                             f"formats' flush and kernels are built for), got {self.index_dim}")
         if self.pool_tokens is not None and self.pool_tokens <= 0:
             raise ValueError(f"pool_tokens: expected a positive int or None, got {self.pool_tokens}")
 

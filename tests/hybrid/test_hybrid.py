@@ -47,6 +47,7 @@ def test_presets_and_bytes_per_token():
     (dict(compress_ratios=(4,), storage="fp16"), "storage"),
     (dict(compress_ratios=(4,), head_dim=256), "head_dim"),
     (dict(compress_ratios=(4,), index_dim=96), "index_dim"),
+    (dict(compress_ratios=(4,), index_dim=64), "index_dim: expected 128"),
     (dict(compress_ratios=(4,), max_requests=0), "max_requests"),
 ])
 def test_config_errors(kw, match):
