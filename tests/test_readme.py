@@ -3,6 +3,7 @@
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 pytest.importorskip("flax")
@@ -36,3 +37,10 @@ def test_readme_lingbot_example_runs():
     assert len(outs) == 6 and outs[-1]["pose_enc"].shape == (1, 9)
     assert outs[-1]["depth"].shape == (1, 42, 56, 1) and outs[-1]["depth_conf"].shape == (1, 42, 56)
     assert all(bool((o["depth"] > 0).all()) for o in outs)  # exp activation: finite and positive
+
+
+def test_readme_deepseek_v4_example_runs():
+    scope = _run_example("DeepSeek-V4's attention block")
+    y, state = scope["y"], scope["state"]
+    assert y.shape == (2, 1, 256) and bool(np.isfinite(np.asarray(y, np.float32)).all())
+    assert np.asarray(state.position[:2]).tolist() == [303, 303]
