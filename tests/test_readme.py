@@ -42,5 +42,5 @@ def test_readme_lingbot_example_runs():
 def test_readme_deepseek_v4_example_runs():
     scope = _run_example("DeepSeek-V4's attention block")
     y, state = scope["y"], scope["state"]
-    assert y.shape == (2, 1, 256) and bool(np.isfinite(np.asarray(y, np.float32)).all())
-    assert np.asarray(state.position[:2]).tolist() == [303, 303]
+    assert y.shape == (2, 1, 128) and bool(np.isfinite(np.asarray(y, np.float32)).all())
+    assert np.asarray(state.position[:2]).tolist() == [163, 163]
