@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv.formats.numerics import round_bf16
-from jaxkv.math.rotation import apply_rope, hadamard
+from jaxkv.math.rotation import apply_rope_tail, hadamard
 
 M, S, A = 0, 1, 2  # rows of a stream's triple
 CUR_A, CUR_B, PREV_B = 0, 1, 2  # CSA streams (HCA has only CUR_A)
@@ -147,8 +147,7 @@ def finalize(p, entry_index, ratio: int, norm_weight, freqs, eps: float, rope_di
     rounding is explicit (``round_bf16``), so the bytes do not depend on how XLA fuses.
     """
     x = rms_norm(round_bf16(p), norm_weight, eps)
-    rope = round_bf16(apply_rope(x[..., -rope_dim:], entry_index * ratio, freqs))
-    x = jnp.concatenate([x[..., :-rope_dim], rope], axis=-1)
+    x = round_bf16(apply_rope_tail(x, entry_index * ratio, freqs, rope_dim))  # the other dims are bf16 already
     if rotate:
         x = round_bf16(hadamard(x))
     return x.astype(jnp.bfloat16)  # exact: the values are bf16 already

@@ -42,6 +42,11 @@ def apply_rope(x, pos, freqs):
     return jnp.stack([re, im], axis=-1).reshape(x.shape).astype(x.dtype)
 
 
+def apply_rope_tail(x, pos, freqs, rope_dim: int):
+    """``apply_rope`` on the last ``rope_dim`` dims of x: float[..., D]; the rest as it is."""
+    return jnp.concatenate([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], pos, freqs)], axis=-1)
+
+
 def hadamard(x):
     """x: float[..., n], n a power of two -> float32[..., n] = x @ H_n / sqrt(n) (Sylvester H)."""
     n = x.shape[-1]

@@ -28,7 +28,9 @@ import numpy as np
 from flax import nnx
 
 from jaxkv import hybrid as H
-from jaxkv.math.rotation import apply_rope, rope_freqs
+from jaxkv.hybrid.ops import freqs_of
+from jaxkv.math.compressor import rms_norm
+from jaxkv.math.rotation import apply_rope_tail, rope_freqs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +70,8 @@ V4_PRO_ATTENTION = V4AttentionConfig(cache=H.V4_PRO)
 
 
 def _rms_norm(x, w, eps):
-    """x: [..., n]; w: f32[n] -> x.dtype (float32 math)."""
-    xf = x.astype(jnp.float32)
-    return (w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps))).astype(x.dtype)
-
-
-def _rope_tail(x, pos, freqs, rope_dim):
-    """RoPE on the last ``rope_dim`` dims of x: [..., D] at pos (broadcast to x's leading axes)."""
-    return jnp.concatenate([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], pos, freqs)], axis=-1)
+    """DeepSeek's RMSNorm (``math.compressor.rms_norm``) on x: bf16[..., n] -> bf16."""
+    return rms_norm(x.astype(jnp.float32), w, eps).astype(x.dtype)
 
 
 def _linear(din, dout, dtype, rngs):
@@ -127,8 +123,7 @@ class V4Attention(nnx.Module):
         c, hc = self.config, self.config.cache
         if self.kind == H.SWA:
             return rope_freqs(hc.rope_dim, c.rope_theta, hc.rope_factor, 0, hc.beta_fast, hc.beta_slow)
-        return rope_freqs(hc.rope_dim, hc.rope_theta, hc.rope_factor, hc.original_seq_len, hc.beta_fast,
-                          hc.beta_slow)
+        return freqs_of(hc)  # the compressed entries' RoPE
 
     def __call__(self, state: H.HybridCacheState, step: H.Step, x, *, impl: str = "auto"):
         """One step of this layer.
@@ -150,8 +145,8 @@ class V4Attention(nnx.Module):
 
         qr = _rms_norm(self.wq_a(x), self.q_norm[...], c.norm_eps)
         q = self.wq_b(qr).reshape(B, T, c.num_heads, D)
-        q = _rope_tail(_rms_norm(q, 1.0, c.norm_eps), pos[..., None], freqs, rd)
-        kv = _rope_tail(_rms_norm(self.wkv(x), self.kv_norm[...], c.norm_eps), pos, freqs, rd)
+        q = apply_rope_tail(_rms_norm(q, 1.0, c.norm_eps), pos[..., None], freqs, rd)
+        kv = apply_rope_tail(_rms_norm(self.wkv(x), self.kv_norm[...], c.norm_eps), pos, freqs, rd)
 
         idx = None
         if self.compressor is not None:
@@ -160,14 +155,14 @@ class V4Attention(nnx.Module):
             state = H.compress(state, step, layer, *self.compressor.inputs(xf), index=index)
         if self.kind == H.CSA:
             iq = self.index_wq_b(qr).reshape(B, T, hc.index_heads, hc.index_dim)
-            iq = H.index_query(state, _rope_tail(iq, pos[..., None], freqs, rd))
+            iq = H.index_query(state, apply_rope_tail(iq, pos[..., None], freqs, rd))
             w = self.index_weights(x).astype(jnp.float32) * (hc.index_dim**-0.5 * hc.index_heads**-0.5)
             idx = H.index_topk(state, step, layer, iq, w)
         o = H.attention(state, step, layer, q, self.sink[...], kv, idx, impl=impl)
         state = H.after_reads(state, o)
         state = H.write_window(state, step, layer, kv)
 
-        o = _rope_tail(o, pos[..., None], -freqs, rd)  # the inverse rotation
+        o = apply_rope_tail(o, pos[..., None], -freqs, rd)  # the inverse rotation
         o = jnp.einsum("btgd,grd->btgr", o.reshape(B, T, c.o_groups, -1), self.wo_a[...],
                        preferred_element_type=jnp.float32).astype(jnp.bfloat16)
         return state, self.wo_b(o.reshape(B, T, -1))
@@ -232,14 +227,14 @@ def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
         raise ValueError(f"weights: expected the {len(expected)} tensors of a {block.kind.upper()} layer, "
                          f"missing {sorted(expected - given)}, unexpected {sorted(given - expected)}")
     values = {}
+    G, R, Dg = block.wo_a.shape
     for src in sorted(expected):
         dst, is_linear = _NAMES[src]
         var = _variable(block, dst)
-        G, R, Dg = block.wo_a.shape
         want = var.shape[::-1] if is_linear else (G * R, Dg) if src == "wo_a.weight" else var.shape
         value = _weight(weights, src[:-len(".weight")]) if is_linear else _numpy(weights[src])
         if value.shape != tuple(want):
             raise ValueError(f"weights: {src}: expected shape {tuple(want)}, got {tuple(value.shape)}")
-        values[dst] = value.T if is_linear else value.reshape(var.shape)
-    for dst, value in values.items():  # nothing set unless everything fits
-        _variable(block, dst).set_value(jnp.asarray(value, _variable(block, dst).dtype))
+        values[dst] = var, value.T if is_linear else value.reshape(var.shape)
+    for var, value in values.values():  # nothing set unless everything fits
+        var.set_value(jnp.asarray(value, var.dtype))
