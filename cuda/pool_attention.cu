@@ -1,12 +1,19 @@
 // Pool attention for DeepSeek-V4 (MQA, K = V, head_dim 512): per query row, softmax(q K^T)
 // K over FP8 pool rows read where they are stored, in either storage family. The rows come
-// in blocks of 64 (a row list per query, a valid-row count per block); the output is the
-// split's normalized partial and its base-2 log-sum-exp, merged with the sink by XLA
-// (jaxkv.kernels.pool_attention: shapes, reference, the merge); with one split the kernel
-// adds the sink to the denominator itself and its output is the attention.
+// in blocks of 64 (a row list per query, a valid-row count per block). Key splits, where the
+// batch does not fill the GPU, leave a normalized partial per split with its base-2
+// log-sum-exp, merged with the sink by XLA (jaxkv.kernels.pool_attention: shapes, reference,
+// that merge), except two splits at 64 heads, which merge inside the kernel. With one partial
+// per query left the kernel adds the sink to the denominator itself and its output is the
+// attention.
 //
 // Hopper (sm_90a), warp-specialized: one CTA of 3 warpgroups per (query row, 64 heads, key
 // split), 1 CTA per SM (about 205 KiB of shared memory: Q, two BF16 K stages, P).
+//   * at 64 heads, two splits run as a 2-CTA cluster and merge at the end: each CTA owns one
+//     warpgroup's output dims, the peer's weighted partial of them comes through distributed
+//     shared memory into its K stages (free by then) and is added to its own, so no partial
+//     reaches global memory and no merge kernel runs (V4-Flash batch 64). Clusters of 4 or 8
+//     CTAs (one per SM) ran in two waves, so more splits still merge in XLA;
 //   * the producer warpgroup lists the non-empty blocks while the consumers load Q, then loads
 //     a block's raw row bytes (576 B of codes + rope, the scale bytes) into registers one block
 //     ahead (its row ids one block further), dequantizes them into a free BF16 K stage (the
@@ -24,8 +31,7 @@
 // So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
 // block j. At 64 heads the gather bounds it; paired, no one part does. Pairing at 64 heads
 // too (each CTA gathering half the rows and writing half the output dims) ran twice the CTAs
-// for less than half the time per block, a net loss; merging two splits in a 2-CTA cluster
-// was faster alone but slower inside the decode step (both in benchmarks/RESULTS.md). Rows
+// for less than half the time per block, a net loss (benchmarks/RESULTS.md). Rows
 // past a block's count, and ids outside their pool, are zero-filled and masked: no read
 // outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
 // setmaxnreg); the launcher refuses other devices.
@@ -65,7 +71,7 @@ static_assert(kRawChunks == 4 * kPerThread && kCodeChunks == 4 * (kNope / kTile)
 // shared memory, bytes
 constexpr int kTileBytes = kBlock * kHeadDim * 2;  // a BF16 [64, 512] tile: Q, a K stage
 constexpr int kPBytes = kBlock * kBlock * 2;
-constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 2 * kBlock * 4 + kStages * kBlock +
+constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 3 * kBlock * 4 + kStages * kBlock +
                       2 * kMaxBlocks * 4 + 16 + 3 * kStages * 8;
 // registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
 constexpr int kRegs0 = 208, kRegs2 = 128;
@@ -85,8 +91,8 @@ struct AttnArgs {
   const int32_t* nvalid;   // i32[N, NB]
   Part part[kMaxParts];
   const float* sink;       // f32[H]  per-head logit in the denominator (used with one split)
-  __nv_bfloat16* out;      // bf16[N * splits, H, 512]
-  float* lse;              // f32[N * splits, H]
+  __nv_bfloat16* out;      // bf16[N * parts, H, 512]  parts = splits / kSplits
+  float* lse;              // f32[N * parts, H]
   int32_t heads, nb, splits, storage;
   float c;                 // softmax scale * log2(e)
 };
@@ -106,16 +112,16 @@ struct AttnArgs {
 // loads were in flight across the stage's fence, measured 3-8% slower at 64 heads; landing
 // the rows by cp.async in the free stage instead, to hold no registers, 14% slower: the loads
 // can then only start once the consumers free the stage. RESULTS.md.)
-template <int kCluster>
+template <int kPairs>
 struct RowIds {
-  static constexpr int kRows = 2 / kCluster;
+  static constexpr int kRows = 2 / kPairs;
   int id[kRows];  // the pool ids of this thread's rows
   int peer;       // cluster: the id of the peer's row 32 (1 - r) + t / 4
   int b, nv;      // the block (-1: past the split's last) and its valid-row count
 };
-template <int kCluster>
+template <int kPairs>
 struct RawRows {
-  static constexpr int kRows = 2 / kCluster;
+  static constexpr int kRows = 2 / kPairs;
   uint4 v[kRows][kPerThread];  // the chunks
   uint2 s[kRows];              // official: the 8 scale bytes; per_entry: the f32 scale in .x
   bool ok[kRows];              // a real row
@@ -130,17 +136,17 @@ __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
   return v;
 }
 // the ids of this thread's rows of list block b (b < 0: none)
-template <int kCluster>
-__device__ __forceinline__ RowIds<kCluster> fetch_ids(const AttnArgs& a, int64_t n, int b, const int* nv_s,
-                                                      int rank) {
-  RowIds<kCluster> ids;
+template <int kPairs>
+__device__ __forceinline__ RowIds<kPairs> fetch_ids(const AttnArgs& a, int64_t n, int b, const int* nv_s,
+                                                    int rank) {
+  RowIds<kPairs> ids;
   ids.b = b;
   ids.nv = b >= 0 ? nv_s[b] : 0;
   const int32_t* rows = a.rows + (n * a.nb + max(b, 0)) * kBlock;
   const int t = threadIdx.x & 127;
 #pragma unroll
   for (int h = 0; h < ids.kRows; ++h) ids.id[h] = b >= 0 ? __ldg(rows + 32 * (h + rank) + (t >> 2)) : -1;
-  ids.peer = kCluster == 2 && b >= 0 ? __ldg(rows + 32 * (1 - rank) + (t >> 2)) : -1;
+  ids.peer = kPairs == 2 && b >= 0 ? __ldg(rows + 32 * (1 - rank) + (t >> 2)) : -1;
   return ids;
 }
 __device__ __forceinline__ const Part& part_of(const AttnArgs& a, int b) {
@@ -150,13 +156,13 @@ __device__ __forceinline__ const Part& part_of(const AttnArgs& a, int b) {
   return a.part[p];
 }
 // row h of the block ``ids`` names -> raw (zeros and !ok past the count, for ids outside the pool)
-template <int kCluster>
-__device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kCluster>& ids, int h, int rank,
-                                         RawRows<kCluster>& raw) {
+template <int kPairs>
+__device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kPairs>& ids, int h, int rank,
+                                         RawRows<kPairs>& raw) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   const Part& P = part_of(a, max(ids.b, 0));
   const bool official = a.storage == kOfficial;
-  if (kCluster == 2 && h == 0) {
+  if (kPairs == 2 && h == 0) {
     const int r = 32 * (1 - rank) + (t >> 2);
     raw.peer_ok = r < ids.nv && ids.peer >= 0 && ids.peer < P.items;
   }
@@ -179,7 +185,6 @@ __device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kCluste
                         : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
   raw.ok[h] = valid;
 }
-
 // 2 FP8 E4M3 codes (bytes ``sel`` picks: 0x1404 the low two, 0x3424 the high two of ``w``) ->
 // their exact values as a bf16x2 word, with integer ops and one bf16 multiply instead of the
 // conversion instructions (whose pipe runs at a quarter of the ALU's rate; it bounded the
@@ -203,21 +208,21 @@ __device__ __forceinline__ uint32_t e8m0_bf16x2(uint32_t e) {
 
 // 16 bytes of the K stage: here, and in a cluster at the same offset of the peer's stage
 // (``peer_k``: that stage's shared::cluster address), counted on the peer's ``peer_bar``
-template <int kCluster>
+template <int kPairs>
 __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_t peer_k, uint32_t peer_bar) {
   *reinterpret_cast<uint4*>(K + off) = v;
-  if (kCluster == 2) st_async16(peer_k + off, v, peer_bar);
+  if (kPairs == 2) st_async16(peer_k + off, v, peer_bar);
 }
 
 // the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
 // times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
 // is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
 // smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
-template <int kCluster>
-__device__ __forceinline__ void store_rows(RawRows<kCluster>& raw, int rank, uint8_t* K, uint8_t* ok,
+template <int kPairs>
+__device__ __forceinline__ void store_rows(RawRows<kPairs>& raw, int rank, uint8_t* K, uint8_t* ok,
                                            uint32_t peer_k, uint32_t peer_bar, bool official) {
   const int t = threadIdx.x & 127, q4 = t & 3;
-  if (kCluster == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
+  if (kPairs == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
 #pragma unroll
   for (int h = 0; h < raw.kRows; ++h) {
     const int r = 32 * (h + rank) + (t >> 2);
@@ -244,62 +249,73 @@ __device__ __forceinline__ void store_rows(RawRows<kCluster>& raw, int rank, uin
           }
         }
       }
-      put16<kCluster>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
-      put16<kCluster>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
+      put16<kPairs>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
+      put16<kPairs>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
     }
 #pragma unroll
     for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
       const int c = q4 + 4 * k;
-      put16<kCluster>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
+      put16<kPairs>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
     }
     if (q4 == 0) ok[r] = raw.ok[h];
   }
 }
 #endif  // sm_90a
 
-// kCluster = 2: run by clusters of 2 CTAs along y (head groups 2 g, 2 g + 1 of a query row)
-template <int kCluster>
+// A cluster of kPairs x kSplits CTAs along (y, z): a query row's head groups 2 g and 2 g + 1
+// (kPairs = 2), or its two key splits (kSplits = 2, merged at the end); cluster rank = pair
+// rank + kPairs x split rank.
+template <int kPairs, int kSplits>
 __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #ifdef JAXKV_POOL_SM90
+  constexpr bool kCluster = kPairs * kSplits > 1;
+  constexpr int kOwn = kChunks / kSplits;  // 8-dim output chunks a split owns in the merge
+  static_assert(kPairs * kSplits <= 2, "one CTA per SM: clusters of 4 or 8 ran in two waves (RESULTS.md)");
+  static_assert(kSplits == 1 || kOwn == 32, "two splits: each owns one warpgroup's output dims");
+  static_assert(kOwn * 128 * 16 <= kStages * kTileBytes, "the peer's partial fits the K stages");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need 1024-byte alignment (the swizzle reads address bits 7..9)
   uint8_t* Q = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // bf16[64, 512]; the output at the end
-  uint8_t* Ks = Q + kTileBytes;                          // bf16[stages][64, 512] swizzled
+  uint8_t* Ks = Q + kTileBytes;                          // bf16[stages][64, 512] swizzled; the peer's partial at the end
   uint8_t* P = Ks + kStages * kTileBytes;                // bf16[64, 64] swizzled
   float* alpha_s = reinterpret_cast<float*>(P + kPBytes);  // f32[64] the block's rescale of each row
-  float* sum_s = alpha_s + kBlock;                       // f32[64] row sums, for warpgroup 1's epilogue
-  uint8_t* ok = reinterpret_cast<uint8_t*>(sum_s + kBlock);  // u8[stages][64] real keys of each stage
+  float* ml = alpha_s + kBlock;                          // f32[64, 2] each row's final (max, sum), for the merge
+  uint8_t* ok = reinterpret_cast<uint8_t*>(ml + 2 * kBlock);  // u8[stages][64] real keys of each stage
   int* nv_s = reinterpret_cast<int*>(ok + kStages * kBlock);  // i32[128]
   int* list = nv_s + kMaxBlocks;                         // i32[128] non-empty blocks, in order
   int* total_s = list + kMaxBlocks;
   uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full, free, peer_full [stages]
   const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages, peer_full = free_ + 8 * kStages;
-  const int rank = kCluster == 2 ? static_cast<int>(cluster_ctarank()) : 0;
+  const int crank = kCluster ? static_cast<int>(cluster_ctarank()) : 0;
+  const int rank = crank % kPairs, pair0 = crank - rank;  // this CTA's half of a pair; the pair's first rank
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5, wg = t >> 7;
   const int64_t n = blockIdx.x;
   const int hg = blockIdx.y, split = blockIdx.z;
+  const int zr = split % kSplits, part = split / kSplits, parts = a.splits / kSplits;  // rank in the merge; the partial
   const bool official = a.storage == kOfficial;
 
-  // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (cluster): the
+  // full[s]: this CTA's producer stored its rows of stage s; peer_full[s] (pairs): the
   // peer's rows landed here (one arrival + their bytes); free[s]: every consumer warp of the
-  // cluster is done with stage s (both CTAs' stages are written by both producers)
+  // pair is done with stage s (both CTAs' stages are written by both producers)
   if (t == 32) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 128);
-      mbar_init(free_ + 8 * s, kConsumerWarps * kCluster);
-      if (kCluster == 2) mbar_init(peer_full + 8 * s, 1);
+      mbar_init(free_ + 8 * s, kConsumerWarps * kPairs);
+      if (kPairs == 2) mbar_init(peer_full + 8 * s, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  if (kCluster == 2) {
+  if (kPairs == 2) {
     cluster_sync();  // the peer's barriers exist before anything reaches them
   } else {
-    __syncthreads();
+    __syncthreads();  // split pairs touch each other only after the loops, behind a cluster barrier
   }
   // The prologue runs in two parts at once: the consumers load Q while the producer lists
   // the non-empty blocks and starts the first block's reads (its path to the first product
-  // is three dependent global reads: the counts, the ids, the rows).
+  // is three dependent global reads: the counts, the ids, the rows). (Reading the first
+  // block's ids and rows alongside the counts, on the guess that every block holds rows,
+  // measured 1-5% slower at every shape, RESULTS.md.)
   if (wg == 2) {
     if (t - 256 < a.nb) nv_s[t - 256] = min(max(__ldg(a.nvalid + n * a.nb + t - 256), 0), kBlock);
     bar_sync(kBarList, 128);
@@ -329,44 +345,44 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   const int per = (total + a.splits - 1) / a.splits;
   const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
 
-  // a consumer warp is done with stage s: one arrival on each CTA's free[s]
+  // a consumer warp is done with stage s: one arrival on each of the pair's free[s]
   auto release = [&](int s) {
     if (lane == 0) {
-      if (kCluster == 1) {
+      if (kPairs == 1) {
         mbar_arrive(free_ + 8 * s);
       } else {
-        mbar_arrive_cluster(mapa(free_ + 8 * s, 0));
-        mbar_arrive_cluster(mapa(free_ + 8 * s, 1));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0 + 1));
       }
     }
   };
 
   if (wg == 2) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
-    const uint32_t peer_k = kCluster == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
-    const uint32_t peer_bar = kCluster == 2 ? mapa(peer_full, 1 - rank) : 0;
-    auto ids_of = [&](int i) { return fetch_ids<kCluster>(a, n, i < blocks ? list[j0 + i] : -1, nv_s, rank); };
-    auto load = [&](const RowIds<kCluster>& ids, RawRows<kCluster>& raw) {
+    const uint32_t peer_k = kPairs == 2 ? mapa(smem_addr(Ks), pair0 + 1 - rank) : 0;
+    const uint32_t peer_bar = kPairs == 2 ? mapa(peer_full, pair0 + 1 - rank) : 0;
+    auto ids_of = [&](int i) { return fetch_ids<kPairs>(a, n, i < blocks ? list[j0 + i] : -1, nv_s, rank); };
+    auto load = [&](const RowIds<kPairs>& ids, RawRows<kPairs>& raw) {
 #pragma unroll
       for (int h = 0; h < raw.kRows; ++h)
-        if (ids.b >= 0) load_row<kCluster>(a, ids, h, rank, raw);
+        if (ids.b >= 0) load_row<kPairs>(a, ids, h, rank, raw);
     };
-    // block i's rows -> stage i % kStages; then the rows of block i + kCluster (``next``) -> raw,
+    // block i's rows -> stage i % kStages; then the rows of block i + kPairs (``next``) -> raw,
     // issued after the stage's fence and arrival, not between its rows (below)
-    auto put = [&](int i, RawRows<kCluster>& raw, const RowIds<kCluster>& next) {
+    auto put = [&](int i, RawRows<kPairs>& raw, const RowIds<kPairs>& next) {
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
       // the peer's half of stage s: its bytes complete the phase (they may land before this)
-      if (kCluster == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
-      store_rows<kCluster>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
-                           peer_bar + 8 * s, official);
+      if (kPairs == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
+      store_rows<kPairs>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
+                         peer_bar + 8 * s, official);
       fence_async_smem();
       mbar_arrive(full + 8 * s);
       load(next, raw);
     };
-    RowIds<kCluster> ids = ids_of(0);
-    if (kCluster == 2) {  // half the rows each: registers for two blocks in flight
-      RawRows<kCluster> r0, r1;
+    RowIds<kPairs> ids = ids_of(0);
+    if (kPairs == 2) {  // half the rows each: registers for two blocks in flight
+      RawRows<kPairs> r0, r1;
       load(ids, r0);
       ids = ids_of(1);
       load(ids, r1);
@@ -380,7 +396,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
         }
       }
     } else {
-      RawRows<kCluster> raw;
+      RawRows<kPairs> raw;
       load(ids, raw);
       ids = ids_of(1);
       for (int i = 0; i < blocks; ++i) {
@@ -388,7 +404,8 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
         ids = ids_of(i + 2);
       }
     }
-    if (kCluster == 2) cluster_sync();  // the consumers' is at the end
+    if (kCluster) cluster_sync();  // the consumers': the loops are done
+    if (kSplits > 1) cluster_sync();  // the partials are exchanged
     return;
   }
 
@@ -407,7 +424,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
-      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       float S[32];
       wgmma_fence();
 #pragma unroll
@@ -462,17 +479,9 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     for (int h = 0; h < 2; ++h) {
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
       l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    }
-    const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
-    if ((lane & 3) == 0) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        // one split: the sink's weight 2^(sink log2(e) - m) joins the row's sum (base 2, scaled by 2^-m)
-        const float sink = a.splits == 1 && l[h] > 0.f
-                               ? ex2(__ldg(a.sink + hg * kBlock + row0 + 8 * h) * 1.4426950408889634f - m[h])
-                               : 0.f;
-        sum_s[row0 + 8 * h] = l[h] + sink;
-        a.lse[orow + row0 + 8 * h] = l[h] > 0.f ? m[h] + __log2f(l[h]) : -INFINITY;
+      if ((lane & 3) == 0) {
+        ml[2 * (row0 + 8 * h)] = m[h];
+        ml[2 * (row0 + 8 * h) + 1] = l[h];
       }
     }
   } else {  // warpgroup 1
@@ -481,7 +490,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const int s = i % kStages;
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
-      if (kCluster == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
       bar_sync(kBarP, 256);
       const float a0 = alpha_s[row0], a1 = alpha_s[row0 + 8];
 #pragma unroll
@@ -502,40 +511,98 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     }
   }
 
-  // epilogue: the normalized output through shared memory (Q's tile: its last reader is done)
-  bar_sync(kBarOut, 256);  // the row sums are in sum_s
-  float inv[2];
+  // every loop of the cluster is done (its K stages are free; no peer reaches this CTA's
+  // barriers any more) and every (max, sum) is in ml
+  if (kCluster) {
+    cluster_sync();
+  } else {
+    bar_sync(kBarOut, 256);
+  }
+  // the merge's weights: split k's partial counts 2^(m_k - M) / (sum_k l_k 2^(m_k - M) + 2^(sink - M)),
+  // M the largest of the maxima and the sink (base 2; the sink only with one partial per query
+  // left, else XLA adds it); a split with no key counts 0. The partial's lse (base 2): the
+  // keys' alone, M' + log2(sum_k l_k 2^(m_k - M')), M' the largest of the maxima
+  float w[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float s = sum_s[row0 + 8 * h];
-    inv[h] = s > 0.f ? 1.f / s : 0.f;
+    const int r = row0 + 8 * h;
+    const uint32_t at = smem_addr(ml + 2 * r);
+    auto ml_of = [&](int k) {  // split k's (max, sum) of row r
+      return kSplits == 1 ? make_float2(ml[2 * r], ml[2 * r + 1]) : ld_cluster_f32x2(mapa(at, rank + kPairs * k));
+    };
+    const float sink = parts == 1 ? __ldg(a.sink + hg * kBlock + r) * 1.4426950408889634f : -INFINITY;
+    float top = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kSplits; ++k) {
+      const float2 v = ml_of(k);
+      top = v.y > 0.f ? fmaxf(top, v.x) : top;
+    }
+    float keys = 0.f;  // the keys' sum, scaled by 2^-top
+#pragma unroll
+    for (int k = 0; k < kSplits; ++k) {
+      const float2 v = ml_of(k);
+      keys += v.y > 0.f ? v.y * ex2(v.x - top) : 0.f;
+    }
+    const float both = fmaxf(top, sink);
+    w[h] = ml[2 * r + 1] > 0.f ? ex2(ml[2 * r] - both) / (keys * ex2(top - both) + ex2(sink - both)) : 0.f;
+    if (zr == 0 && wg == 0 && (lane & 3) == 0)
+      a.lse[(n * parts + part) * a.heads + hg * kBlock + r] = keys > 0.f ? top + __log2f(keys) : -INFINITY;
   }
 #pragma unroll
   for (int j = 0; j < 32; ++j) {
-    const int chunk = 32 * wg + j;  // 8 output dims per chunk
+    O[4 * j] *= w[0];
+    O[4 * j + 1] *= w[0];
+    O[4 * j + 2] *= w[1];
+    O[4 * j + 3] *= w[1];
+  }
+  // the epilogue: the output chunks this CTA owns, as bf16, through shared memory (Q's tile:
+  // its last reader is done), then to global memory by whole rows
+  auto stage = [&](int c, float x0, float x1, float x2, float x3) {  // chunk c (8 output dims) of rows row0, + 8
     const uint32_t col = 4 * (lane & 3);
-    *reinterpret_cast<uint32_t*>(Q + swz(row0, chunk) + col) = pack_bf16(O[4 * j] * inv[0], O[4 * j + 1] * inv[0]);
-    *reinterpret_cast<uint32_t*>(Q + swz(row0 + 8, chunk) + col) =
-        pack_bf16(O[4 * j + 2] * inv[1], O[4 * j + 3] * inv[1]);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0, c) + col) = pack_bf16(x0, x1);
+    *reinterpret_cast<uint32_t*>(Q + swz(row0 + 8, c) + col) = pack_bf16(x2, x3);
+  };
+  if constexpr (kSplits == 2) {
+    // split zr owns warpgroup zr's output dims: the other warpgroup sends its weighted partial
+    // to the peer's K stages (as float4s at chunk * 2 KiB + 16 x thread), the owner adds the
+    // peer's to its own (one f32 sum of two terms: the same bits every run)
+    const uint32_t tw16 = (t & 127) * 16;
+    if (wg != zr) {
+      const uint32_t dst = mapa(k_s, rank + kPairs * wg) + tw16;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) st_cluster_f32x4(dst + j * 2048, O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
+    }
+    cluster_sync();
+    if (wg == zr) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const float4 v = *reinterpret_cast<const float4*>(Ks + j * 2048 + tw16);
+        stage(32 * wg + j, O[4 * j] + v.x, O[4 * j + 1] + v.y, O[4 * j + 2] + v.z, O[4 * j + 3] + v.w);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) stage(32 * wg + j, O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
   }
   bar_sync(kBarOut, 256);
-  const int64_t orow = (n * a.splits + split) * a.heads + hg * kBlock;
-  uint4* out = reinterpret_cast<uint4*>(a.out + orow * kHeadDim);
-  for (int i = t; i < kBlock * kChunks; i += 256)
-    out[i] = *reinterpret_cast<const uint4*>(Q + swz(i / kChunks, i % kChunks));
-  if (kCluster == 2) cluster_sync();  // no CTA leaves while its peer may still reach its barriers
+  uint4* out = reinterpret_cast<uint4*>(a.out + ((n * parts + part) * a.heads + hg * kBlock) * kHeadDim);
+  for (int i = t; i < kBlock * kOwn; i += 256) {
+    const int r = i / kOwn, c = zr * kOwn + i % kOwn;
+    out[r * kChunks + c] = *reinterpret_cast<const uint4*>(Q + swz(r, c));
+  }
 #endif
 }
 
-// The cluster shape is the kernel's attribute, so both launch as plain launches: a launch
-// with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call on an
-// H100 (benchmarks/dsv4_attention.py's wall column).
+// The cluster shape is the kernel's attribute, so every kernel launches as a plain launch: a
+// launch with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call
+// on an H100 (benchmarks/dsv4_attention.py's wall column).
 __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
-  pool_attention_cta<1>(a);
+  pool_attention_cta<1, 1>(a);
 }
-__global__ void __cluster_dims__(1, 2, 1) __launch_bounds__(kThreads, 1)
-    pool_attention_pairs_kernel(const __grid_constant__ AttnArgs a) {
-  pool_attention_cta<2>(a);
+template <int kPairs, int kSplits>
+__global__ void __cluster_dims__(1, kPairs, kSplits) __launch_bounds__(kThreads, 1)
+    pool_attention_cluster_kernel(const __grid_constant__ AttnArgs a) {
+  pool_attention_cta<kPairs, kSplits>(a);
 }
 
 }  // namespace
@@ -560,9 +627,17 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   if (rows.dimensions()[0] != N || rows.dimensions()[1] != int64_t(nb) * kBlock || nvalid.dimensions()[0] != N ||
       nvalid.dimensions()[1] != nb)
     return ffi::Error::InvalidArgument("rows, nvalid: expected i32[N, blocks * 64] and i32[N, blocks]");
-  if (splits < 1 || out->dimensions()[0] != N * splits || out->dimensions()[1] != H ||
-      lse->dimensions()[0] != N * splits || lse->dimensions()[1] != H)
-    return ffi::Error::InvalidArgument("out, lse: expected bf16[N * splits, H, 512] and f32[N * splits, H]");
+  // a 2-CTA cluster per query row's head groups 2 g, 2 g + 1 when they pair up, else per its
+  // two splits when it has two (merged in the kernel: one partial left). More splits merge in
+  // XLA: clusters of 4 or 8 ran in two waves (RESULTS.md). jaxkv.kernels.pool_attention.cuda_parts
+  const bool pairs = (H / kBlock) % 2 == 0, split_pairs = !pairs && splits == 2;
+  const int64_t parts = split_pairs ? 1 : splits;
+  if (splits < 1) return ffi::Error::InvalidArgument("splits: expected >= 1");
+  if (out->dimensions()[0] != N * parts || out->dimensions()[1] != H || lse->dimensions()[0] != N * parts ||
+      lse->dimensions()[1] != H)
+    return ffi::Error::InvalidArgument(
+        "out, lse: expected bf16[N * parts, H, 512] and f32[N * parts, H], parts = 1 for 2 splits at H / 64 odd, "
+        "else splits");
   if (sink.dimensions()[0] != H) return ffi::Error::InvalidArgument("sink: expected f32[H]");
   AttnArgs a{};
   const ffi::Buffer<ffi::U8, 2>* pools[kMaxParts] = {&pool0, &pool1, &pool2};
@@ -592,9 +667,9 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
   if (major != 9) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
-  // head groups in pairs: a 2-CTA cluster per (query row, 128 heads, split)
-  const bool pairs = (H / kBlock) % 2 == 0;
-  const auto kernel = pairs ? pool_attention_pairs_kernel : pool_attention_kernel;
+  const auto kernel = pairs         ? pool_attention_cluster_kernel<2, 1>
+                      : split_pairs ? pool_attention_cluster_kernel<1, 2>
+                                    : pool_attention_kernel;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   kernel<<<dim3(static_cast<unsigned>(N), static_cast<unsigned>(H / kBlock), splits), kThreads, kSmem, stream>>>(a);
   return launch_status(cudaGetLastError(), "pool_attention");
@@ -622,8 +697,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Sink>()   // sink f32[H]
-                                  .Ret<jaxkv::attention_types::Out>()    // bf16[N * splits, H, 512]
-                                  .Ret<jaxkv::attention_types::Lse>()    // f32[N * splits, H]
+                                  .Ret<jaxkv::attention_types::Out>()    // bf16[N * parts, H, 512]
+                                  .Ret<jaxkv::attention_types::Lse>()    // f32[N * parts, H]
                                   .Attr<int32_t>("blocks0")
                                   .Attr<int32_t>("blocks1")
                                   .Attr<int32_t>("blocks2")

@@ -176,7 +176,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 // thread-block clusters: a CTA's rank, a shared address of this CTA -> the same offset in
 // CTA `rank`'s shared memory (a shared::cluster address), arrivals on a peer's mbarrier,
-// 16-byte stores into a peer's shared memory that complete_tx its mbarrier, the cluster barrier
+// 16-byte stores into a peer's shared memory that complete_tx its mbarrier, plain loads and
+// stores there, the cluster barrier
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -197,6 +198,17 @@ __device__ __forceinline__ void st_async16(uint32_t cluster_addr, uint4 v, uint3
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
                    cluster_addr),
                "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(cluster_bar)
+               : "memory");
+}
+// 8 bytes of shared::cluster memory (a peer's, through mapa) -> registers; 16 bytes into it
+__device__ __forceinline__ float2 ld_cluster_f32x2(uint32_t cluster_addr) {
+  float2 v;
+  asm volatile("ld.shared::cluster.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "r"(cluster_addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_cluster_f32x4(uint32_t cluster_addr, float x, float y, float z, float w) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(cluster_addr), "f"(x), "f"(y), "f"(z),
+               "f"(w)
                : "memory");
 }
 __device__ __forceinline__ void cluster_sync() {

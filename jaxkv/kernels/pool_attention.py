@@ -37,7 +37,8 @@ multiplies them in float32 as the reference decoder does, so its BF16 keys equal
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
 ``splits`` programs when the batch alone does not fill the GPU. The CUDA kernel adds it
-itself when ``splits`` is 1 (no merge launch; one bf16 rounding of the output).
+itself when one partial per query is left (``cuda_parts``: one split, or two at 64 heads,
+merged in the kernel): no merge launch, one bf16 rounding of the output.
 
     q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
     pools: tuple of u8[P, bs * E] one pool per part, rows ``block * bs + slot``
@@ -396,13 +397,21 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     N, H, D = q.shape
     blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
     pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
+    parts = cuda_parts(H, splits)
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
-        (jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
+        (jax.ShapeDtypeStruct((N * parts, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * parts, H), jnp.float32)),
     )(q, rows, nvalid, *pools, jnp.asarray(sink, jnp.float32), blocks0=np.int32(blocks[0]),
       blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]), splits=np.int32(splits), scale=np.float32(scale),
       storage=np.int32(STORAGE_CODES[storage]))
-    return out if splits == 1 else _merge_splits(out, lse, N, splits, sink)  # one split: the sink is in
+    return out if parts == 1 else _merge_splits(out, lse, N, parts, sink)  # one partial: the sink is in
+
+
+def cuda_parts(heads: int, splits: int) -> int:
+    """Partials per query row the ``cuda/`` kernel leaves for the XLA merge: two splits at
+    64 heads (an odd number of 64-head groups) run as a 2-CTA cluster and merge inside the
+    kernel, leaving one; otherwise one per split."""
+    return 1 if splits == 2 and (heads // BLOCK) % 2 == 1 else splits
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
@@ -472,5 +481,5 @@ def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
     return max(1, min(8, sms // max(rows * (heads // BLOCK), 1)))
 
 
-__all__ = ["fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
+__all__ = ["cuda_parts", "fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
            "ref_pool_attention", "row_scales"]

@@ -128,10 +128,15 @@ def test_kernel_matches_reference(rng, H, splits):
 @pytest.mark.parametrize("H,splits", [(64, 1), (64, 2), (64, 8), (128, 1), (128, 3)])
 def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     """Three parts as a V4 layer has them, ragged counts (full, partial, empty blocks; a query
-    with no key), out-of-range ids past the counts, more splits than some queries have blocks.
-    Error bound: P and the output round to bf16 (8 bits), so |err| <= 2e-2 max|ref| + 1e-3."""
+    with no key), ids past the counts out of range (odd rows) or in range (even rows: the
+    kernel reads a split's first block before it knows the counts, so those rows are loaded
+    and must be dropped), a first block empty (row 0) and every block full (row 1), more
+    splits than some queries have blocks. Error bound: P and the output round to bf16 (8
+    bits), so |err| <= 2e-2 max|ref| + 1e-3."""
     q, pools, pb, rows, nvalid, sink = _case(rng, storage, 7, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
-    rows = jnp.where(jnp.arange(rows.shape[1])[None] % BLOCK >= jnp.repeat(nvalid, BLOCK, axis=1), 1 << 30, rows)
+    nvalid = nvalid.at[0, 0].set(0).at[1].set(BLOCK)
+    past = jnp.arange(rows.shape[1])[None] % BLOCK >= jnp.repeat(nvalid, BLOCK, axis=1)
+    rows = jnp.where(past & (jnp.arange(rows.shape[0]) % 2 == 1)[:, None], 1 << 30, rows)
     ref = ref_pool_attention(q, pools, pb, jnp.where(rows < (1 << 30), rows, 0), nvalid, sink, storage=storage)
     out = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
@@ -139,6 +144,45 @@ def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     assert bool(jnp.all(out[-1] == 0))  # no valid key
     again = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_cuda_kernel_sink_extremes(rng, splits):
+    """The sink where the kernel adds it (one split, or two merged in the kernel at 64 heads)
+    and where XLA does (3): a sink far above every score takes all the weight, one of -inf
+    none; both against the reference."""
+    q, pools, pb, rows, nvalid, _ = _case(rng, "official", 4, 64, [(9, 64, 3), (4, 128, 2)])
+    for sink in (jnp.full((64,), 1e4, jnp.float32), jnp.full((64,), -jnp.inf, jnp.float32)):
+        ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
+        out = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, splits=splits).astype(jnp.float32)
+        assert bool(jnp.all(jnp.isfinite(out)))
+        err = float(jnp.max(jnp.abs(out - ref)))
+        assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, (float(sink[0]), err)
+    assert float(jnp.max(jnp.abs(ref[:-1]))) > 0.01  # -inf: the keys alone
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_cuda_kernel_decodes_rows_exactly(rng, storage, splits):
+    """One valid key per query and no sink: the output is that key's row (softmax weight 1,
+    P V exact in float32), so it must equal the codec's decoded row bit for bit. Rows scaled
+    by 2^-100 .. 2^100 spread the scales (official: 2^-13 .. 2^94 with the encoder's floor,
+    past the kernel's 2^7 split of the scale multiply); q is scaled by 2^-110 so that the
+    scores stay small."""
+    codec, N = STORAGES[storage].entry, 15
+    x = rng.normal(size=(N * 64, 512)) * np.exp2(rng.choice(np.arange(-100, 101, 20), size=(N * 64, 1)))
+    pools = (jax.jit(lambda x: pack_items(codec.encode(x), 64, codec.segments))(jnp.asarray(x, jnp.bfloat16)),)
+    rows = jnp.asarray(rng.integers(0, N * 64, size=(N, 2 * BLOCK)), jnp.int32)
+    nvalid = jnp.asarray(np.tile([[1, 0]], (N, 1)), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(N, 64, 512)) * 2.0**-110, jnp.bfloat16)
+    out = pool_attention_cuda(q, pools, (2,), rows, nvalid, jnp.full((64,), -jnp.inf, jnp.float32),
+                              storage=storage, splits=splits)
+    dec = _decode_rows(pools, (2,), rows[:, :1], storage)  # bf16[N, 1, 512]
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.broadcast_to(np.asarray(dec, np.float32), out.shape))
 
 
 @pytest.mark.gpu
