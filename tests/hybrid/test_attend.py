@@ -210,14 +210,14 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     c = state.config
     slots = jnp.arange(3, dtype=jnp.int32)
     inputs = D.make_inputs(c, rng, 3, 1)
-    q = jnp.asarray(rng.normal(size=(3, 1, HEADS, c.head_dim)), jnp.bfloat16)
+    q = jnp.asarray(rng.normal(size=(3, 1, D.Q_HEADS, c.head_dim)), jnp.bfloat16)  # the params' sinks: Q_HEADS
     pools = {tuple(x.shape) for x in (state.window, *state.entries, state.index_keys)}
     step = jax.jit(_decode_step, donate_argnums=0, static_argnames="ordered")
     text = step.lower(_copy(state), slots, inputs, params, q, ordered=True).compile().as_text()
     copies = [line for line in text.splitlines() if " copy(" in line and any(
         f"u8[{','.join(map(str, s))}]" in line for s in pools)]
     assert not copies, copies[:3]
-    out = jnp.asarray(rng.normal(size=(3, 1, HEADS, c.head_dim)), jnp.bfloat16)
+    out = jnp.asarray(rng.normal(size=(3, 1, D.Q_HEADS, c.head_dim)), jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(H.after_reads(_copy(state), out))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ordered_state, acc = step(_copy(state), slots, inputs, params, q, ordered=True)
