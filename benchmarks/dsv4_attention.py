@@ -18,7 +18,7 @@ between two reads of one layer. ``--pool-mib 0`` gives pools just large enough f
 at V4-Flash batch 64: L2-warm figures, the script's earlier default).
 
     PYTHONPATH=$PWD python benchmarks/dsv4_attention.py [--batches 1,64] [--contenders cuda,pallas,xla]
-        [--pool-mib 1024] [--json out.json]
+        [--shapes V4-Flash,V4-Pro] [--pool-mib 1024] [--json out.json]
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,64,128")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"some of {', '.join(SHAPES)}")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--contenders", default="cuda,pallas,xla")
     ap.add_argument("--pool-mib", type=int, default=1024)
@@ -152,7 +153,8 @@ def main():
     copy_gbs = (2 << 30) / copy_ms / 1e6 if copy_ms else None
     print(f"copy bandwidth: {copy_gbs or 0:.0f} GB/s (x + 0 over 1 GiB, read + write, kernel time)", flush=True)
     rows_out, floors = [], {}
-    for name, (H, K) in SHAPES.items():
+    for name in a.shapes.split(","):
+        H, K = SHAPES[name]
         for B in map(int, a.batches.split(",")):
             q, pools, pb, rows, nvalid, sink = case(B, H, K, jax.random.key(B * 7 + H), a.pool_mib)
             keys = K + WINDOW
