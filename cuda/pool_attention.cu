@@ -90,7 +90,7 @@ struct AttnArgs {
   const int32_t* rows;     // i32[N, NB * 64]
   const int32_t* nvalid;   // i32[N, NB]
   Part part[kMaxParts];
-  const float* sink;       // f32[H]  per-head logit in the denominator (used with one split)
+  const float* sink;       // f32[H]  per-head logit in the denominator (used with one partial per query left)
   __nv_bfloat16* out;      // bf16[N * parts, H, 512]  parts = splits / kSplits
   float* lse;              // f32[N * parts, H]
   int32_t heads, nb, splits, storage;
