@@ -185,6 +185,7 @@ __device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kPairs>
                         : make_uint2(__ldg(reinterpret_cast<const uint32_t*>(sc)), 0);
   raw.ok[h] = valid;
 }
+
 // 2 FP8 E4M3 codes (bytes ``sel`` picks: 0x1404 the low two, 0x3424 the high two of ``w``) ->
 // their exact values as a bf16x2 word, with integer ops and one bf16 multiply instead of the
 // conversion instructions (whose pipe runs at a quarter of the ALU's rate; it bounded the
@@ -262,9 +263,9 @@ __device__ __forceinline__ void store_rows(RawRows<kPairs>& raw, int rank, uint8
 }
 #endif  // sm_90a
 
-// A cluster of kPairs x kSplits CTAs along (y, z): a query row's head groups 2 g and 2 g + 1
-// (kPairs = 2), or its two key splits (kSplits = 2, merged at the end); cluster rank = pair
-// rank + kPairs x split rank.
+// A 2-CTA cluster along y or z, or none: a query row's head groups 2 g and 2 g + 1 (kPairs = 2;
+// the cluster rank is the pair rank), or its two key splits (kSplits = 2, merged at the end;
+// the cluster rank is the split's).
 template <int kPairs, int kSplits>
 __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #ifdef JAXKV_POOL_SM90
@@ -286,8 +287,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   int* total_s = list + kMaxBlocks;
   uint64_t* bars = reinterpret_cast<uint64_t*>(total_s + 4);  // 8-byte aligned: full, free, peer_full [stages]
   const uint32_t full = smem_addr(bars), free_ = full + 8 * kStages, peer_full = free_ + 8 * kStages;
-  const int crank = kCluster ? static_cast<int>(cluster_ctarank()) : 0;
-  const int rank = crank % kPairs, pair0 = crank - rank;  // this CTA's half of a pair; the pair's first rank
+  const int rank = kPairs == 2 ? static_cast<int>(cluster_ctarank()) : 0;  // this CTA's half of a pair
 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5, wg = t >> 7;
   const int64_t n = blockIdx.x;
@@ -351,16 +351,16 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       if (kPairs == 1) {
         mbar_arrive(free_ + 8 * s);
       } else {
-        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0));
-        mbar_arrive_cluster(mapa(free_ + 8 * s, pair0 + 1));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 0));
+        mbar_arrive_cluster(mapa(free_ + 8 * s, 1));
       }
     }
   };
 
   if (wg == 2) {  // the producer
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs2));
-    const uint32_t peer_k = kPairs == 2 ? mapa(smem_addr(Ks), pair0 + 1 - rank) : 0;
-    const uint32_t peer_bar = kPairs == 2 ? mapa(peer_full, pair0 + 1 - rank) : 0;
+    const uint32_t peer_k = kPairs == 2 ? mapa(smem_addr(Ks), 1 - rank) : 0;
+    const uint32_t peer_bar = kPairs == 2 ? mapa(peer_full, 1 - rank) : 0;
     auto ids_of = [&](int i) { return fetch_ids<kPairs>(a, n, i < blocks ? list[j0 + i] : -1, nv_s, rank); };
     auto load = [&](const RowIds<kPairs>& ids, RawRows<kPairs>& raw) {
 #pragma unroll
@@ -528,7 +528,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     const int r = row0 + 8 * h;
     const uint32_t at = smem_addr(ml + 2 * r);
     auto ml_of = [&](int k) {  // split k's (max, sum) of row r
-      return kSplits == 1 ? make_float2(ml[2 * r], ml[2 * r + 1]) : ld_cluster_f32x2(mapa(at, rank + kPairs * k));
+      return kSplits == 1 ? make_float2(ml[2 * r], ml[2 * r + 1]) : ld_cluster_f32x2(mapa(at, k));
     };
     const float sink = parts == 1 ? __ldg(a.sink + hg * kBlock + r) * 1.4426950408889634f : -INFINITY;
     float top = -INFINITY;
@@ -568,7 +568,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     // peer's to its own (one f32 sum of two terms: the same bits every run)
     const uint32_t tw16 = (t & 127) * 16;
     if (wg != zr) {
-      const uint32_t dst = mapa(k_s, rank + kPairs * wg) + tw16;
+      const uint32_t dst = mapa(k_s, wg) + tw16;  // split wg's CTA
 #pragma unroll
       for (int j = 0; j < 32; ++j) st_cluster_f32x4(dst + j * 2048, O[4 * j], O[4 * j + 1], O[4 * j + 2], O[4 * j + 3]);
     }

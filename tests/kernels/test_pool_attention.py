@@ -128,10 +128,9 @@ def test_kernel_matches_reference(rng, H, splits):
 @pytest.mark.parametrize("H,splits", [(64, 1), (64, 2), (64, 8), (128, 1), (128, 3)])
 def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     """Three parts as a V4 layer has them, ragged counts (full, partial, empty blocks; a query
-    with no key), ids past the counts out of range (odd rows) or in range (even rows: the
-    kernel reads a split's first block before it knows the counts, so those rows are loaded
-    and must be dropped), a first block empty (row 0) and every block full (row 1), more
-    splits than some queries have blocks. Error bound: P and the output round to bf16 (8
+    with no key), ids past the counts out of range (odd rows) or in range (even rows: real
+    rows the kernel must not attend to), a first block empty (row 0) and every block full
+    (row 1), more splits than some queries have blocks. Error bound: P and the output round to bf16 (8
     bits), so |err| <= 2e-2 max|ref| + 1e-3."""
     q, pools, pb, rows, nvalid, sink = _case(rng, storage, 7, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
     nvalid = nvalid.at[0, 0].set(0).at[1].set(BLOCK)
@@ -170,9 +169,8 @@ def test_cuda_kernel_sink_extremes(rng, splits):
 def test_cuda_kernel_decodes_rows_exactly(rng, storage, splits):
     """One valid key per query and no sink: the output is that key's row (softmax weight 1,
     P V exact in float32), so it must equal the codec's decoded row bit for bit. Rows scaled
-    by 2^-100 .. 2^100 spread the scales (official: 2^-13 .. 2^94 with the encoder's floor,
-    past the kernel's 2^7 split of the scale multiply); q is scaled by 2^-110 so that the
-    scores stay small."""
+    by 2^-100 .. 2^100 spread the scales (official: 2^-13 .. 2^94 with the encoder's floor);
+    q is scaled by 2^-110 so that the scores stay small."""
     codec, N = STORAGES[storage].entry, 15
     x = rng.normal(size=(N * 64, 512)) * np.exp2(rng.choice(np.arange(-100, 101, 20), size=(N * 64, 1)))
     pools = (jax.jit(lambda x: pack_items(codec.encode(x), 64, codec.segments))(jnp.asarray(x, jnp.bfloat16)),)
