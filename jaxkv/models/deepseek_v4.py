@@ -218,7 +218,7 @@ def _weight(weights, name):
 
 def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
     """Set ``block``'s parameters from upstream's ``Attention`` state dict (names relative to
-    the module, e.g. ``wq_a.weight``; numpy arrays or torch tensors). FP8 linear weights are
+    the module, e.g. ``wq_a.weight``; numpy arrays or torch tensors). FP8 weights are
     dequantized with their ``.scale`` (one per 128 x 128 block). Exactly the tensors of the
     block's layer kind, in upstream's shapes: anything missing, extra or misshapen raises."""
     expected = {src for src, (dst, _) in _NAMES.items() if _variable(block, dst) is not None}
@@ -232,7 +232,8 @@ def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
         dst, is_linear = _NAMES[src]
         var = _variable(block, dst)
         want = var.shape[::-1] if is_linear else (G * R, Dg) if src == "wo_a.weight" else var.shape
-        value = _weight(weights, src[:-len(".weight")]) if is_linear else _numpy(weights[src])
+        # every ``.weight`` through _weight: FP8 ones (wo_a too, FP8 in DeepSeek's checkpoints) times their scales
+        value = _weight(weights, src[:-len(".weight")]) if src.endswith(".weight") else _numpy(weights[src])
         if value.shape != tuple(want):
             raise ValueError(f"weights: {src}: expected shape {tuple(want)}, got {tuple(value.shape)}")
         values[dst] = var, value.T if is_linear else value.reshape(var.shape)

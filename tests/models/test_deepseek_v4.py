@@ -133,6 +133,15 @@ def test_load_upstream_places_every_tensor():
         if block.kind == H.CSA:
             np.testing.assert_array_equal(np.asarray(block.index_compressor.norm[...]),
                                           w["indexer.compressor.norm.weight"])
+    # wo_a, not a linear here, is FP8 in DeepSeek's checkpoints: dequantized by its scales too
+    block = V4Attention(CFG, 0, rngs=nnx.Rngs(0))
+    w = _upstream_weights(block, rng, fp8=("wo_a",))
+    load_upstream(block, w)
+    scale = np.repeat(np.repeat(w["wo_a.scale"].astype(np.float32), 128, 0), 128, 1)
+    want = w["wo_a.weight"].astype(np.float32) * scale[:w["wo_a.weight"].shape[0], :w["wo_a.weight"].shape[1]]
+    G, R, Dg = block.wo_a.shape
+    np.testing.assert_array_equal(np.asarray(block.wo_a[...], np.float32).reshape(G * R, Dg),
+                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
 
 
 def test_load_upstream_torch_tensors():
