@@ -106,12 +106,16 @@ struct AttnArgs {
 // the bank groups. In a 2-CTA cluster, CTA rank r's producer thread t owns row 32 r + t / 4
 // only. A block's rows take two dependent global reads (the row ids, then the rows), so the
 // producer runs them a block apart: while it stores block j it holds block j + 1's ids (j + 2
-// in a cluster), and once it has stored block j, fenced the stage for the tensor cores and
-// arrived on its barrier, it loads the next block's rows into the registers just freed.
-// (Loading each row of the next block right after storing the same row of block j, so the
-// loads were in flight across the stage's fence, measured 3-8% slower at 64 heads; landing
-// the rows by cp.async in the free stage instead, to hold no registers, 14% slower: the loads
-// can then only start once the consumers free the stage. RESULTS.md.)
+// in a cluster). Alone in its CTA (64 heads), once it has stored one of its two rows of block
+// j it loads the same row of block j + 1 into the registers just freed, so that load is in
+// flight while it dequantizes the other row; the consumers, not the producer, fence the stage
+// for the tensor cores (fence.proxy.async is MEMBAR.ALL.CTA in SASS, which waits for the
+// thread's loads in flight: with the fence here the same order measured 3-8% slower, without
+// it 6-9% faster than loading after the stage's fence and arrival; halves of rows gained
+// nothing more; RESULTS.md). In a cluster the producer fences its stores itself, as FlashMLA
+// does, and loads the rows of block j + 2 after them. (Landing the rows by cp.async in the
+// free stage instead, to hold no registers, measured 14% slower: the loads can then only
+// start once the consumers free the stage.)
 template <int kPairs>
 struct RowIds {
   static constexpr int kRows = 2 / kPairs;
@@ -215,51 +219,49 @@ __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_
   if (kPairs == 2) st_async16(peer_k + off, v, peer_bar);
 }
 
-// the loaded rows -> the BF16 K stage (swizzled) and its row flags. The codes' exact values
-// times the scale, rounded to BF16: official scales are powers of two, so one bf16 multiply
-// is exact (it and the reference's f32 product differ only below 2^-126, past the encoder's
-// smallest scale); per_entry scales are any f32, multiplied in f32 as the reference does.
+// loaded row h -> the BF16 K stage (swizzled) and its row flag (in a cluster, the peer's row's
+// flag too). The codes' exact values times the scale, rounded to BF16: official scales are
+// powers of two, so one bf16 multiply is exact (it and the reference's f32 product differ only
+// below 2^-126, past the encoder's smallest scale); per_entry scales are any f32, multiplied in
+// f32 as the reference does.
 template <int kPairs>
-__device__ __forceinline__ void store_rows(RawRows<kPairs>& raw, int rank, uint8_t* K, uint8_t* ok,
-                                           uint32_t peer_k, uint32_t peer_bar, bool official) {
+__device__ __forceinline__ void store_row(const RawRows<kPairs>& raw, int h, int rank, uint8_t* K, uint8_t* ok,
+                                          uint32_t peer_k, uint32_t peer_bar, bool official) {
   const int t = threadIdx.x & 127, q4 = t & 3;
   if (kPairs == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
+  const int r = 32 * (h + rank) + (t >> 2);
 #pragma unroll
-  for (int h = 0; h < raw.kRows; ++h) {
-    const int r = 32 * (h + rank) + (t >> 2);
+  for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
+    const int c = q4 + 4 * k;
+    const uint32_t w[4] = {raw.v[h][k].x, raw.v[h][k].y, raw.v[h][k].z, raw.v[h][k].w};
+    uint32_t o[8];
+    if (official) {
+      const uint32_t s2 = e8m0_bf16x2(((k < 4 ? raw.s[h].x : raw.s[h].y) >> (8 * (k & 3))) & 0xFF);
 #pragma unroll
-    for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
-      const int c = q4 + 4 * k;
-      const uint32_t w[4] = {raw.v[h][k].x, raw.v[h][k].y, raw.v[h][k].z, raw.v[h][k].w};
-      uint32_t o[8];
-      if (official) {
-        const uint32_t s2 = e8m0_bf16x2(((k < 4 ? raw.s[h].x : raw.s[h].y) >> (8 * (k & 3))) & 0xFF);
+      for (int i = 0; i < 4; ++i) {
+        o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x1404), s2);
+        o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x3424), s2);
+      }
+    } else {
+      const float s = __uint_as_float(raw.s[h].x);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x1404), s2);
-          o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x3424), s2);
-        }
-      } else {
-        const float s = __uint_as_float(raw.s[h].x);
+      for (int i = 0; i < 4; ++i) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const uint32_t x = e4m3x2_to_bf16x2(w[i], e ? 0x3424 : 0x1404);
-            o[2 * i + e] = pack_bf16(__fmul_rn(__uint_as_float(x << 16), s), __fmul_rn(__uint_as_float(x & 0xFFFF0000u), s));
-          }
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t x = e4m3x2_to_bf16x2(w[i], e ? 0x3424 : 0x1404);
+          o[2 * i + e] = pack_bf16(__fmul_rn(__uint_as_float(x << 16), s), __fmul_rn(__uint_as_float(x & 0xFFFF0000u), s));
         }
       }
-      put16<kPairs>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
-      put16<kPairs>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
     }
-#pragma unroll
-    for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
-      const int c = q4 + 4 * k;
-      put16<kPairs>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
-    }
-    if (q4 == 0) ok[r] = raw.ok[h];
+    put16<kPairs>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
+    put16<kPairs>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
   }
+#pragma unroll
+  for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
+    const int c = q4 + 4 * k;
+    put16<kPairs>(K, swz(r, c + kCodeChunks), raw.v[h][k], peer_k, peer_bar);
+  }
+  if (q4 == 0) ok[r] = raw.ok[h];
 }
 #endif  // sm_90a
 
@@ -374,11 +376,20 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
       // the peer's half of stage s: its bytes complete the phase (they may land before this)
       if (kPairs == 2 && t == 256) mbar_arrive_expect_tx(peer_full + 8 * s, 32 * kHeadDim * 2);
-      store_rows<kPairs>(raw, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
-                         peer_bar + 8 * s, official);
-      fence_async_smem();
-      mbar_arrive(full + 8 * s);
-      load(next, raw);
+      if constexpr (kPairs == 1) {  // row h of the next block in flight while row 1 - h is stored
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          store_row<kPairs>(raw, h, rank, Ks + s * kTileBytes, ok + s * kBlock, 0, 0, official);
+          if (h == 1) mbar_arrive(full + 8 * s);  // unfenced: the consumers fence the stage
+          if (next.b >= 0) load_row<kPairs>(a, next, h, rank, raw);
+        }
+      } else {
+        store_row<kPairs>(raw, 0, rank, Ks + s * kTileBytes, ok + s * kBlock, peer_k + s * kTileBytes,
+                          peer_bar + 8 * s, official);
+        fence_async_smem();
+        mbar_arrive(full + 8 * s);
+        load(next, raw);
+      }
     };
     RowIds<kPairs> ids = ids_of(0);
     if (kPairs == 2) {  // half the rows each: registers for two blocks in flight
@@ -425,6 +436,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
       if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kPairs == 1) fence_async_smem();  // the producer's stores -> this warpgroup's wgmma
       float S[32];
       wgmma_fence();
 #pragma unroll
@@ -491,6 +503,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       const uint32_t ks = k_s + s * kTileBytes;
       mbar_wait(full + 8 * s, (i / kStages) & 1);
       if (kPairs == 2) mbar_wait(peer_full + 8 * s, (i / kStages) & 1);
+      if (kPairs == 1) fence_async_smem();  // the producer's stores -> this warpgroup's wgmma
       bar_sync(kBarP, 256);
       const float a0 = alpha_s[row0], a1 = alpha_s[row0 + 8];
 #pragma unroll
