@@ -369,8 +369,9 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       for (int h = 0; h < raw.kRows; ++h)
         if (ids.b >= 0) load_row<kPairs>(a, ids, h, rank, raw);
     };
-    // block i's rows -> stage i % kStages; then the rows of block i + kPairs (``next``) -> raw,
-    // issued after the stage's fence and arrival, not between its rows (below)
+    // block i's rows -> stage i % kStages, and the rows of block i + kPairs (``next``) -> raw:
+    // alone, each row's load right after that row's store; in a cluster, after the stage's
+    // fence and arrival
     auto put = [&](int i, RawRows<kPairs>& raw, const RowIds<kPairs>& next) {
       const int s = i % kStages;
       mbar_wait(free_ + 8 * s, ((i / kStages) & 1) ^ 1);
