@@ -38,12 +38,12 @@
 // Why CUDA and not Mosaic GPU: a block's rows are scattered over the pool and Mosaic GPU has
 // no per-thread gather; per-row TMAs cost more than the math (kernels.pool_attention).
 // Why one producer warpgroup although at 64 heads the row loads bound the kernel
-// (benchmarks/RESULTS.md): with a fourth warpgroup (512 threads, 128 registers each at
-// launch) ptxas refuses an m64n256 wgmma even inside a raised setmaxnreg region (the one
-// instruction needs 158); as two m64n128 halves it compiles, but no split of the 512
-// registers per thread (65536 / 128) among the four warpgroups avoids spills: consumers 208 /
-// 176 or 208 / 160 leave the producers (one row per thread) 64 or 72 and they spill; producers
-// at 88 leave the consumers 192 / 144 and they spill 1.9 KB (nvcc 13.0, compile-only).
+// (benchmarks/RESULTS.md): a second one (512 threads; ptxas then allots an instruction 128
+// registers, under the 158 one m64n256 wgmma needs, so P V ran as m64n128 halves; registers
+// 208 / 160 / 72 / 72 with 20-68 bytes spilled; one row per producer thread) measured 3%
+// faster at V4-Flash batch 128 and no faster elsewhere, although alone such a loader reads
+// the rows 1.5x as fast as this one (benchmarks/row_gather.py): inside the kernel the loads
+// take longer. Not kept.
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -230,31 +230,40 @@ __device__ __forceinline__ void store_row(const RawRows<kPairs>& raw, int h, int
   const int t = threadIdx.x & 127, q4 = t & 3;
   if (kPairs == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
   const int r = 32 * (h + rank) + (t >> 2);
+  // bf16x2 words decoded before they are stored: in a cluster 4 (16 bytes at a time: fewer
+  // registers live; V4-Pro 2-3% faster), alone 8 (in 16-byte halves it measured 4-14% slower
+  // at V4-Flash; RESULTS.md)
+  constexpr int kWords = kPairs == 2 ? 4 : 8;
 #pragma unroll
   for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
     const int c = q4 + 4 * k;
     const uint32_t w[4] = {raw.v[h][k].x, raw.v[h][k].y, raw.v[h][k].z, raw.v[h][k].w};
-    uint32_t o[8];
-    if (official) {
-      const uint32_t s2 = e8m0_bf16x2(((k < 4 ? raw.s[h].x : raw.s[h].y) >> (8 * (k & 3))) & 0xFF);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x1404), s2);
-        o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w[i], 0x3424), s2);
-      }
-    } else {
-      const float s = __uint_as_float(raw.s[h].x);
+    for (int e = 0; e < 8 / kWords; ++e) {  // the chunk's 32 bytes kWords * 4 at a time
+      uint32_t o[kWords];
+      if (official) {
+        const uint32_t s2 = e8m0_bf16x2(((k < 4 ? raw.s[h].x : raw.s[h].y) >> (8 * (k & 3))) & 0xFF);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < kWords / 2; ++i) {
+          o[2 * i] = bf16x2_mul(e4m3x2_to_bf16x2(w[e * kWords / 2 + i], 0x1404), s2);
+          o[2 * i + 1] = bf16x2_mul(e4m3x2_to_bf16x2(w[e * kWords / 2 + i], 0x3424), s2);
+        }
+      } else {
+        const float s = __uint_as_float(raw.s[h].x);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const uint32_t x = e4m3x2_to_bf16x2(w[i], e ? 0x3424 : 0x1404);
-          o[2 * i + e] = pack_bf16(__fmul_rn(__uint_as_float(x << 16), s), __fmul_rn(__uint_as_float(x & 0xFFFF0000u), s));
+        for (int i = 0; i < kWords / 2; ++i) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const uint32_t x = e4m3x2_to_bf16x2(w[e * kWords / 2 + i], u ? 0x3424 : 0x1404);
+            o[2 * i + u] = pack_bf16(__fmul_rn(__uint_as_float(x << 16), s), __fmul_rn(__uint_as_float(x & 0xFFFF0000u), s));
+          }
         }
       }
+#pragma unroll
+      for (int u = 0; u < kWords / 4; ++u)
+        put16<kPairs>(K, swz(r, 2 * c + e * kWords / 4 + u), make_uint4(o[4 * u], o[4 * u + 1], o[4 * u + 2], o[4 * u + 3]),
+                      peer_k, peer_bar);
     }
-    put16<kPairs>(K, swz(r, 2 * c), make_uint4(o[0], o[1], o[2], o[3]), peer_k, peer_bar);
-    put16<kPairs>(K, swz(r, 2 * c + 1), make_uint4(o[4], o[5], o[6], o[7]), peer_k, peer_bar);
   }
 #pragma unroll
   for (int k = kCodeChunks / 4; k < kPerThread; ++k) {  // rope: BF16 already
@@ -545,18 +554,16 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
       return kSplits == 1 ? make_float2(ml[2 * r], ml[2 * r + 1]) : ld_cluster_f32x2(mapa(at, k));
     };
     const float sink = parts == 1 ? __ldg(a.sink + hg * kBlock + r) * 1.4426950408889634f : -INFINITY;
+    float2 v[kSplits];  // read once: a peer's are ld.shared::cluster loads
     float top = -INFINITY;
 #pragma unroll
     for (int k = 0; k < kSplits; ++k) {
-      const float2 v = ml_of(k);
-      top = v.y > 0.f ? fmaxf(top, v.x) : top;
+      v[k] = ml_of(k);
+      top = v[k].y > 0.f ? fmaxf(top, v[k].x) : top;
     }
     float keys = 0.f;  // the keys' sum, scaled by 2^-top
 #pragma unroll
-    for (int k = 0; k < kSplits; ++k) {
-      const float2 v = ml_of(k);
-      keys += v.y > 0.f ? v.y * ex2(v.x - top) : 0.f;
-    }
+    for (int k = 0; k < kSplits; ++k) keys += v[k].y > 0.f ? v[k].y * ex2(v[k].x - top) : 0.f;
     const float both = fmaxf(top, sink);
     w[h] = ml[2 * r + 1] > 0.f ? ex2(ml[2 * r] - both) / (keys * ex2(top - both) + ex2(sink - both)) : 0.f;
     if (zr == 0 && wg == 0 && (lane & 3) == 0)
