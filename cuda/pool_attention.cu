@@ -14,7 +14,8 @@
 //     shared memory into its K stages (free by then) and is added to its own, so no partial
 //     reaches global memory and no merge kernel runs (V4-Flash batch 64). Clusters of 4 or 8
 //     CTAs (one per SM) ran in two waves, so more splits still merge in XLA;
-//   * the producer warpgroup lists the non-empty blocks while the consumers load Q, then loads
+//   * the producer warpgroup lists the non-empty blocks while the consumers load Q (alone, the
+//     consumers then load and dequantize the first block, the producer the rest), then loads
 //     a block's raw row bytes (576 B of codes + rope, the scale bytes) into registers one block
 //     ahead (its row ids one block further), dequantizes them into a free BF16 K stage (the
 //     bytes of jaxkv.formats' decoders) in the wgmma 128-byte swizzle layout (``swz``), and
@@ -142,7 +143,7 @@ __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
 // the ids of this thread's rows of list block b (b < 0: none)
 template <int kPairs>
 __device__ __forceinline__ RowIds<kPairs> fetch_ids(const AttnArgs& a, int64_t n, int b, const int* nv_s,
-                                                    int rank) {
+                                                    int rank) {  // the producer's rows
   RowIds<kPairs> ids;
   ids.b = b;
   ids.nv = b >= 0 ? nv_s[b] : 0;
@@ -162,8 +163,8 @@ __device__ __forceinline__ const Part& part_of(const AttnArgs& a, int b) {
 // row h of the block ``ids`` names -> raw (zeros and !ok past the count, for ids outside the pool)
 template <int kPairs>
 __device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kPairs>& ids, int h, int rank,
-                                         RawRows<kPairs>& raw) {
-  const int t = threadIdx.x & 127, q4 = t & 3;
+                                         RawRows<kPairs>& raw, int t = threadIdx.x & 127) {
+  const int q4 = t & 3;
   const Part& P = part_of(a, max(ids.b, 0));
   const bool official = a.storage == kOfficial;
   if (kPairs == 2 && h == 0) {
@@ -226,8 +227,8 @@ __device__ __forceinline__ void put16(uint8_t* K, uint32_t off, uint4 v, uint32_
 // f32 as the reference does.
 template <int kPairs>
 __device__ __forceinline__ void store_row(const RawRows<kPairs>& raw, int h, int rank, uint8_t* K, uint8_t* ok,
-                                          uint32_t peer_k, uint32_t peer_bar, bool official) {
-  const int t = threadIdx.x & 127, q4 = t & 3;
+                                          uint32_t peer_k, uint32_t peer_bar, bool official, int t = threadIdx.x & 127) {
+  const int q4 = t & 3;
   if (kPairs == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
   const int r = 32 * (h + rank) + (t >> 2);
   // bf16x2 words decoded before they are stored: in a cluster 4 (16 bytes at a time: fewer
@@ -323,10 +324,13 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     __syncthreads();  // split pairs touch each other only after the loops, behind a cluster barrier
   }
   // The prologue runs in two parts at once: the consumers load Q while the producer lists
-  // the non-empty blocks and starts the first block's reads (its path to the first product
-  // is three dependent global reads: the counts, the ids, the rows). (Reading the first
-  // block's ids and rows alongside the counts, on the guess that every block holds rows,
-  // measured 1-5% slower at every shape, RESULTS.md.)
+  // the non-empty blocks (the path to the first product is three dependent global reads: the
+  // counts, the ids, the rows). Then, alone (64 heads), the consumers load and dequantize the
+  // first block themselves, one row per four threads, while the producer starts on the second
+  // (as the producer's two rows per thread, the second row's loads waited behind the first's:
+  // V4-Flash batch 1 is 7% faster this way, RESULTS.md). (Reading the first block's ids and rows
+  // alongside the counts, on the guess that every block holds rows, measured 1-5% slower at
+  // every shape.)
   if (wg == 2) {
     if (t - 256 < a.nb) nv_s[t - 256] = min(max(__ldg(a.nvalid + n * a.nb + t - 256), 0), kBlock);
     bar_sync(kBarList, 128);
@@ -355,6 +359,19 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   const int total = *total_s;
   const int per = (total + a.splits - 1) / a.splits;
   const int j0 = min(split * per, total), j1 = min(j0 + per, total), blocks = j1 - j0;
+  // alone, the consumers' first block -> stage 0 (thread t: row t / 4; the prologue's comment)
+  constexpr int kFirst = kPairs == 1 ? 1 : 0;  // the producer's first block
+  if (kPairs == 1 && wg < 2 && blocks > 0) {
+    RowIds<kPairs> ids0;
+    ids0.b = list[j0];
+    ids0.nv = nv_s[ids0.b];
+    ids0.id[0] = __ldg(a.rows + (n * a.nb + ids0.b) * kBlock + (t >> 2));
+    RawRows<kPairs> raw0;
+    load_row<kPairs>(a, ids0, 0, 0, raw0, t);
+    store_row<kPairs>(raw0, 0, 0, Ks, ok, 0, 0, official, t);
+    bar_sync(kBarOut, 256);  // the consumers' rows of stage 0 are in
+    if (wg == 0) mbar_arrive(full);  // its 128 arrivals
+  }
 
   // a consumer warp is done with stage s: one arrival on each of the pair's free[s]
   auto release = [&](int s) {
@@ -401,7 +418,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
         load(next, raw);
       }
     };
-    RowIds<kPairs> ids = ids_of(0);
+    RowIds<kPairs> ids = ids_of(kFirst);
     if (kPairs == 2) {  // half the rows each: registers for two blocks in flight
       RawRows<kPairs> r0, r1;
       load(ids, r0);
@@ -419,8 +436,8 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
     } else {
       RawRows<kPairs> raw;
       load(ids, raw);
-      ids = ids_of(1);
-      for (int i = 0; i < blocks; ++i) {
+      ids = ids_of(kFirst + 1);
+      for (int i = kFirst; i < blocks; ++i) {
         put(i, raw, ids);
         ids = ids_of(i + 2);
       }
