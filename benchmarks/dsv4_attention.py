@@ -161,7 +161,7 @@ def main():
             flops = 4 * B * H * keys * 512
             bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
             ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
-            S = fill_splits(B, H)
+            S = fill_splits(B, H, rows.shape[1] // BLOCK)
             small = copy_kernel_ms(bytes_)
             floors[name, B] = (small, max(bytes_ / copy_gbs / 1e6 if copy_gbs else 0, flops / PEAK_TFLOPS / 1e9))
             fns = dict(

@@ -187,7 +187,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
     out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
-                 splits=fill_splits(N, H))
+                 splits=fill_splits(N, H, rows.shape[1] // BLOCK))
     return out.reshape(B, T, H, D)
 
 

@@ -475,10 +475,16 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
-def fill_splits(rows: int, heads: int, sms: int = 132) -> int:
-    """Key splits so that the programs (one per query row, 64 heads and split) fill ``sms``
-    (an H100's 132) about once, at most 8."""
-    return max(1, min(8, sms // max(rows * (heads // BLOCK), 1)))
+def fill_splits(rows: int, heads: int, blocks: int, sms: int = 132) -> int:
+    """Key splits for ``blocks`` blocks of 64 keys per query row: as few blocks per split as
+    the programs (one per query row, 64 heads and split) allow in one wave over ``sms`` (an
+    H100's 132), and no split left without a block. A split's blocks run one after another, so
+    at small batches one block per split is fastest (H100, V4-Flash batch 1: 10 splits 0.0126
+    ms against 0.0139 with 8; V4-Pro batch 1: 18 splits 0.0163 against 0.0205;
+    benchmarks/RESULTS.md)."""
+    most = max(1, min(blocks, sms // max(rows * (heads // BLOCK), 1)))
+    per = -(-blocks // most)  # blocks per split
+    return max(1, -(-blocks // per))
 
 
 __all__ = ["cuda_parts", "fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
