@@ -160,7 +160,8 @@ __device__ __forceinline__ const Part& part_of(const AttnArgs& a, int b) {
   for (int i = 0; i < kMaxParts - 1; ++i) p += b >= a.part[i].end;
   return a.part[p];
 }
-// row h of the block ``ids`` names -> raw (zeros and !ok past the count, for ids outside the pool)
+// row h of the block ``ids`` names -> raw (zeros and !ok past the count, for ids outside the pool);
+// ``t``, the loading thread: a producer's (0-127), or alone a consumer's (0-255) for a split's first block
 template <int kPairs>
 __device__ __forceinline__ void load_row(const AttnArgs& a, const RowIds<kPairs>& ids, int h, int rank,
                                          RawRows<kPairs>& raw, int t = threadIdx.x & 127) {
