@@ -88,8 +88,8 @@ def test_fill_splits_one_wave_no_idle_split():
                 groups = rows * (heads // BLOCK)
                 assert 1 <= S <= blocks and (S - 1) * per < blocks, (rows, heads, blocks, S)
                 assert S == 1 or groups * S <= sms, (rows, heads, blocks, S)
-                best = -(-blocks // max(1, min(blocks, sms // groups)))  # fewest blocks per split in one wave
-                assert per == best, (rows, heads, blocks, S, per, best)
+                fits = [n for n in range(1, blocks + 1) if groups * n <= sms] or [1]  # split counts in one wave
+                assert per == min(-(-blocks // n) for n in fits), (rows, heads, blocks, S)  # no fewer blocks per split
     assert [fill_splits(b, 64, 10) for b in (1, 8, 16, 32, 64, 128)] == [10, 10, 5, 4, 2, 1]
     assert [fill_splits(b, 128, 18) for b in (1, 2, 4, 8, 64)] == [18, 18, 9, 6, 1]
 
