@@ -20,3 +20,19 @@ def test_cuda_kernels_need_a_gpu(operation):
             _backend.resolve(operation, "pallas")
     with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'xla', 'cuda'\)"):
         _backend.resolve(operation, "triton")
+
+
+def test_flashmla_source_refusals(monkeypatch, tmp_path):
+    """impl="flashmla" needs FlashMLA's tree: unset, or a directory without its sm90 sparse decode,
+    is refused as "expected ..., got ..." naming FLASHMLA_SRC (also on a Hopper GPU, where the
+    registry's message is this one)."""
+    from jaxkv.cuda import flashmla
+
+    monkeypatch.delenv("FLASHMLA_SRC", raising=False)
+    with pytest.raises(ImportError, match="expected FLASHMLA_SRC set to a FlashMLA checkout .*, got it unset"):
+        flashmla.source_dir()
+    assert flashmla.missing().startswith("expected FLASHMLA_SRC")
+    monkeypatch.setenv("FLASHMLA_SRC", str(tmp_path))
+    with pytest.raises(ImportError, match=f"expected FLASHMLA_SRC to hold a FlashMLA tree .*, got {tmp_path}, "
+                                          "missing under csrc/: .*sm90"):
+        flashmla.source_dir()

@@ -50,13 +50,13 @@ def source_dir(src=None) -> Path:
     variable when neither is given or the tree lacks the files the build needs."""
     root = src if src is not None else os.environ.get("FLASHMLA_SRC")
     if not root:
-        raise ImportError("FlashMLA source not given: set FLASHMLA_SRC to a FlashMLA checkout (with its "
-                          "csrc/cutlass submodule) or to jaxkv's .upstream/flashmla")
+        raise ImportError("expected FLASHMLA_SRC set to a FlashMLA checkout (with its csrc/cutlass submodule) "
+                          "or to jaxkv's .upstream/flashmla, got it unset")
     csrc = Path(root).expanduser().resolve() / "csrc"
     missing = [f for f in KEYED + ("cutlass/include/cute/tensor.hpp",) if not (csrc / f).is_file()]
     if missing:
-        raise ImportError(f"FLASHMLA_SRC={root}: not a FlashMLA tree with the sm90 sparse decode "
-                          f"(missing under csrc/: {', '.join(missing)})")
+        raise ImportError(f"expected FLASHMLA_SRC to hold a FlashMLA tree with the sm90 sparse decode, got "
+                          f"{root}, missing under csrc/: {', '.join(missing)}")
     return csrc
 
 
