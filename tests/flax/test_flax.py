@@ -11,6 +11,7 @@ nnx = pytest.importorskip("flax.nnx")
 
 import jaxkv  # noqa: E402
 from frame_model import FrameModel  # noqa: E402
+from jaxkv.frame import tuning as frame_tuning  # noqa: E402
 from jaxkv.flax import StreamingGlobalAttention, apply_rope, axial_rope, caches, check  # noqa: E402
 from jaxkv.models import SMALL, StreamingReconstructor, synthetic_video  # noqa: E402
 
@@ -145,7 +146,13 @@ def test_scan_over_stacked_layers_equals_unrolled(rng):
     np.testing.assert_array_equal(np.asarray(stacked_state.num_frames), [[F]] * L)
 
 
-def test_layer_faults_and_bad_inputs(rng):
+@pytest.mark.parametrize("branch_free", [False, True])
+def test_layer_faults_and_bad_inputs(rng, monkeypatch, request, branch_free):
+    """Bad input is refused; a fault is recorded and changes no row a reader sees, with the
+    branching frame step and with the branch-free one (a GPU's default, forced here)."""
+    monkeypatch.setattr(frame_tuning, "SYNCING_CONTROL_FLOW", (jax.devices()[0].platform,) if branch_free else ())
+    jax.clear_caches()  # the flag is read when tracing: no trace of either kind outlives the test
+    request.addfinalizer(jax.clear_caches)
     layer = make_layer()
     cos, sin = frame_rope(0)
     with pytest.raises(ValueError, match=r"x: expected \[streams=1, tokens_per_frame=8, dim=32\]"):
@@ -160,7 +167,10 @@ def test_layer_faults_and_bad_inputs(rng):
         check(layer)
     after = caches(layer)[0]
     assert int(after.num_frames[0]) == int(before.num_frames[0]) == 1
-    np.testing.assert_array_equal(np.asarray(after.token_id), np.asarray(before.token_id))
+    # every row a reader can see; the trash rows past them take the branch-free step's
+    # skipped row moves
+    live = after.spec.trash_row
+    np.testing.assert_array_equal(np.asarray(after.token_id)[:, :live], np.asarray(before.token_id)[:, :live])
     layer.reset()
     check(layer)
     assert int(caches(layer)[0].num_frames[0]) == 0

@@ -263,8 +263,8 @@ def _control_flow(lowered) -> int:
 def test_branch_free_step_equals_branching_step(rng, monkeypatch, pow2):
     """Where control flow syncs with the host (XLA GPU), a frame step has none: the row
     moves always run (to the trash) and the attention of one query is one masked pass.
-    Forced here on the CPU, the branch-free step gives the branching step's visible rows
-    and attention, through scale frames, window turnover, deferrals and rollbacks."""
+    Forced either way on any platform, the branch-free step gives the branching step's
+    visible rows and attention, through scale frames, window turnover, deferrals and rollbacks."""
     spec = frame.FrameSpec(**{**SMALL, "num_streams": 2, "max_frames": 40, "pow2_pages": pow2})
     T = 30
     k = jnp.asarray(rng.standard_normal((T, spec.num_layers, 2, spec.tokens_per_frame, 2, 8)), jnp.float32)
@@ -287,6 +287,7 @@ def test_branch_free_step_equals_branching_step(rng, monkeypatch, pow2):
             outs.append(out)
         return state, np.stack(outs), _control_flow(jitted.lower(state, (k[0], q[0], defer[0], keep[0])))
 
+    monkeypatch.setattr(frame_tuning, "SYNCING_CONTROL_FLOW", ())  # on a GPU the default is branch-free
     branching, outs_b, flow_b = run()
     monkeypatch.setattr(frame_tuning, "SYNCING_CONTROL_FLOW", (jax.devices()[0].platform,))
     branch_free, outs_f, flow_f = run()
