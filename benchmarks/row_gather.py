@@ -13,13 +13,19 @@ the memory system gives such rows for a given loader:
 * ``xla take``: XLA's gather of the same rows (it also writes them), and ``copy``: ``x + 0``
   over 1 GiB (read + write), whose GB/s is the copy bandwidth of the ``of copy`` column.
 
+``--beside``: instead, loaders of one warpgroup (the producer's, other load instructions, bulk
+copies) with a second warpgroup in the CTA that runs the 64-head attention's Q K^T-shaped
+``wgmma`` products over 128 KiB of shared memory while they load: never (``idle``), back to
+back (``busy``), or with a 2 us pause after each (``part``). Whether the tensor cores' reads of
+shared memory slow the loads, which take 1.6x as long inside the attention as alone.
+
 The rows: V4-Flash decode at batch B, each request's 512 top-k rows at random in a 1 GiB area
 and its 128 window rows contiguous (as ``dsv4_attention.py`` picks them), the same rows on every
 call as there (at batch 64, 24 MB: they may partly stay in the 50 MB L2 between calls, for both
 scripts). GB/s counts the bytes read (584 per row); kernel time from a profiler trace, median of
 three rounds of 20 calls.
 
-    PYTHONPATH=$PWD python benchmarks/row_gather.py [--batches 64,128]
+    PYTHONPATH=$PWD python benchmarks/row_gather.py [--batches 64,128] [--beside]
 """
 
 from __future__ import annotations
@@ -41,9 +47,10 @@ from _timing import kernel_ms_per_step  # noqa: E402
 from jaxkv.cuda.build import _flags, cache_dir, link_cached  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_gather.cu")
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cuda", "ptx.cuh")  # included: part of the key
 ROW, SCALE = 576, 8
 SMS = 132  # H100 SXM
-# (label, mode, rows per thread or per group, threads per CTA, CTAs per SM)
+# (label, mode, rows per thread or per group, threads per CTA, CTAs per SM[, load variant, products' duty])
 LOADERS = [
     ("by thread", 0, 2, 128, 1),  # the 64-head attention producer's shape
     ("by thread", 0, 1, 128, 1),
@@ -57,11 +64,19 @@ LOADERS = [
     ("bulk copy", 1, 128, 128, 1),
     ("bulk copy", 1, 64, 128, 2),
 ]
+LOADS = {0: "producer's ld", 1: "plain ld", 2: "ld no L1"}  # row_gather.cu's ld_variant
+DUTY = {0: "idle", 1: "busy", 2: "part"}
+BESIDE = [("by thread", 2, 2, 256, 1, 0, busy) for busy in (0, 1, 2)] + [
+    ("by thread", 2, 1, 256, 1, 0, 0), ("by thread", 2, 1, 256, 1, 0, 1),
+    ("by thread", 2, 2, 256, 1, 1, 0), ("by thread", 2, 2, 256, 1, 1, 1),
+    ("by thread", 2, 2, 256, 1, 2, 0), ("by thread", 2, 2, 256, 1, 2, 1),
+    ("bulk copy", 3, 64, 256, 1, 0, 0), ("bulk copy", 3, 64, 256, 1, 0, 1), ("bulk copy", 3, 64, 256, 1, 0, 2),
+]
 
 
 def library() -> str:
     flags = _flags("90a")
-    key = hashlib.sha256(open(SOURCE, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(open(SOURCE, "rb").read() + open(HEADER, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
     return str(link_cached(cache_dir() / "bench" / key / "row_gather.so", [SOURCE], flags))
 
 
@@ -81,6 +96,7 @@ def median_kernel_ms(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="64,128")
+    ap.add_argument("--beside", action="store_true", help="the loaders beside the attention's products (docstring)")
     a = ap.parse_args()
     jax.ffi.register_ffi_target("row_gather", jax.ffi.pycapsule(ctypes.CDLL(library()).RowGather), platform="CUDA")
     M = (1 << 30) // ROW
@@ -95,23 +111,28 @@ def main():
         ids = row_ids(B, M)
         n = ids.shape[0]
         read = n * (ROW + SCALE)
-        for label, mode, rows, threads, per_sm in LOADERS:
+        for label, mode, rows, threads, per_sm, ld, busy in (
+                (*x, 0, 0)[:7] for x in (BESIDE if a.beside else LOADERS)):
             ctas = SMS * per_sm
-            f = jax.jit(lambda c, s, i, mode=mode, rows=rows, threads=threads, ctas=ctas: jax.ffi.ffi_call(
+            f = jax.jit(lambda c, s, i, mode=mode, rows=rows, threads=threads, ctas=ctas, ld=ld, busy=busy: jax.ffi.ffi_call(
                 "row_gather", jax.ShapeDtypeStruct((ctas * threads * 4,), jnp.uint32))(
-                i, c, s, mode=np.int32(mode), rows=np.int32(rows), threads=np.int32(threads), ctas=np.int32(ctas)))
+                i, c, s, mode=np.int32(mode), rows=np.int32(rows), threads=np.int32(threads), ctas=np.int32(ctas),
+                ld=np.int32(ld), busy=np.int32(busy)))
             ms = median_kernel_ms(lambda: f(codes, scales, ids))
-            in_flight = (rows * threads // 4 if mode == 0 else 2 * rows) * per_sm  # rows per SM, at most
-            what = f"{per_sm} x {threads // 32} warps/SM, {rows} row{'s' if rows > 1 else ''}/thread" if mode == 0 else \
-                f"{per_sm} CTA/SM, 2 x {rows} rows"
+            loaders = threads if mode < 2 else 128
+            in_flight = (rows * loaders // 4 if mode in (0, 2) else 2 * rows) * per_sm  # rows per SM, at most
+            what = f"{per_sm} x {loaders // 32} warps/SM, {rows} row{'s' if rows > 1 else ''}/thread" if mode in (0, 2) \
+                else f"{per_sm} CTA/SM, 2 x {rows} rows"
+            if mode >= 2:
+                what = f"{what}, {LOADS[ld] + ', ' if mode == 2 else ''}{DUTY[busy]}"
             rows_out.append((B, label, what, in_flight * (ROW + SCALE) / 1024, ms, read / ms / 1e6))
             print(rows_out[-1], flush=True)
         ms = median_kernel_ms(lambda: take(codes, scales, ids))
         rows_out.append((B, "xla take", "gather + write", float("nan"), ms, read / ms / 1e6))
     print(f"\n{jax.devices()[0].device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (x + 0 over 1 GiB, read + write)")
-    print(f"{'B':>4} {'loader':10} {'shape':28} {'KiB/SM in flight':>16} {'kernel ms':>9} {'GB/s read':>9} {'of copy':>7}")
+    print(f"{'B':>4} {'loader':10} {'shape':50} {'KiB/SM in flight':>16} {'kernel ms':>9} {'GB/s read':>9} {'of copy':>7}")
     for B, label, what, kib, ms, gbs in rows_out:
-        print(f"{B:4d} {label:10} {what:28} {kib:16.1f} {ms:9.4f} {gbs:9.0f} {gbs / copy_gbs:7.2f}")
+        print(f"{B:4d} {label:10} {what:50} {kib:16.1f} {ms:9.4f} {gbs:9.0f} {gbs / copy_gbs:7.2f}")
 
 
 if __name__ == "__main__":
