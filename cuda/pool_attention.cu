@@ -42,9 +42,9 @@
 // (benchmarks/RESULTS.md): a second one (512 threads; ptxas then allots an instruction 128
 // registers, under the 158 one m64n256 wgmma needs, so P V ran as m64n128 halves; registers
 // 208 / 160 / 72 / 72 with 20-68 bytes spilled; one row per producer thread) measured 3%
-// faster at V4-Flash batch 128 and no faster elsewhere, although alone such a loader reads
-// the rows 1.5x as fast as this one (benchmarks/row_gather.py): inside the kernel the loads
-// take longer. Not kept.
+// faster at V4-Flash batch 128 and no faster elsewhere: alone such a loader reads the rows only
+// 3-6% faster than this one, and beside the consumers' Q K^T (its shared-memory reads) any
+// loader is 1.2-1.4x slower (benchmarks/row_gather.py --beside). Not kept.
 
 #include <cstdint>
 #include <cuda_bf16.h>
