@@ -13,13 +13,16 @@
 namespace {
 
 // Q K^T-shaped products (m64n64k16, 32 k-steps over the 64 KiB tiles at q and k) back to back
-// until *done, with a 2 us pause after each with busy 2; *out written only on an impossible sum
-// (keeps the products)
-__device__ __forceinline__ void products_until(uint32_t q, uint32_t k, const int* done, int busy, uint4* out) {
+// until *done, with a 2 us pause after each with busy 2, or with A from registers (only the
+// 64 KiB at k read from shared memory, as if Q lived in registers) with busy 3; *out written
+// only on an impossible sum (keeps the products)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <bool kRegsA>
+__device__ __forceinline__ void products_loop(uint32_t q, uint32_t k, const int* done, int busy, uint4* out) {
   float S[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) S[i] = 0.f;
+  const uint32_t a[4] = {0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u};  // bf16 ones (kRegsA)
   for (;;) {
     // stop together: wgmma's .sync.aligned forms need the whole warpgroup (one OR over it)
     uint32_t stop;
@@ -29,8 +32,12 @@ __device__ __forceinline__ void products_until(uint32_t q, uint32_t k, const int
     jaxkv::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 32; ++kk) {
-      const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
-      jaxkv::wgmma_ss(S, jaxkv::wgmma_desc(q + off), jaxkv::wgmma_desc(k + off), kk > 0);
+      if constexpr (kRegsA) {
+        jaxkv::wgmma_rs(S, a, jaxkv::wgmma_desc(k + kk * 2048, 8192));
+      } else {
+        const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+        jaxkv::wgmma_ss(S, jaxkv::wgmma_desc(q + off), jaxkv::wgmma_desc(k + off), kk > 0);
+      }
     }
     jaxkv::wgmma_commit();
     jaxkv::wgmma_wait();
@@ -40,6 +47,15 @@ __device__ __forceinline__ void products_until(uint32_t q, uint32_t k, const int
 #pragma unroll
   for (int i = 0; i < 32; ++i) x += S[i];
   if (x == 1.2345f) *out = make_uint4(1, 1, 1, 1);
+}
+#endif
+__device__ __forceinline__ void products_until(uint32_t q, uint32_t k, const int* done, int busy, uint4* out) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (busy == 3) {
+    products_loop<true>(q, k, done, busy, out);
+  } else {
+    products_loop<false>(q, k, done, busy, out);
+  }
 #endif
 }
 // a row's 16 bytes, by load variant: 0 as the attention's producer loads them (pool_attention.cu's
@@ -116,7 +132,8 @@ __global__ void __launch_bounds__(R == 4 ? 256 : 512, 1) rows_by_thread(const in
 // warpgroup loads as rows_by_thread (R rows per thread, load variant LD) while a second runs
 // Q K^T-shaped wgmma (m64n64k16, 32 k-steps over two 64 KiB tiles, as the 64-head consumer's
 // S = Q K^T) back to back until the loads are done (busy 1), with a 2 us pause after each
-// product (busy 2, about the attention consumers' share of a block), or not at all (busy 0).
+// product (busy 2, about the attention consumers' share of a block), back to back with A from
+// registers (busy 3: half the shared-memory reads), or not at all (busy 0).
 // The tiles are never written: their values do not change the products' time.
 template <int R, int LD>
 __global__ void __launch_bounds__(256, 1) rows_beside_wgmma(const int32_t* ids, int n, const uint4* codes, const uint2* scales, uint4* out,

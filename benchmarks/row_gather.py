@@ -16,8 +16,9 @@ the memory system gives such rows for a given loader:
 ``--beside``: instead, loaders of one warpgroup (the producer's, other load instructions, bulk
 copies) with a second warpgroup in the CTA that runs the 64-head attention's Q K^T-shaped
 ``wgmma`` products over 128 KiB of shared memory while they load: never (``idle``), back to
-back (``busy``), or with a 2 us pause after each (``part``). Whether the tensor cores' reads of
-shared memory slow the loads, which take 1.6x as long inside the attention as alone.
+back (``busy``), with a 2 us pause after each (``part``), or back to back with A from registers
+(half the shared-memory reads). Whether the tensor cores' reads of shared memory slow the loads,
+which take 1.6x as long inside the attention as alone.
 
 The rows: V4-Flash decode at batch B, each request's 512 top-k rows at random in a 1 GiB area
 and its 128 window rows contiguous (as ``dsv4_attention.py`` picks them), the same rows on every
@@ -65,12 +66,13 @@ LOADERS = [
     ("bulk copy", 1, 64, 128, 2),
 ]
 LOADS = {0: "producer's ld", 1: "plain ld", 2: "ld no L1"}  # row_gather.cu's ld_variant
-DUTY = {0: "idle", 1: "busy", 2: "part"}
+DUTY = {0: "idle", 1: "busy", 2: "part", 3: "busy, A in registers"}
 BESIDE = [("by thread", 2, 2, 256, 1, 0, busy) for busy in (0, 1, 2)] + [
     ("by thread", 2, 1, 256, 1, 0, 0), ("by thread", 2, 1, 256, 1, 0, 1),
     ("by thread", 2, 2, 256, 1, 1, 0), ("by thread", 2, 2, 256, 1, 1, 1),
     ("by thread", 2, 2, 256, 1, 2, 0), ("by thread", 2, 2, 256, 1, 2, 1),
     ("bulk copy", 3, 64, 256, 1, 0, 0), ("bulk copy", 3, 64, 256, 1, 0, 1), ("bulk copy", 3, 64, 256, 1, 0, 2),
+    ("by thread", 2, 2, 256, 1, 0, 3), ("bulk copy", 3, 64, 256, 1, 0, 3),
 ]
 
 
