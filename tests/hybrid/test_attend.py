@@ -222,7 +222,10 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     ordered_state, outs = step(_copy(state), slots, inputs, params, q, ordered=True)
     plain_state, outs0 = step(_copy(state), slots, inputs, params, q, ordered=False)
-    np.testing.assert_array_equal(np.asarray(outs.astype(jnp.float32)), np.asarray(outs0.astype(jnp.float32)))
+    # two compiled programs: XLA may fuse the attention's sums differently around after_reads'
+    # ordering (on an H100 one output of 9216 came out one bf16 step apart), so one step is allowed
+    np.testing.assert_allclose(np.asarray(outs.astype(jnp.float32)), np.asarray(outs0.astype(jnp.float32)),
+                               rtol=2.0 ** -7, atol=1e-6)
     assert float(jnp.max(jnp.abs(outs.astype(jnp.float32)))) > 0.01
     for a, b in zip(jax.tree.leaves(ordered_state), jax.tree.leaves(plain_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
