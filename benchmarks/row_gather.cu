@@ -49,14 +49,23 @@ __device__ __forceinline__ void products_loop(uint32_t q, uint32_t k, const int*
   if (x == 1.2345f) *out = make_uint4(1, 1, 1, 1);
 }
 #endif
-__device__ __forceinline__ void products_until(uint32_t q, uint32_t k, const int* done, int busy, uint4* out) {
+// The tensor-core warpgroup of the loaders-beside-products kernels: the tiles are the first
+// 128 KiB at a 1024-byte boundary from ``tiles`` (a shared address); busy 0 returns at once
+__device__ __forceinline__ void products_until(uint32_t tiles, const int* done, int busy, uint4* out) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if (busy == 0) return;
+  const uint32_t q = (tiles + 1023) & ~1023u, k = q + 65536;
   if (busy == 3) {
     products_loop<true>(q, k, done, busy, out);
   } else {
     products_loop<false>(q, k, done, busy, out);
   }
 #endif
+}
+// the loaders (threads 0 .. loaders - 1) are done: the products stop
+__device__ __forceinline__ void loads_done(int* done, int loaders) {
+  asm volatile("bar.sync 1, %0;\n" ::"r"(loaders) : "memory");
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(done) = 1;
 }
 // a row's 16 bytes, by load variant: 0 as the attention's producer loads them (pool_attention.cu's
 // ld_row16: non-coherent, no L1 allocation, L2 fetches of 256 B), 1 a plain ld.global, 2 a
@@ -144,14 +153,11 @@ __global__ void __launch_bounds__(256, 1) rows_beside_wgmma(const int32_t* ids, 
   if (t == 0) done = 0;
   __syncthreads();
   if (t >= 128) {
-    if (busy == 0) return;
-    const uint32_t q = (jaxkv::smem_addr(raw) + 1023) & ~1023u, k = q + 65536;
-    products_until(q, k, &done, busy, out + blockIdx.x * blockDim.x + t);  // keeps the products
+    products_until(jaxkv::smem_addr(raw), &done, busy, out + blockIdx.x * blockDim.x + t);
     return;
   }
   out[blockIdx.x * blockDim.x + t] = load_rows<R, LD>(ids, n, codes, scales, 128);
-  asm volatile("bar.sync 1, 128;\n" ::: "memory");
-  if (t == 0) *reinterpret_cast<volatile int*>(&done) = 1;
+  loads_done(&done, 128);
 }
 
 // One bulk copy (TMA, cp.async.bulk) per row into shared memory: groups of G rows, two stages,
@@ -166,18 +172,14 @@ __global__ void rows_by_bulk_copy(const int32_t* ids, int n, const uint4* codes,
   const int t = threadIdx.x;
   const int loaders = busy < 0 ? blockDim.x : 128;
   if (t == 0) done = 0;
-  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(bars));
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(stage));
+  const uint32_t bar = jaxkv::smem_addr(bars), base = jaxkv::smem_addr(stage);
   if (t == 0) {
     for (int s = 0; s < 2; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar + 8 * s));
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (t >= loaders) {  // beside_wgmma's tensor-core warpgroup
-    if (busy == 0) return;
-    const uint32_t q = (static_cast<uint32_t>(__cvta_generic_to_shared(stage)) + 2 * G * 576 + 1023) & ~1023u;
-    const uint32_t k = q + 65536;
-    products_until(q, k, &done, busy, out + blockIdx.x * blockDim.x + t);
+  if (t >= loaders) {
+    products_until(base + 2 * G * 576, &done, busy, out + blockIdx.x * blockDim.x + t);
     return;
   }
   uint4 acc = make_uint4(0, 0, 0, 0);
@@ -210,10 +212,7 @@ __global__ void rows_by_bulk_copy(const int32_t* ids, int n, const uint4* codes,
     asm volatile("bar.sync 1, %0;\n" ::"r"(loaders) : "memory");  // stage s is free again
   }
   out[blockIdx.x * blockDim.x + t] = acc;
-  if (busy > 0) {
-    asm volatile("bar.sync 1, %0;\n" ::"r"(loaders) : "memory");
-    if (t == 0) *reinterpret_cast<volatile int*>(&done) = 1;
-  }
+  if (busy > 0) loads_done(&done, loaders);
 }
 
 }  // namespace
