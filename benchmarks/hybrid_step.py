@@ -162,8 +162,7 @@ def main():
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--iters", type=int, default=50)
-    ap.add_argument("--storage", default="official", choices=[*sorted(H.STORAGES), "seed"],
-                    help="storage family (seed: the old name of per_entry)")
+    ap.add_argument("--storage", default="official", choices=sorted(H.STORAGES), help="storage family")
     ap.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time")
     ap.add_argument("--hlo", action="store_true", help="print the step's whole-buffer copies and slices")
     ap.add_argument("--json")

@@ -1,21 +1,20 @@
 """The one registry of implementations: for each operation, the names ``impl=`` takes,
 what each needs to run here, and what ``impl="auto"`` picks.
 
-Every public function with an ``impl=`` argument resolves it here (``resolve``), so the
+Every public function with an ``impl=`` argument chooses it here (``choose``), so the
 names, the ``auto`` rule and the error for a missing one are written once. The Pallas
 kernels use the Mosaic GPU lowering (frame append and attention, the indexer scores, the
 pool attention) and run on Hopper only; the ``cuda/`` kernels (flush-write, fused decode
 compressor, FP4 packing, dequant-gather, pool attention), reached through ``jax.ffi``, need a GPU and nvcc.
 No kernel uses the Pallas Triton lowering. Off a GPU ``"auto"`` is the XLA path, and an
-explicit kernel name raises a ``ValueError`` that says why. An old name in
-``Operation.renamed`` still resolves, with a ``DeprecationWarning``, for one release.
+explicit kernel name raises a ``ValueError`` that says why.
 
 | operation | names | auto |
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 and head_dim 64 |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
-| ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla; ``pallas`` is read as ``cuda`` for one release |
-| ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla; ``pallas`` is read as ``cuda`` for one release |
+| ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
+| ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
@@ -24,7 +23,6 @@ explicit kernel name raises a ``ValueError`` that says why. An old name in
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable
 
 import jax
@@ -126,7 +124,6 @@ class Operation:
     names: tuple[str, ...]
     auto: Callable[..., str]
     missing: dict[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
-    renamed: dict[str, str] = dataclasses.field(default_factory=dict)  # old name -> name, kept one release
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -134,8 +131,7 @@ class Operation:
 
 
 def _cuda_op(name: str, names: tuple[str, ...] = ("xla", "cuda")) -> Operation:
-    return Operation(name, names, lambda **_: "xla" if _cuda_missing() else "cuda", {"cuda": _cuda_missing},
-                     renamed={"pallas": "cuda"})
+    return Operation(name, names, lambda **_: "xla" if _cuda_missing() else "cuda", {"cuda": _cuda_missing})
 
 
 OPERATIONS = {op.name: op for op in (
@@ -158,15 +154,11 @@ def choices(operation: str) -> tuple[str, ...]:
     return OPERATIONS[operation].choices
 
 
-def resolve(operation: str, impl: str, **context) -> str:
+def choose(operation: str, impl: str, **context) -> str:
     """The implementation ``impl`` names for ``operation`` here: ``"auto"`` resolved by the
     operation's rule (``context``: what the rule reads, e.g. ``head_dim``); a ``ValueError``
     naming ``impl`` for an unknown name or one that cannot run here."""
     op = OPERATIONS[operation]
-    if impl in op.renamed:
-        warnings.warn(f"impl={impl!r} for {operation} is now impl={op.renamed[impl]!r}", DeprecationWarning,
-                      stacklevel=3)
-        impl = op.renamed[impl]
     if impl not in op.choices:
         raise ValueError(f"impl: expected one of {op.choices} for {operation}, got {impl!r}")
     if impl == "auto":

@@ -8,18 +8,16 @@ from conftest import HAS_GPU
 @pytest.mark.skipif(HAS_GPU, reason="checks the refusal off a GPU")
 @pytest.mark.parametrize("operation", ["hybrid.write", "hybrid.gather", "hybrid.index_query"])
 def test_cuda_kernels_need_a_gpu(operation):
-    """Off a GPU: "auto" is xla, "cuda" is a ValueError that says why, the old "pallas" name is
-    read as "cuda" with a DeprecationWarning (and so refused the same way), other names refused."""
+    """Off a GPU: "auto" is xla, "cuda" is a ValueError that says why, other names (the
+    never-released "pallas" among them) are refused."""
     from jaxkv import _backend
 
-    assert _backend.resolve(operation, "auto") == "xla"
+    assert _backend.choose(operation, "auto") == "xla"
     with pytest.raises(ValueError, match=f"impl='cuda' for {operation}: expected a CUDA GPU"):
-        _backend.resolve(operation, "cuda")
-    with pytest.warns(DeprecationWarning, match=f"impl='pallas' for {operation} is now impl='cuda'"):
-        with pytest.raises(ValueError, match="expected a CUDA GPU"):
-            _backend.resolve(operation, "pallas")
-    with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'xla', 'cuda'\)"):
-        _backend.resolve(operation, "triton")
+        _backend.choose(operation, "cuda")
+    for name in ("pallas", "triton"):
+        with pytest.raises(ValueError, match=r"impl: expected one of \('auto', 'xla', 'cuda'\) for .*, got '" + name):
+            _backend.choose(operation, name)
 
 
 def test_flashmla_source_refusals(monkeypatch, tmp_path):

@@ -17,14 +17,12 @@ handed to their kernels as is.
 | ``official`` | [448 FP8 (UE8M0 per 64) + 64 BF16 rope] 576 B, [7 UE8M0 + pad] 8 B = 584 B | MXFP4: 64 B codes, 4 B UE8M0 = 68 B |
 | ``per_entry`` | 448 FP8 B, 128 B BF16 rope, 4 B f32 per-entry scale = 580 B | NVFP4: 64 B codes, 8 B E4M3, 4 B f32 global = 76 B |
 
-``per_entry`` is the layout of the DeepSeek-V4 seed design (``shared/seeds``); it was
-called ``"seed"`` before 0.2, a name still accepted with a ``DeprecationWarning``.
+``per_entry`` is the layout of the reference DeepSeek-V4 cache design (``docs/glossary.md``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable
 
 import jax
@@ -155,16 +153,8 @@ STORAGES = {
     "official": Storage("official", Codec((DATA, ds_mla.TOKEN_SCALE_BYTES), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec),
     "per_entry": Storage("per_entry", Codec((NOPE, 2 * ROPE, 4), _per_entry_encode, _per_entry_decode), _nvfp4_codec),
 }
-RENAMED = {"seed": "per_entry"}  # old family names, accepted for one release
-
-
 def storage_name(name: str, arg: str = "storage") -> str:
-    """The family ``name`` stands for: a name of ``STORAGES``, or a renamed one (with a
-    ``DeprecationWarning``); a ``ValueError`` naming ``arg`` otherwise."""
-    if name in RENAMED:
-        warnings.warn(f"{arg}={name!r} is deprecated: the family is now called {RENAMED[name]!r}",
-                      DeprecationWarning, stacklevel=3)
-        return RENAMED[name]
+    """``name`` if it names a family of ``STORAGES``; a ``ValueError`` naming ``arg`` otherwise."""
     if name not in STORAGES:
         raise ValueError(f"{arg}: expected one of {sorted(STORAGES)}, got {name!r}")
     return name

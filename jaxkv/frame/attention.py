@@ -29,7 +29,6 @@ With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` n
 
 from __future__ import annotations
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +170,7 @@ def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> i
 
 def default_impl(spec) -> str:
     """The fastest backend available for ``spec`` on the default device (``jaxkv._backend``)."""
-    return _backend.resolve("frame.attention", "auto", **_context(spec))
+    return _backend.choose("frame.attention", "auto", **_context(spec))
 
 
 def _context(spec) -> dict:
@@ -193,15 +192,9 @@ def attention(state: FrameCacheState, layer, q, *, impl: str = "auto", scale=Non
     layer: int (static: the fused backends read the layer in place) or i32[]
     q: float[B, Tq, Hq, D]  (Hq a multiple of the cache's heads: GQA)
     returns q.dtype[B, Tq, Hq, D]; zeros for a stream with nothing cached.
-    (Before 0.2 the order was ``(state, q, layer)``; that order still works, with a
-    ``DeprecationWarning``.)
     """
-    if getattr(layer, "ndim", 0) == 4:  # the old order: (state, q, layer)
-        warnings.warn("frame.attention(state, q, layer) is deprecated: pass (state, layer, q), as write_layer",
-                      DeprecationWarning, stacklevel=2)
-        layer, q = q, layer
     _check_q(state, q)
-    impl = _backend.resolve("frame.attention", impl, **_context(state.spec))
+    impl = _backend.choose("frame.attention", impl, **_context(state.spec))
     if isinstance(layer, int):
         if not 0 <= layer < state.spec.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {state.spec.num_layers}, got {layer}")

@@ -244,7 +244,7 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
 def default_append_impl() -> str:
     """``pallas`` on a GPU (one launch for every layer; figures in ``benchmarks/RESULTS.md``),
     ``xla`` elsewhere (``jaxkv._backend``)."""
-    return _backend.resolve("frame.append", "auto")
+    return _backend.choose("frame.append", "auto")
 
 
 def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
@@ -279,7 +279,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
     A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and no frame.
     """
     _check_frame_kv(state, k, v, per_layer=False)
-    return _append(state, k, v, defer, impl=_backend.resolve("frame.append", impl))
+    return _append(state, k, v, defer, impl=_backend.choose("frame.append", impl))
 
 
 @_donate

@@ -66,7 +66,7 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
                              f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}")
     elif idx is not None:
         raise ValueError(f"idx: layer {layer} is {kind.upper()}, which attends to no picked entries; pass idx=None")
-    impl = _backend.resolve("hybrid.attention", impl, heads=H, block_size=state.config.block_size,
+    impl = _backend.choose("hybrid.attention", impl, heads=H, block_size=state.config.block_size,
                             window=state.config.window, storage=state.config.storage)
     scale = float(state.config.head_dim**-0.5 if scale is None else scale)
     sink = sink.astype(jnp.float32)

@@ -28,7 +28,7 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
     impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "cuda" (the
     ``kernels.fp4_pack`` kernels; same bytes), "auto" (cuda on a GPU, else xla)."""
-    impl = _backend.resolve("hybrid.index_query", impl)
+    impl = _backend.choose("hybrid.index_query", impl)
     if state.layout is None:
         return _index_query(state, q, impl)
     state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
@@ -57,7 +57,7 @@ def query_positions(step: Step, T: int):
 
 def _scores_impl(state, impl):
     c = state.config
-    return _backend.resolve("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
+    return _backend.choose("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
                             block_size=c.block_size)
 
 

@@ -41,8 +41,8 @@ class HybridConfig:
         ``max_requests * max_context``); a step that needs more blocks than are free
         is refused for the requests that do not fit (``Fault.POOL_EXHAUSTED``).
       storage: ``"official"`` (ds_mla entries with UE8M0 tiles, MXFP4 indexer keys) or
-        ``"per_entry"`` (FP8 + float32 per-entry scale, NVFP4 indexer keys; called
-        ``"seed"`` before 0.2). Layouts and their bytes: ``jaxkv.formats.storage``.
+        ``"per_entry"`` (FP8 + float32 per-entry scale, NVFP4 indexer keys). Layouts and
+        their bytes: ``jaxkv.formats.storage``.
       norm_eps, rope_theta, rope_factor, original_seq_len, beta_fast, beta_slow:
         RMSNorm epsilon and the YaRN RoPE of compressed entries (DeepSeek-V4's
         ``compress_rope_theta`` and ``rope_scaling``); ``original_seq_len=0`` is plain RoPE.

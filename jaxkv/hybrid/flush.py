@@ -22,7 +22,6 @@ entry / key bytes of the storage family):
 
 from __future__ import annotations
 
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -37,13 +36,13 @@ from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, w
 # --- validators -----------------------------------------------------------------------------
 def check_impl(impl: str) -> str:
     """Resolve ``impl`` (``jaxkv._backend``, operation ``hybrid.write``)."""
-    return _backend.resolve("hybrid.write", impl)
+    return _backend.choose("hybrid.write", impl)
 
 
 def default_impl() -> str:
     """"cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
     layer; figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
-    return _backend.resolve("hybrid.write", "auto")
+    return _backend.choose("hybrid.write", "auto")
 
 
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
@@ -104,19 +103,6 @@ def cuda_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_po
 
 WRITERS = {"xla": ref_flush_write, "cuda": cuda_flush_write}
 
-_RENAMED = {  # names of earlier releases, kept one release
-    "flush_write": ("jaxkv.hybrid.flush.flush_write is now cuda_flush_write", cuda_flush_write),
-    "pallas_flush_write": ("jaxkv.hybrid.flush.pallas_flush_write is now cuda_flush_write (the Pallas flush-write "
-                           "kernel is replaced by the cuda/ one)", cuda_flush_write),
-}
-
-
-def __getattr__(name):
-    if name in _RENAMED:
-        message, value = _RENAMED[name]
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- tail state after a flush -------------------------------------------------------------------

@@ -348,7 +348,7 @@ def _gather(pool, j, table, slot, idx, codec, bs, storage, impl="xla"):
 
 
 def _gather_impl(impl: str) -> str:
-    return _backend.resolve("hybrid.gather", impl)
+    return _backend.choose("hybrid.gather", impl)
 
 
 def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl: str = "auto"):

@@ -77,9 +77,9 @@ def reference_kernel(monkeypatch):
     def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
         return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
     monkeypatch.setattr(attend, "pool_attention", ref)
-    resolve = attend._backend.resolve
-    monkeypatch.setattr(attend._backend, "resolve",
-                        lambda op, impl, **kw: impl if op == "hybrid.attention" else resolve(op, impl, **kw))
+    choose = attend._backend.choose
+    monkeypatch.setattr(attend._backend, "choose",
+                        lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw))
 
 
 def _missing(impl):

@@ -78,9 +78,9 @@ def test_xla_scores_equal_float64(rng, filled):
 def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: wiring on CPU."""
     monkeypatch.setattr(indexer, "score_kernel", ref_index_scores)
-    resolve = indexer._backend.resolve
-    monkeypatch.setattr(indexer._backend, "resolve",
-                        lambda op, impl, **ctx: "pallas" if impl == "pallas" else resolve(op, impl, **ctx))
+    choose = indexer._backend.choose
+    monkeypatch.setattr(indexer._backend, "choose",
+                        lambda op, impl, **ctx: "pallas" if impl == "pallas" else choose(op, impl, **ctx))
 
 
 def _real(step, T, *arrays):
