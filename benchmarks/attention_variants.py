@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from _timing import kernel_ms_per_step, times_ms
-from jaxkv.frame.attention import cudnn_attention, prefix_splits
+from jaxkv.frame.attention import cudnn_attention
 from jaxkv.kernels import prefix_attention
+from jaxkv.kernels.launch import prefix_splits
 
 H, D, NS = 16, 64, 6
 

@@ -75,8 +75,8 @@ from jaxkv import checkpoint, frame
 from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
-from jaxkv.frame.attention import wave_splits
 from jaxkv.frame.state import NONE, STAGED
+from jaxkv.kernels.launch import prefix_cuda_splits, sm_count
 from torch_bridge import kernels
 from torch_bridge.dlpack import from_torch, to_torch
 
@@ -130,16 +130,6 @@ def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
     can = {"cuda": cuda_available and dtype == torch.bfloat16 and head_dim == kernels.PREFIX_HEAD_DIM,
            "flashinfer": flashinfer_available, "flashinfer-paged-fa2": flashinfer_available}
     return next((b for least, b in AUTO_CUDA if tokens_per_frame >= least and can[b]), "sdpa")
-
-
-CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q load, pipeline fill, partials)
-
-
-def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
-    """Key splits for ``backend="cuda"``: ``frame.attention.wave_splits`` over 1, 2, 4, 8 with
-    chunks of at least ``CUDA_MIN_CHUNK`` keys (measured in ``benchmarks/RESULTS.md``,
-    ``prefix_attention.py``)."""
-    return wave_splits(q_len, heads, [n for n in (1, 2, 4, 8) if n == 1 or keys >= n * CUDA_MIN_CHUNK], sm_count)
 
 
 def _check_backend(backend, device, force_fp32: bool) -> None:
@@ -324,7 +314,7 @@ class FlashInferKVCacheManager:
         self._attend = {"sdpa": self._attend_sdpa, "cuda": self._attend_cuda,
                         "flashinfer": self._attend_flashinfer}.get(self.backend, self._attend_paged)
         self._prefix = kernels.PrefixAttention(self.device, num_heads, num_heads) if self.backend == "cuda" else None
-        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if device.type == "cuda" else 0
+        self._sms = sm_count(self._jax_device)
         if self.backend.startswith("flashinfer-paged"):
             self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
             self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
@@ -563,7 +553,7 @@ class FlashInferKVCacheManager:
         step = (self._pages.c, q.shape[0])
         if self._planned != step:
             n = self._pages.visible_rows()
-            self._prefix.plan(q.shape[0], n, cuda_splits(q.shape[0], self.num_heads, n, self._sms))
+            self._prefix.plan(q.shape[0], n, prefix_cuda_splits(q.shape[0], self.num_heads, n, self._sms))
             self._planned = step
         return self._prefix.run(q.contiguous(), self._k[b], self._v[b])
 

@@ -16,7 +16,9 @@ backend gathers anything:
   (docs/kernels/prefix_attention.md).
 * ``pallas``: ``jaxkv.kernels.prefix_attention``, a FlashAttention-3-style Mosaic GPU
   kernel (Hopper) whose key loop stops at the prefix length and masks only the last
-  block, so the length costs nothing; split-KV as above where the queries are few.
+  block, so the length costs nothing. Where the queries are few, the buffer is split into
+  equal key chunks run by separate programs and merged by their log-sum-exp
+  (``jaxkv.kernels.launch.prefix_splits``; FlashInfer's split-KV).
 * ``cuda``: ``jaxkv.kernels.prefix_attention_cuda``, the same design in CUDA
   (``cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
   launches on the same buffers.
@@ -28,7 +30,6 @@ With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` n
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -37,6 +38,7 @@ from jaxkv import _backend
 from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState, on_devices
 from jaxkv.frame.views import visible_mask
+from jaxkv.kernels.launch import prefix_splits
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda
 from jaxkv.math.attention import HIGHEST, ref_attention
 
@@ -102,27 +104,6 @@ def cudnn_attention(q, k, v, num_valid, scale=None):
                                         implementation="cudnn")
 
 
-def wave_splits(q_len: int, q_heads: int, counts, sm_count: int) -> int:
-    """Of the key-split counts ``counts`` (ascending; 1 when none), the one whose programs
-    (128-query tiles x heads x splits) fill the SMs' waves best, the smallest on a tie: the rule
-    of the Pallas kernel (``prefix_splits``) and of the drop-in's CUDA kernel
-    (``torch_bridge.manager.cuda_splits``), which differ only in the counts they allow."""
-    programs = -(-q_len // 128) * q_heads
-    sm_count = max(sm_count, 1)
-    best, best_fill = 1, 0.0
-    for n in counts:
-        fill = programs * n / (-(-programs * n // sm_count) * sm_count)
-        if fill > best_fill + 1e-9:
-            best, best_fill = n, fill
-    return best
-
-
-def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
-    """Key chunks for ``impl="pallas"``: ``wave_splits`` over the powers of two <= 16 that
-    keep chunks whole 256-row blocks (rule measured in ``jaxkv.frame.tuning``)."""
-    return wave_splits(q_len, q_heads, [n for n in (1, 2, 4, 8, 16) if rows % (n * 256) == 0], sm_count)
-
-
 def default_impl(spec) -> str:
     """The fastest backend available for ``spec`` on the default device (``jaxkv._backend``)."""
     return _backend.choose("frame.attention", "auto", **_context(spec))
@@ -182,8 +163,7 @@ def _local(state: FrameCacheState, q, layer, impl: str, scale):
     if state.spec.pow2_pages:
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
     if impl in ("pallas", "cuda"):
-        dev = jax.devices()[0]
-        splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1], getattr(dev, "core_count", 132) or 132)
+        splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1])
         kernel = prefix_attention if impl == "pallas" else prefix_attention_cuda
         return kernel(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
     out = cudnn_attention(q, k, v, n, scale)

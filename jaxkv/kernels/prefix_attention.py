@@ -10,7 +10,7 @@ Design (FlashAttention-3's warp specialization, written with Pallas' Mosaic GPU 
 JAX's ``pallas/ops/gpu/attention_mgpu.py`` is the pattern): each program owns 128 queries
 of one head and one key chunk; two compute warpgroups (64 queries each) run QK^T and PV on
 the tensor cores (``wgmma``) with an online softmax in registers, ping-ponged by a barrier;
-a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` blocks ahead (both from ``tuning``).
+a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` blocks ahead (both from ``launch``).
 
     q: dtype[B, Tq, Hq, D]       queries (Tq padded to a multiple of 128 here)
     k, v: dtype[B, T, H, D]      key/value buffers (Hq a multiple of H: GQA), T = splits x chunk
@@ -39,7 +39,7 @@ from jax import lax
 
 from jaxkv.cuda import register_ffi_targets
 from jaxkv.math.attention import merge_partials, ref_attention
-from jaxkv.kernels.tuning import launch
+from jaxkv.kernels.launch import launch
 
 BLOCK_Q = 64  # queries per compute warpgroup (the wgmma M tile); a program holds 2 x BLOCK_Q
 LOG2E = math.log2(math.e)
