@@ -20,7 +20,9 @@ the host mirror (``Pages.visible_rows``):
   planned once per frame step, run per block), FA2 or FA3; FA3 uses power-of-two pages
   whose zero padding rows it attends, as lingbot-map does.
 
-Why these and not others: docs/torch.md.
+Not backends, by decision (docs/torch.md): jaxkv's Mosaic GPU prefix kernel on the JAX
+arrays through DLPack (exporting a fresh JAX output blocks the host until its kernel ends),
+and cuDNN through torch (torch caches a graph per shape, and the key length changes every frame).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ import torch
 
 from jaxkv.cuda import STORAGE_CODES, BuildError, arch_of, library
 from jaxkv.formats.storage import STORAGES, storage_name
-from jaxkv.kernels.launch import DEFAULT, TABLES
+from jaxkv.kernels.launch import launch as launch_params
 
 
 _LIBS: dict = {}  # torch.device -> the typed library (a dict lookup per launch, not a device query)
@@ -56,7 +56,7 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA build
 
 def _stream(device: torch.device) -> int:
     """torch's current stream on ``device`` as a ``cudaStream_t`` (the raw query where torch has
-    it: about 1 us per launch instead of about 20 through a ``torch.cuda.Stream``)."""
+    it: cheaper per launch than a ``torch.cuda.Stream``; docs/torch.md)."""
     if _RAW_STREAM is not None and device.index is not None:
         return _RAW_STREAM(device.index)
     return torch.cuda.current_stream(device).cuda_stream
@@ -204,8 +204,7 @@ def _strides(name, t, rank):
 @functools.lru_cache(maxsize=None)
 def _prefix_launch(device: torch.device) -> tuple[int, int]:
     """The device's row of ``jaxkv.kernels.launch`` ("prefix_attention_cuda"), looked up once."""
-    table = TABLES.get(torch.cuda.get_device_name(device), TABLES[DEFAULT])
-    shape = table.get("prefix_attention_cuda", TABLES[DEFAULT]["prefix_attention_cuda"])
+    shape = launch_params("prefix_attention_cuda", torch.cuda.get_device_name(device))
     return shape["block_kv"], shape["stages"]
 
 

@@ -1,7 +1,7 @@
 """Frame append: one frame's K/V for every layer written into the frame cache in one launch.
 
 XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
-patches): 4 * layers * streams small kernels, launch-bound (``benchmarks/RESULTS.md``). This
+patches): 4 * layers * streams small kernels, launch-bound (docs/kernels/frame_append.md). This
 kernel (Pallas, Mosaic GPU lowering: ``pl.kernel`` over a ``plgpu.Mesh``) writes them all from one grid:
 
     program (i, s): buffer i (K or V of one layer and stream), chunks [s * slots, (s + 1) * slots)

@@ -1,7 +1,7 @@
 """Prefix attention: every query attends to the keys ``[0, kv_len)`` of its buffer (Hopper).
 
-cuDNN's flash attention pays ~16-35% more when told a key length (its padding-mask
-kernel), even when the length covers the whole buffer (``benchmarks/RESULTS.md``). A frame
+cuDNN's flash attention pays more when told a key length (its padding-mask kernel), even
+when the length covers the whole buffer (docs/kernels/prefix_attention.md). A frame
 cache's visible keys are a prefix of a fixed-capacity buffer, so every call needs a length.
 This kernel takes it as data: the key loop runs ``ceil(kv_len / block_kv)`` steps and only
 the last step is masked, so a length costs nothing.
@@ -17,8 +17,9 @@ a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` block
     kv_len: i32[B]               visible prefix of each batch entry's buffer
     -> out dtype[B, Tq, Hq, D]   zeros where kv_len == 0
 
-``splits`` > 1 cuts each buffer into equal key chunks handled by separate programs (for
-few queries: 262 at 224x224 fill 48 of 132 SMs) and merges them by their log-sum-exp.
+``splits`` > 1 cuts each buffer into equal key chunks handled by separate programs (few
+queries make few programs; ``jaxkv.kernels.launch.prefix_splits`` picks the count) and
+merges them by their log-sum-exp.
 ``ref_prefix_attention`` is the float32 reference with the same contract. Mosaic GPU only
 (no interpret mode): the tests run it on a GPU.
 
