@@ -18,7 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
-| ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=`` (``torch_bridge``; context from the torch side, so no torch here): sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer (power-of-two pages), else the first ``TORCH_AUTO_CUDA`` row whose token bound the frame reaches and whose backend can run, else sdpa. ``cuda`` (``cuda/prefix_attention.cu``) needs sm_90, nvcc, bf16 and head_dim 64; the FlashInfer ones an importable ``flashinfer``; neither runs float32 |
+| ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer, else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 and head_dim 64 |
 """
 
 from __future__ import annotations

@@ -227,7 +227,8 @@ def _private_jax(tree) -> list[str]:
 
 
 def test_private_jax_check_catches_each_form():
-    for src in ("import jax._src.cudnn", "from jax._src.cudnn import x", "from jax import _src", "import jax\njax._src.x"):
+    forms = ("import jax._src.cudnn", "from jax._src.cudnn import x", "from jax import _src", "import jax\njax._src.x")
+    for src in forms:
         assert _private_jax(ast.parse(src)), src
     assert not _private_jax(ast.parse("import jax\nfrom jax import nn\njax.nn.dot_product_attention"))
 

@@ -395,7 +395,8 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
     replayed = P.replay(start, padded)
     for name in ("token_id", "num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
                  "write_patch_row", "write_special_row", "error"):
-        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)),
+                                      err_msg=name)
 
 
 def _snapshot(mgr):
@@ -534,7 +535,8 @@ def test_backend_errors_and_choice():
     with pytest.raises(ValueError, match="backend: .*got 'cuda': .*needs a CUDA device"):
         check("cuda", "cpu")
     if DEVICE == "cuda":
-        with pytest.raises(ValueError, match="backend: .*got 'cuda': .*" + ("force_fp32" if HAS_CUDA_KERNEL else "sm_90")):
+        why = "force_fp32" if HAS_CUDA_KERNEL else "sm_90"
+        with pytest.raises(ValueError, match="backend: .*got 'cuda': .*" + why):
             check("cuda", "cuda:0", True)
     for fi in ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3"):
         with pytest.raises(ValueError, match="backend: .*needs a CUDA device"):
