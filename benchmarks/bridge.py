@@ -55,7 +55,7 @@ import torch  # noqa: E402
 
 from _timing import times_ms  # noqa: E402
 from torch_bridge import FlashInferKVCacheManager  # noqa: E402
-from torch_bridge import manager as M  # noqa: E402
+from torch_bridge import backends as M  # noqa: E402
 
 RESOLUTIONS = {"224x224": 262, "518x378": 1005, "small": 38}
 SEED = "seed manager (FA2)"

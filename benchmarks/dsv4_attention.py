@@ -35,8 +35,9 @@ import jax.numpy as jnp
 
 from _timing import kernel_ms_per_step  # benchmarks/, the script's directory
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import (BLOCK, fill_splits, pool_attention, pool_attention_cuda,
-                                          pool_attention_flashmla, ref_pool_attention)
+from jaxkv.kernels.launch import pool_splits
+from jaxkv.kernels.pool_attention import (BLOCK, pool_attention, pool_attention_cuda, pool_attention_flashmla,
+                                          ref_pool_attention)
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
@@ -161,7 +162,7 @@ def main():
             flops = 4 * B * H * keys * 512
             bytes_ = B * keys * 584 + 2 * B * H * 512 * 2
             ref = jax.jit(lambda *x: ref_pool_attention(*x[:2], pb, *x[2:]))(q, pools, rows, nvalid, sink)
-            S = fill_splits(B, H, rows.shape[1] // BLOCK)
+            S = pool_splits(B, H, rows.shape[1] // BLOCK)
             small = copy_kernel_ms(bytes_)
             floors[name, B] = (small, max(bytes_ / copy_gbs / 1e6 if copy_gbs else 0, flops / PEAK_TFLOPS / 1e9))
             fns = dict(

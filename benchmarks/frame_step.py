@@ -5,7 +5,7 @@ window full), random bf16 data, warm, median of many frames:
 
 * jaxkv/<impl>: ``frame.append`` (all layers) + ``frame.attention`` per layer, one jitted
   step with the state donated; ``pallas`` (the prefix kernel, ``auto`` on Hopper),
-  ``cudnn`` (split-KV with key lengths) and ``xla``.
+  ``cudnn`` (one cuDNN call with the key length) and ``xla``.
   ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
 * jaxkv/append-only(/xla): the same step without attention (what the cache update costs).
@@ -185,12 +185,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
     p.add_argument("--skip", default="", help="comma-separated contenders to skip")
     p.add_argument("--json", default=None)
-    p.add_argument("--max-splits", type=int, default=None, help="override tuning.CUDNN_MAX_SPLITS")
     args = p.parse_args(argv)
-    if args.max_splits:
-        from jaxkv.frame import tuning
-
-        tuning.CUDNN_MAX_SPLITS = args.max_splits
     skip = set(filter(None, args.skip.split(",")))
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind}  jax {jax.__version__}", flush=True)

@@ -6,7 +6,7 @@ in one process on the same random data:
 
 * ``cuda (block_kv, stages)``: ``cuda/prefix_attention.cu`` launched from torch
   (``torch_bridge.kernels.prefix_attention``, what the drop-in's ``backend="cuda"`` runs),
-  every launch shape it builds, with ``manager.cuda_splits``' key splits;
+  every launch shape it builds, with ``launch.prefix_cuda_splits``' key splits;
 * ``flashinfer fa2 / fa3``: ``flashinfer.single_prefill_with_kv_cache`` over the same prefix
   (the drop-in's ``backend="flashinfer"``), when importable;
 * ``jax mosaic`` / ``jax cuda``: ``kernels.prefix_attention`` (Mosaic GPU) and
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from torch_bridge import kernels
-from torch_bridge.manager import cuda_splits
+from jaxkv.kernels.launch import prefix_cuda_splits
 
 SHAPES = {"518x378": (1005, 72648), "224x224": (262, 19152)}
 H, D = 16, 64
@@ -59,7 +59,7 @@ def jax_rows(q, k, v, n):
     import jax.numpy as jnp
 
     from _timing import kernel_ms_per_step
-    from jaxkv.frame.attention import prefix_splits
+    from jaxkv.kernels.launch import prefix_splits
     from jaxkv.kernels import prefix_attention, prefix_attention_cuda
 
     qj, kj, vj = (jnp.asarray(x.float().cpu().numpy(), jnp.bfloat16)[None] for x in (q, k, v))
@@ -97,7 +97,7 @@ def main(argv=None):
         k, v = (torch.randn((T, H, D), generator=g, device="cuda").bfloat16() for _ in range(2))
         q = torch.randn((Tq, H, D), generator=g, device="cuda").bfloat16()
         flop = 4 * Tq * n * H * D
-        splits = cuda_splits(Tq, H, n, sms)
+        splits = prefix_cuda_splits(Tq, H, n, sms)
         ref = kernels.prefix_attention(q, k[:n], v[:n], n, splits=splits)
         found = {}
         for launch in LAUNCHES:

@@ -18,11 +18,13 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
+| ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer, else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 and head_dim 64 |
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -112,18 +114,57 @@ def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", 
     return "xla"
 
 
+# The torch drop-in's attention backends (``torch_bridge.FlashInferKVCacheManager(backend=)``).
+# Context, from the torch side: device (str, "cpu" or "cuda:0"), flashinfer (importable),
+# cuda_kernel (``cuda/prefix_attention.cu`` runs on that device), dtype (the storage's, str),
+# head_dim, force_fp32, fa3, tokens_per_frame. "auto" on CUDA without fa3: the first row whose
+# token bound the frame reaches and whose backend can run (docs/torch.md has the measurements).
+TORCH_AUTO_CUDA = ((0, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"))
+TORCH_CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
+
+
+def _torch_missing(name: str, *, device: str = "cpu", flashinfer: bool = False, cuda_kernel: bool = False,
+                   dtype: str = "bfloat16", head_dim: int = 64, force_fp32: bool = False, **_) -> str | None:
+    if name in TORCH_CUDA_ONLY and str(device).split(":")[0] != "cuda":
+        return f"it needs a CUDA device, and device is {device}"
+    if name.startswith("flashinfer") and not flashinfer:
+        return "flashinfer is not importable"
+    if name == "cuda" and not cuda_kernel:
+        return "jaxkv's cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
+    if name == "cuda" and force_fp32:
+        return "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
+    if name.startswith("flashinfer") and force_fp32:
+        return "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
+    if name == "cuda" and (dtype != "bfloat16" or head_dim != 64):
+        return f"the cuda kernel expects bfloat16 storage and head_dim 64, got {dtype} and head_dim {head_dim}"
+    return None
+
+
+def _torch_auto(**ctx) -> str:
+    if ctx.get("force_fp32") or str(ctx.get("device", "cpu")).split(":")[0] != "cuda":
+        return "sdpa"
+    if ctx.get("fa3") and ctx.get("flashinfer"):
+        return "flashinfer-paged-fa3"
+    tokens = ctx.get("tokens_per_frame", 0)
+    return next((b for least, b in TORCH_AUTO_CUDA if tokens >= least and _torch_missing(b, **ctx) is None), "sdpa")
+
+
 @dataclasses.dataclass(frozen=True)
 class Operation:
     """One operation's implementations.
 
     names: what ``impl=`` takes besides ``"auto"``; auto(**context) -> a name;
-    missing: name -> check(**context) returning why it cannot run here, or None.
+    missing: name -> check(**context) returning why it cannot run here, or None;
+    arg: the argument that takes the name, for error messages; refusal: the message for a
+    name that cannot run here (fields ``arg``, ``impl``, ``operation``, ``choices``, ``why``).
     """
 
     name: str
     names: tuple[str, ...]
     auto: Callable[..., str]
     missing: dict[str, Callable[..., str | None]] = dataclasses.field(default_factory=dict)
+    arg: str = "impl"
+    refusal: str = "{arg}={impl!r} for {operation}: {why}"
 
     @property
     def choices(self) -> tuple[str, ...]:
@@ -146,6 +187,9 @@ OPERATIONS = {op.name: op for op in (
               lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
     Operation("hybrid.attention", ("xla", "pallas", "cuda", "flashmla"), _attention_auto,
               {"pallas": _heads_missing, "cuda": _pool_cuda_missing, "flashmla": _flashmla_missing}),
+    Operation("torch.attention", ("sdpa",) + TORCH_CUDA_ONLY, _torch_auto,
+              {n: functools.partial(_torch_missing, n) for n in TORCH_CUDA_ONLY}, arg="backend",
+              refusal="{arg}: expected one of {choices} that can run here, got {impl!r}: {why}"),
 )}
 
 
@@ -157,13 +201,14 @@ def choices(operation: str) -> tuple[str, ...]:
 def choose(operation: str, impl: str, **context) -> str:
     """The implementation ``impl`` names for ``operation`` here: ``"auto"`` resolved by the
     operation's rule (``context``: what the rule reads, e.g. ``head_dim``); a ``ValueError``
-    naming ``impl`` for an unknown name or one that cannot run here."""
+    naming the argument (``impl``, or the operation's ``arg``) for an unknown name or one that
+    cannot run here."""
     op = OPERATIONS[operation]
     if impl not in op.choices:
-        raise ValueError(f"impl: expected one of {op.choices} for {operation}, got {impl!r}")
+        raise ValueError(f"{op.arg}: expected one of {op.choices} for {operation}, got {impl!r}")
     if impl == "auto":
         return op.auto(**context)
     why = op.missing.get(impl, lambda **_: None)(**context)
     if why:
-        raise ValueError(f"impl={impl!r} for {operation}: {why}")
+        raise ValueError(op.refusal.format(arg=op.arg, impl=impl, operation=operation, choices=op.choices, why=why))
     return impl

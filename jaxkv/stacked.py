@@ -4,7 +4,7 @@ A model that keeps a kind of layer's weights (or a step's activations) stacked a
 ``array[n, ...]`` passes ``Stacked(array, i)`` wherever a layer op takes ``array[i]``.
 The fused kernels read row ``i`` in place; a slice would be a device copy per operand
 (a custom call's operand is its own buffer), and passing the rows as separate arguments
-costs the jitted call a few microseconds each (``benchmarks/RESULTS.md``, hybrid step).
+costs the jitted call host time per argument (docs/design.md).
 Paths without a kernel slice the row, which XLA fuses into its consumers.
 
 ``shape``, ``ndim`` and ``dtype`` are the row's, so validators read a ``Stacked`` like

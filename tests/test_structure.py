@@ -207,6 +207,38 @@ def _torch() -> bool:
     return True
 
 
+def _private_jax(tree) -> list[str]:
+    """Where ``tree`` reaches into ``jax._src``: an import of it or an attribute ``jax._src``."""
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name == "jax._src" or a.name.startswith("jax._src.")]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            mod = node.module or ""
+            private = mod == "jax._src" or mod.startswith("jax._src.") or (mod == "jax" and "_src" in
+                                                                             [a.name for a in node.names])
+            names = [f"from {mod} import {', '.join(a.name for a in node.names)}"] if private else []
+        elif isinstance(node, ast.Attribute) and node.attr == "_src" and isinstance(node.value, ast.Name):
+            names = ["jax._src"] if node.value.id == "jax" else []
+        else:
+            names = []
+        hits += [f"line {node.lineno}: {n}" for n in names]
+    return hits
+
+
+def test_private_jax_check_catches_each_form():
+    forms = ("import jax._src.cudnn", "from jax._src.cudnn import x", "from jax import _src", "import jax\njax._src.x")
+    for src in forms:
+        assert _private_jax(ast.parse(src)), src
+    assert not _private_jax(ast.parse("import jax\nfrom jax import nn\njax.nn.dot_product_attention"))
+
+
+def test_no_import_of_private_jax():
+    """jax's private modules change without notice: the package uses jax's public API only."""
+    bad = [f"{mod}: {h}" for mod, path in MODULES.items() for h in _private_jax(ast.parse(path.read_text()))]
+    assert not bad, "uses of jax._src:\n" + "\n".join(bad)
+
+
 # The pool layout's numbers (entry / key bytes, the ds_mla data segment) belong to
 # jaxkv.formats (storage.py, ds_mla.py); everywhere else reads them from there. (Inline PTX
 # operands, ``%68`` and ``d[68]`` in the wgmma wrappers, are not layout numbers.)

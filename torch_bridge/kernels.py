@@ -24,7 +24,7 @@ import torch
 
 from jaxkv.cuda import STORAGE_CODES, BuildError, arch_of, library
 from jaxkv.formats.storage import STORAGES, storage_name
-from jaxkv.kernels.tuning import DEFAULT, TABLES
+from jaxkv.kernels.launch import launch as launch_params
 
 
 _LIBS: dict = {}  # torch.device -> the typed library (a dict lookup per launch, not a device query)
@@ -56,7 +56,7 @@ _RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA build
 
 def _stream(device: torch.device) -> int:
     """torch's current stream on ``device`` as a ``cudaStream_t`` (the raw query where torch has
-    it: about 1 us per launch instead of about 20 through a ``torch.cuda.Stream``)."""
+    it: cheaper per launch than a ``torch.cuda.Stream``; docs/torch.md)."""
     if _RAW_STREAM is not None and device.index is not None:
         return _RAW_STREAM(device.index)
     return torch.cuda.current_stream(device).cuda_stream
@@ -203,9 +203,8 @@ def _strides(name, t, rank):
 
 @functools.lru_cache(maxsize=None)
 def _prefix_launch(device: torch.device) -> tuple[int, int]:
-    """The device's row of ``jaxkv.kernels.tuning`` ("prefix_attention_cuda"), looked up once."""
-    table = TABLES.get(torch.cuda.get_device_name(device), TABLES[DEFAULT])
-    shape = table.get("prefix_attention_cuda", TABLES[DEFAULT]["prefix_attention_cuda"])
+    """The device's row of ``jaxkv.kernels.launch`` ("prefix_attention_cuda"), looked up once."""
+    shape = launch_params("prefix_attention_cuda", torch.cuda.get_device_name(device))
     return shape["block_kv"], shape["stages"]
 
 
@@ -220,7 +219,7 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
         splits: key chunks run by separate CTAs and merged (few queries: fills the SMs)
         out:    bf16 like q, contiguous (written and returned), or None
         launch: (block_kv, stages), one of the shapes the kernel builds; None: the device's
-                row of ``jaxkv.kernels.tuning`` ("prefix_attention_cuda")
+                row of ``jaxkv.kernels.launch`` ("prefix_attention_cuda")
     -> bf16 like q; zeros where kv_len == 0
     """
     batched = q.ndim == 4
@@ -302,7 +301,7 @@ class PrefixAttention:
 
     def plan(self, q_len: int, kv_len: int, splits: int = 1) -> None:
         """The next runs attend ``q_len`` query rows over keys ``[0, kv_len)``, in ``splits`` key
-        chunks merged by the launch (``torch_bridge.manager.cuda_splits`` picks them)."""
+        chunks merged by the launch (``jaxkv.kernels.launch.prefix_cuda_splits`` picks them)."""
         for name, x, low in (("q_len", q_len, 1), ("kv_len", kv_len, 0), ("splits", splits, 1)):
             if isinstance(x, bool) or not isinstance(x, int) or x < low:
                 raise ValueError(f"{name}: expected an int >= {low}, got {x!r}")

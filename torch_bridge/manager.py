@@ -1,44 +1,29 @@
 """A drop-in for lingbot-map's ``FlashInferKVCacheManager`` whose buffers are jaxkv's.
 
-Same constructor arguments, methods and attributes as the seed's manager, so an
+Same constructor arguments, methods and attributes as lingbot-map's manager, so an
 aggregator switches by changing an import (``use_in_lingbot_map()`` does it for
 upstream's model). Underneath:
 
 * The K/V buffers are a ``jaxkv.frame.FrameCacheState``'s (one page structure for every
   block). jaxkv's bookkeeping of the page structure is queued and replayed on the device
-  64 frames per dispatch (``_replay``), or when ``state`` is read.
+  in batches (``pages.ReplayQueue``), or when ``state`` is read.
 * torch writes the K/V through zero-copy views of every buffer, taken once for the
   buffers' lifetime (``_take_views``): on CUDA each ``append_frame`` is one call of
   ``cuda/frame_append.cu`` (finiteness check + scatter, two launches; torch ops where it
-  cannot be built), layout row moves are slice copies. The rows come from a host mirror of the page
-  structure (``_Pages``, jaxkv's ``frame.plan`` rules on Python ints; a test holds it
-  equal to the device's), so nothing is read from the device and JAX never writes K/V.
+  cannot be built), layout row moves are slice copies. The rows come from a host mirror of
+  the page structure (``pages.Pages``, jaxkv's ``frame.plan`` rules on Python ints; a test
+  holds it equal to the device's), so nothing is read from the device and JAX never writes K/V.
 * With exact pages the visible keys of every block are ONE contiguous prefix, rows
-  ``[0, n)`` of each ``[T, H, D]`` buffer, ``n`` known on the host (``_Pages.visible_rows``,
-  = ``FrameCacheState.num_valid``). Attention (``backend=``):
+  ``[0, n)`` of each ``[T, H, D]`` buffer, ``n`` known on the host
+  (``Pages.visible_rows`` = ``FrameCacheState.num_valid``). Attention: ``backend=``
+  ``"sdpa"``, ``"cuda"``, ``"flashinfer"``, ``"flashinfer-paged-fa2"`` or
+  ``"flashinfer-paged-fa3"`` (``torch_bridge.backends``), or ``"auto"``, chosen by
+  ``jaxkv._backend`` (operation ``torch.attention``: sdpa on a CPU; on CUDA by the frame's
+  token count, or paged FA3 with ``fa3=True`` as lingbot-map does). Pages are power-of-two
+  only under ``"flashinfer-paged-fa3"``; every other backend gets exact pages, so a prefix
+  backend never sees padding.
 
-  - ``"sdpa"``: ``torch.nn.functional.scaled_dot_product_attention`` over the views
-    ``k[:n]``, ``v[:n]`` (no copy; torch picks its kernel). CPU and CUDA, any dtype;
-    ``force_fp32`` runs it in float32 as the seed's fp32 path (gather + fp32 SDPA) does.
-  - ``"cuda"``: jaxkv's ``cuda/prefix_attention.cu`` (the kernel of ``frame.attention(impl="cuda")``)
-    over rows ``[0, n)`` of the same buffers, launched by ctypes on torch's stream: no page
-    table, no JAX dispatch; ``torch_bridge.kernels.PrefixAttention`` is planned once per frame
-    (n, key splits) and run once per block (one launch). sm_90, bf16, head_dim 64.
-  - ``"flashinfer"``: ``flashinfer.single_prefill_with_kv_cache`` over the same views: no
-    plan, no page table. CUDA.
-  - ``"flashinfer-paged-fa2"`` / ``"flashinfer-paged-fa3"``: the seed's paged prefill
-    (``BatchPrefillWithPagedKVCacheWrapper``, planned once per frame, run per block); FA3
-    uses power-of-two pages whose zero padding rows it attends, as the seed does. Before
-    each plan the previous plan's event is waited on (one host sync per frame at most):
-    ``plan()`` refills a pinned host buffer that the previous plan's asynchronous copy may
-    not have read yet.
-  - ``"auto"``: ``choose_backend`` (CPU: sdpa; CUDA: by the frame's token count from the
-    measured ``AUTO_CUDA``, or paged FA3 when ``fa3=True`` as the seed).
-
-  Pages are power-of-two only under ``"flashinfer-paged-fa3"``; every other backend gets
-  exact pages, so a prefix backend never sees padding.
-
-Differences from the seed, all deliberate:
+Differences from lingbot-map's manager, all deliberate:
 * Blocks share one page structure. A block that falls behind (the scale phase appends
   every frame to block 0 before block 1) writes each frame into the rows where that
   frame's tokens are now; a block's attention reads the shared structure.
@@ -55,13 +40,12 @@ Differences from the seed, all deliberate:
 
 Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes and
 reads K/V through views, on torch's current stream. JAX reads them only in ``save`` and
-when the special capacity grows, each after a stream sync.
+when the special capacity grows, each after a stream sync. See docs/torch.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import List
@@ -71,184 +55,19 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from jaxkv import checkpoint, frame
+from jaxkv import _backend, checkpoint, frame
 from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
-from jaxkv.frame.attention import wave_splits
 from jaxkv.frame.state import NONE, STAGED
-from torch_bridge import kernels
+from torch_bridge import backends, kernels
 from torch_bridge.dlpack import from_torch, to_torch
-
-try:
-    import flashinfer
-
-    FLASHINFER_AVAILABLE = True
-except ImportError:  # the prefix backend "sdpa" is used instead
-    flashinfer = None
-    FLASHINFER_AVAILABLE = False
-
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-BACKENDS = ("auto", "sdpa", "cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
-PREFIX_BACKENDS = ("sdpa", "cuda", "flashinfer")  # attend the prefix views k[:n], v[:n]
-CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
-# "auto" on CUDA (fa3=False): the first row whose tokens_per_frame bound the frame reaches
-# and whose backend can run (the cuda kernel: sm_90, bf16, head_dim 64, nvcc; FlashInfer:
-# importable); sdpa if none. Measured (benchmarks/RESULTS.md, H100, 16 heads, 72 frames
-# visible): one layer's kernel at 262 / 1005 tokens (prefix_attention.py): cuda 0.107 / 0.718
-# ms, FlashInfer single prefill FA2 0.110 / 0.935, FA3 0.232 / 0.845; a 24-layer manager step
-# (bridge.py, ms/frame): cuda 3.00 / 17.60, paged FA2 4.63 / 31.19, the seed 4.49 / 31.05.
-# Below 512 tokens FlashInfer's single prefill has no KV split: paged FA2 there.
-# Tried and not taken (H100, 2026-11-24): jaxkv's Mosaic GPU prefix kernel on the JAX arrays
-# behind these buffers, q in and the output out through DLPack per block (26.2 / 25.0 ms per
-# frame: exporting a fresh JAX output blocks the host until its kernel ends); cuDNN through
-# torch (torch caches its graphs by shape, the key length included, which changes every frame).
-AUTO_CUDA = ((0, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"))
-# ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2" or "fa3").
-FLASHINFER_PREFIX_KERNEL = "auto"
-
-
-def choose_backend(device, fa3: bool = False, force_fp32: bool = False,
-                   flashinfer_available: bool = FLASHINFER_AVAILABLE, tokens_per_frame: int = 0,
-                   cuda_available: bool | None = None, dtype=torch.bfloat16, head_dim: int = 64) -> str:
-    """The backend ``backend="auto"`` resolves to.
-
-    * ``force_fp32``: ``"sdpa"`` in float32 (the seed's fp32 path is a gather + fp32 SDPA;
-      FlashInfer has no float32 kernels);
-    * CPU: ``"sdpa"``;
-    * CUDA: ``"flashinfer-paged-fa3"`` if ``fa3`` and FlashInfer is importable (the seed's
-      choice: power-of-two pages), else the first ``AUTO_CUDA`` row for ``tokens_per_frame``
-      whose backend can run here (``cuda_available``: None asks ``kernels``), else ``"sdpa"``.
-    """
-    if force_fp32 or torch.device(device).type != "cuda":
-        return "sdpa"
-    if fa3 and flashinfer_available:
-        return "flashinfer-paged-fa3"
-    if cuda_available is None:
-        cuda_available = kernels.prefix_attention_available(device)
-    can = {"cuda": cuda_available and dtype == torch.bfloat16 and head_dim == kernels.PREFIX_HEAD_DIM,
-           "flashinfer": flashinfer_available, "flashinfer-paged-fa2": flashinfer_available}
-    return next((b for least, b in AUTO_CUDA if tokens_per_frame >= least and can[b]), "sdpa")
-
-
-CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q load, pipeline fill, partials)
-
-
-def cuda_splits(q_len: int, heads: int, keys: int, sm_count: int) -> int:
-    """Key splits for ``backend="cuda"``: ``frame.attention.wave_splits`` over 1, 2, 4, 8 with
-    chunks of at least ``CUDA_MIN_CHUNK`` keys (measured in ``benchmarks/RESULTS.md``,
-    ``prefix_attention.py``)."""
-    return wave_splits(q_len, heads, [n for n in (1, 2, 4, 8) if n == 1 or keys >= n * CUDA_MIN_CHUNK], sm_count)
-
-
-def _check_backend(backend, device, force_fp32: bool) -> None:
-    """ValueError naming ``backend`` unless it can run here."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    why = None
-    if backend in CUDA_ONLY and device.type != "cuda":
-        why = f"it needs a CUDA device, and device is {device}"
-    elif backend.startswith("flashinfer") and not FLASHINFER_AVAILABLE:
-        why = "flashinfer is not importable"
-    elif backend == "cuda" and not kernels.prefix_attention_available(device):
-        why = "jaxkv's cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
-    elif backend == "cuda" and force_fp32:
-        why = "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
-    elif backend.startswith("flashinfer") and force_fp32:
-        why = "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
-    if why:
-        raise ValueError(f"backend: expected one of {BACKENDS} that can run here, got {backend!r}: {why}")
-
-
-REPLAY = 64  # bookkeeping calls queued before one batched replay on the device
-BEGIN, RESOLVE = 1, 2  # kinds of a queued call (0: none, padding)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def _replay(meta, calls):
-    """Apply queued bookkeeping to a state without K/V (``k = v = ()``) in one dispatch.
-
-    calls: i32[REPLAY, 2]  (kind, flag) rows in order: ``BEGIN`` with flag = defer,
-      ``RESOLVE`` with flag = keep, 0 = nothing (padding)
-    """
-
-    def one(meta, call):
-        kind, flag = call[0], call[1].astype(bool)
-        begun, resolved = frame.begin_frame_moves(meta, flag)[0], frame.resolve_moves(meta, flag)[0]
-        pick = lambda old, b, r: jnp.where(kind == BEGIN, b, jnp.where(kind == RESOLVE, r, old))  # noqa: E731
-        return jax.tree_util.tree_map(pick, meta, begun, resolved), None
-
-    return jax.lax.scan(one, meta, calls)[0]
-
-
-class _Pages:
-    """Host mirror of the shared page structure that ``jaxkv.frame`` keeps on the device.
-
-    It follows from the calls alone, so a frame's rows, the row moves and the visible page
-    ids are known on the host without reading the device or waiting for JAX. The rules
-    are ``jaxkv.frame.plan``'s, run on Python ints (``plan.HOST``) for one stream. Rows
-    and moves are token rows of a layer buffer; a move is ``(src, dst)``, ``page_size``
-    rows, never overlapping.
-    """
-
-    def __init__(self, spec):
-        self.spec = spec
-        self.reset()
-
-    def reset(self):
-        self.c = plan.Counters(num_frames=0, num_scale=0, num_window=0, window_head=0, num_special=0, pending=NONE)
-        self.version = 0  # bumps on every change
-
-    @property
-    def frames(self) -> int:
-        return self.c.num_frames
-
-    @property
-    def pending(self) -> int:
-        return self.c.pending
-
-    @property
-    def num_scale(self) -> int:
-        return self.c.num_scale
-
-    @property
-    def num_window(self) -> int:
-        return self.c.num_window
-
-    def begin(self, defer: bool):
-        """Count a new frame -> (moves, special_row, patch_row): where its tokens go."""
-        new = plan.begin(self.spec, self.c, defer, plan.HOST)
-        self.c = new.after
-        self.version += 1
-        return [(new.move.src, new.move.dst)] if new.move.ok else [], new.special_row, new.patch_row
-
-    def resolve(self, keep: bool):
-        """Commit or roll back the pending frame -> the row moves it makes."""
-        new = plan.resolve(self.spec, self.c, keep, plan.HOST)
-        self.c = new.after
-        self.version += 1
-        return [(m.src, m.dst) for m in new.moves if m.ok]
-
-    def num_pages(self) -> int:
-        return plan.num_pages(self.spec, self.c, plan.HOST)
-
-    def last_page_len(self) -> int:
-        return plan.last_page_len(self.spec, self.c, plan.HOST)
-
-    def visible_rows(self) -> int:
-        """n: the visible keys are rows ``[0, n)`` of every buffer (``plan.num_valid``), which
-        is ``(num_pages - 1) * page_size + last_page_len`` whenever a page is visible."""
-        return plan.num_valid(self.spec, self.c, plan.HOST)
-
-    def page_ids(self) -> List[int]:
-        """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""
-        return [plan.page_id(self.spec, self.c, j, plan.HOST) for j in range(self.num_pages())]
+from torch_bridge.pages import BEGIN, RESOLVE, Pages, ReplayQueue
 
 
 class FlashInferKVCacheManager:
     """Two-stream paged KV cache (pinned scale pages, a sliding window of patch pages,
-    append-only specials) over jaxkv buffers. Arguments as the seed's manager:
+    append-only specials) over jaxkv buffers. Arguments as lingbot-map's manager:
 
     num_blocks: transformer blocks (one K and one V buffer each).
     max_num_frames: accepted for compatibility (capacity follows scale_frames + sliding_window).
@@ -259,11 +78,12 @@ class FlashInferKVCacheManager:
     num_special_tokens, scale_frames, sliding_window: the cache's policy.
     max_total_frames: initial special capacity in frames (grows on demand).
     force_fp32: float32 storage and float32 attention ("sdpa").
-    fa3: with ``backend="auto"`` on CUDA with FlashInfer, the seed's paged FA3 path
+    fa3: with ``backend="auto"`` on CUDA with FlashInfer, lingbot-map's paged FA3 path
       (power-of-two pages); an explicit ``backend`` overrides it.
-    backend: keyword only; ``"auto"`` (``choose_backend``), ``"sdpa"``, ``"cuda"``,
-      ``"flashinfer"``, ``"flashinfer-paged-fa2"`` or ``"flashinfer-paged-fa3"`` (module docstring).
-      ``self.backend`` is the one in use.
+    backend: keyword only; ``"auto"``, ``"sdpa"``, ``"cuda"``, ``"flashinfer"``,
+      ``"flashinfer-paged-fa2"`` or ``"flashinfer-paged-fa3"`` (``torch_bridge.backends``;
+      chosen and checked by ``jaxkv._backend``'s ``torch.attention``). ``self.backend`` is
+      the one in use.
     """
 
     def __init__(self, num_blocks: int, max_num_frames: int, tokens_per_frame: int, num_heads: int, head_dim: int,
@@ -276,19 +96,15 @@ class FlashInferKVCacheManager:
                              f"got {tokens_per_frame}")
         self.force_fp32 = force_fp32
         dtype = torch.float32 if force_fp32 else (torch.bfloat16 if dtype == torch.float32 else dtype)
-        if dtype not in _DTYPES:
+        if dtype not in backends.DTYPES:
             raise ValueError(f"dtype: expected torch.bfloat16, float16 or float32, got {dtype}")
         self.dtype = dtype
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" means the current CUDA device
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        _check_backend(backend, device, force_fp32)
-        self.backend = (choose_backend(device, fa3, force_fp32, tokens_per_frame=tokens_per_frame, dtype=dtype,
-                                       head_dim=head_dim) if backend == "auto" else backend)
-        if self.backend == "cuda" and (dtype != torch.bfloat16 or head_dim != kernels.PREFIX_HEAD_DIM):
-            raise ValueError(f"backend: 'cuda' expects bfloat16 storage and head_dim {kernels.PREFIX_HEAD_DIM}, got "
-                             f"{dtype} and head_dim {head_dim}")
+        self.backend = _backend.choose("torch.attention", backend, **backends.backend_context(
+            device, dtype, head_dim, force_fp32=force_fp32, fa3=fa3, tokens_per_frame=tokens_per_frame))
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
@@ -300,36 +116,31 @@ class FlashInferKVCacheManager:
         spec = frame.FrameSpec(num_layers=num_blocks, num_heads=num_heads, head_dim=head_dim,
                                patches_per_frame=patches, num_special=num_special_tokens, scale_frames=scale_frames,
                                sliding_window=sliding_window, max_frames=max(1, max_total_frames),
-                               dtype=_DTYPES[dtype], pow2_pages=self.backend == "flashinfer-paged-fa3")
+                               dtype=backends.DTYPES[dtype], pow2_pages=self.backend == "flashinfer-paged-fa3")
         self.page_size = spec.page_size
         self.max_patch_pages = spec.num_slots
         self._jax_device = self._jax_device_for(self.device)
-        self._queued = []  # bookkeeping calls not yet replayed on the device (``_bookkeep``)
+        self._queue = ReplayQueue()  # jaxkv's bookkeeping not yet replayed on the device (``_bookkeep``)
         with jax.default_device(self._jax_device):
             self.state = frame.init(spec)
         self._take_views()
-        self._pages = _Pages(spec)
+        self._pages = Pages(spec)
         self._arange_ns = torch.arange(num_special_tokens, device=self.device)
         self._arange_ps = torch.arange(spec.page_size, device=self.device)
         self.frame_count: List[int] = [0] * num_blocks
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # sticky: a NaN / Inf frame came
         # CUDA: cuda/frame_append.cu writes a frame (finiteness check + scatter: 2 launches);
-        # else (CPU, or no nvcc to build it) the same rule in torch ops (~16 launches)
+        # else (CPU, or no nvcc to build it) the same rule in torch ops
         self._append_scratch = (torch.empty(kernels.APPEND_SCRATCH, dtype=torch.int32, device=self.device)
                                 if kernels.frame_append_available(self.device) else None)
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
-        self._planned = None  # what the last plan was made for (paged: page counters; cuda: and q rows)
-        self._plan_done = None  # CUDA event recorded after the last plan() (paged backends)
-        self._attend = {"sdpa": self._attend_sdpa, "cuda": self._attend_cuda,
-                        "flashinfer": self._attend_flashinfer}.get(self.backend, self._attend_paged)
-        self._prefix = kernels.PrefixAttention(self.device, num_heads, num_heads) if self.backend == "cuda" else None
-        self._sms = torch.cuda.get_device_properties(self.device).multi_processor_count if device.type == "cuda" else 0
-        if self.backend.startswith("flashinfer-paged"):
-            self.workspace_buffer = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=self.device)
-            self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace_buffer, kv_layout="NHD", backend=self.backend.rsplit("-", 1)[1])
-            self._qo_indptr = torch.tensor([0, tokens_per_frame], dtype=torch.int32)  # host: plan needs no sync
+        self._attention = backends.make(self.backend, device=self.device, jax_device=self._jax_device,
+                                        heads=num_heads, head_dim=head_dim, dtype=dtype, page_size=self.page_size,
+                                        tokens_per_frame=tokens_per_frame)
+        if isinstance(self._attention, backends.FlashInferPaged):  # the attributes of lingbot-map's manager
+            self.workspace_buffer = self._attention.workspace
+            self.prefill_wrapper = self._attention.wrapper
 
     @staticmethod
     def _jax_device_for(device: torch.device):
@@ -394,26 +205,13 @@ class FlashInferKVCacheManager:
         self._paged = [(k[:rows].view(shape), v[:rows].view(shape)) for k, v in zip(self._k, self._v)]
 
     def _bookkeep(self, kind: int, flag: bool):
-        """Queue jaxkv's bookkeeping of a frame (``BEGIN``) or a decision (``RESOLVE``).
-
-        Nothing in the step waits for it (torch's rows come from the host mirror), so it
-        is replayed in batches of ``REPLAY`` calls, or when someone reads ``state``: one
-        dispatch per 64 frames instead of one per frame (~0.2 ms of host time each).
-        """
-        self._queued.append((kind, int(flag)))
-        if len(self._queued) == REPLAY:
+        """Queue jaxkv's bookkeeping of a frame (``BEGIN``) or a decision (``RESOLVE``),
+        replayed on the device when the queue is full or ``state`` is read."""
+        if self._queue.push(kind, flag):
             self._flush()
 
     def _flush(self):
-        if not self._queued:
-            return
-        calls = np.zeros((REPLAY, 2), np.int32)
-        calls[: len(self._queued)] = self._queued
-        self._queued = []
-        st = self._state
-        with jax.default_device(self._jax_device):
-            meta = _replay(st.replace(k=(), v=()), calls)
-        self._state = meta.replace(k=st.k, v=st.v)
+        self._state = self._queue.apply(self._state, self._jax_device)
 
     def _apply_moves(self, moves):
         """Make the layout's row moves (``(src, dst)``, ``page_size`` rows) in every K/V buffer."""
@@ -542,8 +340,9 @@ class FlashInferKVCacheManager:
 
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
-        cache shows -> [q_len, H, D] in the storage dtype (``force_fp32``: q's dtype, as the
-        seed). No host sync, no DLPack: the backends read the views ``_take_views`` made."""
+        cache shows -> [q_len, H, D] in the storage dtype (``force_fp32``: q's dtype, as
+        lingbot-map's manager). No host sync, no DLPack: the backends read the views
+        ``_take_views`` made."""
         b = self._block(block_idx)
         x = self._tensor("q", q, (None, self.num_heads, self.head_dim))
         if self.frame_count[b] == 0:
@@ -551,66 +350,18 @@ class FlashInferKVCacheManager:
         out = self._attend(b, x)
         return out.to(q.dtype) if self.force_fp32 else out
 
-    def _attend_sdpa(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        n = self._pages.visible_rows()
-        k, v = self._k[b][:n].transpose(0, 1)[None], self._v[b][:n].transpose(0, 1)[None]  # [1, H, n, D] views
-        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v)
-        return out[0].transpose(0, 1).contiguous()
-
-    def _attend_cuda(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        # Planned once per frame step (the visible rows follow from the page counters), then
-        # one launch per block over the whole buffers, of which rows [0, n) are read.
-        step = (self._pages.c, q.shape[0])
-        if self._planned != step:
-            n = self._pages.visible_rows()
-            self._prefix.plan(q.shape[0], n, cuda_splits(q.shape[0], self.num_heads, n, self._sms))
-            self._planned = step
-        return self._prefix.run(q.contiguous(), self._k[b], self._v[b])
-
-    def _attend_flashinfer(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        n = self._pages.visible_rows()
-        return flashinfer.single_prefill_with_kv_cache(q.contiguous(), self._k[b][:n], self._v[b][:n], causal=False,
-                                                       kv_layout="NHD", backend=FLASHINFER_PREFIX_KERNEL)
-
-    def _attend_paged(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        # The plan is a function of the page counters alone: once per frame step, also on a
-        # non-keyframe, whose per-block append + rollback brings the same counters back.
-        if self._planned != self._pages.c:
-            self._plan()
-        return self.prefill_wrapper.run(q.contiguous(), self._paged[b])
-
-    def _plan(self):
-        p = self._pages
-        # plan() fills a pinned host buffer of FlashInfer's and enqueues an asynchronous copy
-        # from it; the next plan() overwrites that buffer. The seed's plan() syncs anyway (its
-        # .to("cpu") of CUDA tensors); this one does not, so wait until the previous plan's
-        # copy has run: the one host sync of a frame, and by then the GPU is long past it.
-        if self._plan_done is not None:
-            self._plan_done.synchronize()
-            self._plan_done = None
-        # Pinned host -> device without a stream sync (plan() would copy pageable host ids
-        # synchronously); torch's host allocator keeps the pinned block until the copy ran.
-        indices = torch.tensor(p.page_ids(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-        indices = indices.to(self.device, non_blocking=True)
-        self.prefill_wrapper.plan(
-            self._qo_indptr, torch.tensor([0, p.num_pages()], dtype=torch.int32), indices,
-            torch.tensor([p.last_page_len()], dtype=torch.int32), num_qo_heads=self.num_heads,
-            num_kv_heads=self.num_heads, head_dim_qk=self.head_dim, page_size=self.page_size, causal=False,
-            pos_encoding_mode="NONE", q_data_type=self.dtype)
-        if self.device.type == "cuda":
-            self._plan_done = torch.cuda.Event()
-            self._plan_done.record(torch.cuda.current_stream(self.device))
-        self._planned = p.c
+    def _attend(self, b: int, q: torch.Tensor) -> torch.Tensor:
+        return self._attention(q, self._k[b], self._v[b], self._paged[b], self._pages)
 
     def reset(self) -> None:
         """Empty the cache for a new sequence."""
-        self._queued = []  # a reset supersedes them
+        self._queue.clear()  # a reset supersedes them
         self.state = frame.reset(self._state)
         self._nonfinite.zero_()
         self._pages.reset()
         self.frame_count = [0] * self.num_blocks
         self._frame_open = False
-        self._planned = None
+        self._attention.reset()
 
     # ---------------------------------------------------------------- durable state
     def state_dict(self) -> dict:
@@ -650,16 +401,15 @@ class FlashInferKVCacheManager:
 
     def _adopt(self, state: frame.FrameCacheState, counts: List[int]) -> None:
         """Continue from ``state`` (checked) with per-block frame counts ``counts``."""
-        self._queued = []
+        self._queue.clear()
         self.state = state
         self._nonfinite.zero_()  # the faults are the loaded state's
         self._take_views()
         # the host mirror from the device counters: a load, not a step
-        self._pages.c = plan.Counters(*(int(x[0]) for x in plan.counters(state)))
-        self._pages.version += 1
+        self._pages.load(plan.Counters(*(int(x[0]) for x in plan.counters(state))))
         self.frame_count = counts
         self._frame_open = False
-        self._planned = None
+        self._attention.reset()
 
     def save(self, path) -> None:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""
@@ -708,7 +458,7 @@ class FlashInferKVCacheManager:
 
     @property
     def num_frames(self) -> int:
-        """Frames appended to block 0 (the seed's representative count)."""
+        """Frames appended to block 0 (lingbot-map's manager's representative count)."""
         return self.frame_count[0] if self.frame_count else 0
 
     @property
@@ -739,64 +489,4 @@ class FlashInferKVCacheManager:
         return st.replace(error=record(st.error, jnp.asarray(bool(self._nonfinite)), Fault.NONFINITE_KV))
 
 
-class _Installed:
-    """What ``use_in_lingbot_map`` changed; ``undo()`` (or leaving a ``with`` block) puts it back."""
-
-    def __init__(self, changes):
-        self._changes = changes  # (module, attribute, previous value)
-
-    def undo(self) -> None:
-        for module, name, old in reversed(self._changes):
-            setattr(module, name, old)
-        self._changes = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.undo()
-
-
-def use_in_lingbot_map(backend: str = "auto") -> _Installed:
-    """Make lingbot-map's model use this manager: the one-import change, done in place.
-
-    Replaces ``lingbot_map.layers.flashinfer_cache.FlashInferKVCacheManager`` with this
-    class (with ``backend`` other than ``"auto"``: a subclass whose default ``backend`` is
-    that). Upstream imports that name at call time in both places that matter, so both
-    pick this class up: the lazy construction in ``aggregator/stream.py``
-    (``_get_flashinfer_manager``) and the ``isinstance`` check in
-    ``FlashInferAttention.forward``, which otherwise takes the batch-SDPA branch in the
-    scale phase and never appends (silently wrong output).
-
-    Where ``flashinfer`` is not importable it also sets
-    ``lingbot_map.layers.attention.FLASHINFER_AVAILABLE = True``, so that upstream's
-    FlashInfer model path (``use_sdpa=False``) can be built, on CPU too, and runs with this
-    manager (``"sdpa"`` backend). Call it before building the model and before its first
-    forward; ``lingbot_map`` must be importable (its checkout on ``sys.path``). Returns a
-    handle whose ``undo()`` restores both (also a context manager).
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    try:
-        from lingbot_map.layers import attention as upstream_attention
-        from lingbot_map.layers import flashinfer_cache as upstream_cache
-    except ImportError as exc:
-        raise ImportError("use_in_lingbot_map: lingbot_map is not importable; put a lingbot-map checkout on "
-                          f"sys.path ({exc})") from exc
-    cls = FlashInferKVCacheManager
-    if backend != "auto":
-        def __init__(self, *args, backend=backend, **kwargs):
-            FlashInferKVCacheManager.__init__(self, *args, backend=backend, **kwargs)
-
-        cls = type("FlashInferKVCacheManager", (FlashInferKVCacheManager,),
-                   {"__init__": __init__, "__module__": __name__, "__doc__": f"backend={backend!r} by default."})
-    changes = [(upstream_cache, "FlashInferKVCacheManager", upstream_cache.FlashInferKVCacheManager)]
-    upstream_cache.FlashInferKVCacheManager = cls
-    if not FLASHINFER_AVAILABLE:
-        changes.append((upstream_attention, "FLASHINFER_AVAILABLE", upstream_attention.FLASHINFER_AVAILABLE))
-        upstream_attention.FLASHINFER_AVAILABLE = True
-    return _Installed(changes)
-
-
-__all__ = ["AUTO_CUDA", "BACKENDS", "FLASHINFER_AVAILABLE", "FlashInferKVCacheManager", "choose_backend",
-           "use_in_lingbot_map"]
+__all__ = ["FlashInferKVCacheManager"]

@@ -10,14 +10,15 @@ backend gathers anything:
   On a GPU, a few queries (``tuning.XLA_ONE_PASS_QUERIES``: a causal head's one token
   per frame) take one masked pass over the whole buffer instead: no loop, so no host
   sync (``tuning.branch_free``).
-* ``cudnn``: cuDNN flash attention with the prefix length as the key length. A frame
-  has few queries (262 at 224x224: 3 query tiles x 16 heads, under half an H100's SMs),
-  so the keys are split into equal chunks (a free reshape: the capacity is a multiple of
-  16 x 128 rows), each chunk attended as its own batch entry, and the chunks merged by
-  their log-sum-exp (``jaxkv.math.merge_partials``) — FlashInfer's split-KV, on cuDNN.
+* ``cudnn``: cuDNN flash attention (``jax.nn.dot_product_attention``), one call with the
+  prefix length as the key length. Not split over key chunks: merging chunks needs cuDNN's
+  float32 log-sum-exp, which jax's public API rounds to the output dtype
+  (docs/kernels/prefix_attention.md).
 * ``pallas``: ``jaxkv.kernels.prefix_attention``, a FlashAttention-3-style Mosaic GPU
   kernel (Hopper) whose key loop stops at the prefix length and masks only the last
-  block, so the length costs nothing; split-KV as above where the queries are few.
+  block, so the length costs nothing. Where the queries are few, the buffer is split into
+  equal key chunks run by separate programs and merged by their log-sum-exp
+  (``jaxkv.kernels.launch.prefix_splits``; FlashInfer's split-KV).
 * ``cuda``: ``jaxkv.kernels.prefix_attention_cuda``, the same design in CUDA
   (``cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
   launches on the same buffers.
@@ -29,7 +30,6 @@ With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` n
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -38,8 +38,9 @@ from jaxkv import _backend
 from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState, on_devices
 from jaxkv.frame.views import visible_mask
+from jaxkv.kernels.launch import prefix_splits
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda
-from jaxkv.math.attention import HIGHEST, merge_partials, ref_attention
+from jaxkv.math.attention import HIGHEST, ref_attention
 
 IMPLS = _backend.choices("frame.attention")
 
@@ -91,81 +92,16 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(B, Tq, Hq, D).astype(q.dtype)
 
 
-def _cudnn_fwd(q, k, v, kv_len, scale):
-    """cuDNN attention returning (out, float32 log-sum-exp [B, Hq, Tq]).
-
-    ``jax.nn.dot_product_attention`` rounds the log-sum-exp to the output dtype (bf16),
-    too coarse to merge chunks; the cuDNN op underneath returns it in float32.
-    """
-    from jax._src.cudnn import fused_attention_stablehlo as fa
-
-    B, Tq = q.shape[:2]
-    out, lse = fa.dot_product_attention(
-        q, k, v, q_seqlen=jnp.full((B,), Tq, jnp.int32), kv_seqlen=kv_len, scale=scale,
-        mask_type=fa.MaskType.PADDING, return_residual=True,
-    )
-    return out, lse
-
-
-def cudnn_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
-    """Key chunks for ``cudnn_attention`` (rule and constants in ``jaxkv.frame.tuning``)."""
-    tiles = -(-q_len // tuning.CUDNN_Q_TILE) * q_heads
-    n = 1
-    while (n < tuning.CUDNN_MAX_SPLITS and tiles * n < tuning.CUDNN_TARGET_CTAS_PER_SM * sm_count
-           and rows % (2 * n * 128) == 0):
-        n *= 2
-    return n
-
-
-def cudnn_attention(q, k, v, num_valid, scale=None, splits=None):
-    """cuDNN flash attention over the key prefix ``[0, num_valid)``, split over key chunks.
+def cudnn_attention(q, k, v, num_valid, scale=None):
+    """cuDNN flash attention over the key prefix ``[0, num_valid)``: one call, the prefix
+    length as cuDNN's key length.
 
     q: bf16/f16[B, Tq, Hq, D]; k, v: same dtype [B, T, H, D]; num_valid: i32[B]
-    splits: key chunks (T must split into whole 128-row tiles); None = ``cudnn_splits``
-    returns q.dtype[B, Tq, Hq, D]
+    returns q.dtype[B, Tq, Hq, D]; a stream with num_valid 0 attends to row 0 (callers mask it)
     """
-    B, Tq, Hq, D = q.shape
-    T, H = k.shape[1], k.shape[2]
-    scale = D**-0.5 if scale is None else scale
-    if splits is None:
-        dev = jax.devices()[0]
-        splits = cudnn_splits(Tq, Hq, T, getattr(dev, "core_count", 132) or 132)
-    if splits == 1:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=num_valid,
-                                            implementation="cudnn")
-    if T % (splits * 128):
-        raise ValueError(f"splits: {T} key rows do not split into {splits} chunks of whole 128-row tiles")
-    C = T // splits
-    starts = jnp.arange(splits, dtype=jnp.int32) * C
-    lens = jnp.clip(num_valid[:, None] - starts[None], 0, C)  # [B, n]
-    qc = jnp.broadcast_to(q[:, None], (B, splits, Tq, Hq, D)).reshape(B * splits, Tq, Hq, D)
-    out, lse = _cudnn_fwd(qc, k.reshape(B * splits, C, H, D), v.reshape(B * splits, C, H, D),
-                          jnp.maximum(lens, 1).reshape(-1), scale)
-    out = out.reshape(B, splits, Tq, Hq, D)
-    lse = jnp.transpose(lse.reshape(B, splits, Hq, Tq), (0, 1, 3, 2))  # [B, n, Tq, Hq]
-    lse = jnp.where((lens > 0)[:, :, None, None], lse, -jnp.inf)  # an empty chunk ran on one row
-    return merge_partials(out, lse).astype(q.dtype)
-
-
-def wave_splits(q_len: int, q_heads: int, counts, sm_count: int) -> int:
-    """Of the key-split counts ``counts`` (ascending; 1 when none), the one whose programs
-    (128-query tiles x heads x splits) fill the SMs' waves best, the smallest on a tie: the rule
-    of the Pallas kernel (``prefix_splits``) and of the drop-in's CUDA kernel
-    (``torch_bridge.manager.cuda_splits``), which differ only in the counts they allow."""
-    programs = -(-q_len // 128) * q_heads
-    sm_count = max(sm_count, 1)
-    best, best_fill = 1, 0.0
-    for n in counts:
-        fill = programs * n / (-(-programs * n // sm_count) * sm_count)
-        if fill > best_fill + 1e-9:
-            best, best_fill = n, fill
-    return best
-
-
-def prefix_splits(q_len: int, q_heads: int, rows: int, sm_count: int = 132) -> int:
-    """Key chunks for ``impl="pallas"``: ``wave_splits`` over the powers of two <= 16 that
-    keep chunks whole 256-row blocks (rule measured in ``jaxkv.frame.tuning``)."""
-    return wave_splits(q_len, q_heads, [n for n in (1, 2, 4, 8, 16) if rows % (n * 256) == 0], sm_count)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=jnp.maximum(num_valid, 1),
+                                        implementation="cudnn")
 
 
 def default_impl(spec) -> str:
@@ -227,8 +163,7 @@ def _local(state: FrameCacheState, q, layer, impl: str, scale):
     if state.spec.pow2_pages:
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
     if impl in ("pallas", "cuda"):
-        dev = jax.devices()[0]
-        splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1], getattr(dev, "core_count", 132) or 132)
+        splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1])
         kernel = prefix_attention if impl == "pallas" else prefix_attention_cuda
         return kernel(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
     out = cudnn_attention(q, k, v, n, scale)

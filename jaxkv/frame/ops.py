@@ -242,7 +242,7 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
 
 
 def default_append_impl() -> str:
-    """``pallas`` on a GPU (one launch for every layer; figures in ``benchmarks/RESULTS.md``),
+    """``pallas`` on a GPU (one launch for every layer; docs/kernels/frame_append.md),
     ``xla`` elsewhere (``jaxkv._backend``)."""
     return _backend.choose("frame.append", "auto")
 

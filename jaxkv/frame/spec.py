@@ -88,7 +88,7 @@ class FrameSpec:
 
     @property
     def num_slots(self) -> int:
-        """Patch slots (= the seed's patch pages without headroom): S + W."""
+        """Patch slots (= the patch pages of lingbot-map's FlashInferKVCacheManager without headroom): S + W."""
         return self.scale_frames + self.sliding_window
 
     @property
@@ -99,8 +99,9 @@ class FrameSpec:
     def capacity(self) -> int:
         """Token rows per layer and stream: slots + specials + a staged frame + trash rows.
 
-        Rounded up to a multiple of ``ROW_QUANTUM`` so attention can split the buffer
-        into 2..16 equal key chunks of whole 128-row tiles by a free reshape.
+        Rounded up to a multiple of ``ROW_QUANTUM`` so the prefix kernels can split the
+        buffer into equal key chunks of whole blocks by a free reshape
+        (``jaxkv.kernels.launch.prefix_splits``).
         """
         rows = (self.num_slots + 2) * self.page_size + self.special_capacity
         return -(-rows // ROW_QUANTUM) * ROW_QUANTUM

@@ -23,7 +23,7 @@ class FrameCacheState:
     k, v: tuple of L dtype[B, T, H, D]  keys (RoPE applied) and values, one buffer per layer
       so attention reads a layer in place; layout in ``FrameSpec``
     token_id: i32[B, T]  ``frame * tokens_per_frame + token`` of each row, -1 for none
-    num_frames: i32[B]  frames appended and not rolled back (the seed's frame_count)
+    num_frames: i32[B]  frames appended and not rolled back (``frame_count`` of lingbot-map's FlashInferKVCacheManager)
     num_scale: i32[B]  filled scale slots (<= S)
     num_window: i32[B]  filled window slots (<= W)
     window_head: i32[B]  ring offset of the oldest window frame

@@ -54,5 +54,5 @@ def visible_token_ids(state: FrameCacheState):
 
 
 def num_frames(state: FrameCacheState):
-    """i32[B]: frames appended and not rolled back (the seed's ``num_frames``)."""
+    """i32[B]: frames appended and not rolled back (``num_frames`` of lingbot-map's FlashInferKVCacheManager)."""
     return state.num_frames

@@ -31,8 +31,8 @@ from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
-from jaxkv.kernels.pool_attention import (BLOCK, fill_splits, pool_attention, pool_attention_cuda,
-                                          pool_attention_flashmla)
+from jaxkv.kernels.launch import pool_splits
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention, pool_attention_cuda, pool_attention_flashmla
 from jaxkv.stacked import row
 
 OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
@@ -187,7 +187,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
     out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
-                 splits=fill_splits(N, H, rows.shape[1] // BLOCK))
+                 splits=pool_splits(N, H, rows.shape[1] // BLOCK))
     return out.reshape(B, T, H, D)
 
 

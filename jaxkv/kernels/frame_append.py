@@ -1,13 +1,13 @@
 """Frame append: one frame's K/V for every layer written into the frame cache in one launch.
 
 XLA writes a frame as one dynamic-update-slice per buffer and row run (specials, then
-patches): 4 * layers * streams small kernels, launch-bound (``benchmarks/RESULTS.md``). This
+patches): 4 * layers * streams small kernels, launch-bound (docs/kernels/frame_append.md). This
 kernel (Pallas, Mosaic GPU lowering: ``pl.kernel`` over a ``plgpu.Mesh``) writes them all from one grid:
 
     program (i, s): buffer i (K or V of one layer and stream), chunks [s * slots, (s + 1) * slots)
     of that stream's writes (specials, then the patch page, then the page's zero padding).
 
-A chunk is ``rows`` contiguous rows (``tuning``): one bulk copy (``cp.async.bulk``, no
+A chunk is ``rows`` contiguous rows (``launch``): one bulk copy (``cp.async.bulk``, no
 tensor map, so a row may be any multiple of 16 bytes) into shared memory, one back out at
 the destination row; a program puts all its reads in flight before its first write, and
 reads its destination rows as two scalars from GMEM (no staging copy to wait for). It waits
@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.kernels.tuning import launch
+from jaxkv.kernels.launch import launch
 
 
 def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size):

@@ -45,7 +45,7 @@ from jax import lax
 
 from jaxkv.formats.numerics import e8m0_to_float
 from jaxkv.formats.storage import STORAGES, from_bytes, segment_offsets
-from jaxkv.kernels.tuning import launch
+from jaxkv.kernels.launch import launch
 
 TILE = 64  # keys per tile: the wgmma M; also heads per wgmma N
 i32 = jnp.int32

@@ -37,7 +37,7 @@ multiplies them in float32 as the reference decoder does, so its BF16 keys equal
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
 ``splits`` programs when the batch alone does not fill the GPU. The CUDA kernel adds it
-itself when one partial per query is left (``cuda_parts``: one split, or two at 64 heads,
+itself when one partial per query is left (``launch.pool_cuda_parts``: one split, or two at 64 heads,
 merged in the kernel): no merge launch, one bf16 rounding of the output.
 
     q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
@@ -64,6 +64,7 @@ from jax import lax
 
 from jaxkv.cuda import STORAGE_CODES, flashmla, register_ffi_targets
 from jaxkv.kernels.dequant_gather import ref_dequant_gather
+from jaxkv.kernels.launch import flashmla_sm_parts, pool_cuda_parts
 from jaxkv.math.attention import merge_partials
 from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets, storage_name
 
@@ -397,7 +398,7 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     N, H, D = q.shape
     blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
     pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
-    parts = cuda_parts(H, splits)
+    parts = pool_cuda_parts(H, splits)
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
         (jax.ShapeDtypeStruct((N * parts, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * parts, H), jnp.float32)),
@@ -405,13 +406,6 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
       blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]), splits=np.int32(splits), scale=np.float32(scale),
       storage=np.int32(STORAGE_CODES[storage]))
     return out if parts == 1 else _merge_splits(out, lse, N, parts, sink)  # one partial: the sink is in
-
-
-def cuda_parts(heads: int, splits: int) -> int:
-    """Partials per query row the ``cuda/`` kernel leaves for the XLA merge: two splits at
-    64 heads (an odd number of 64-head groups) run as a 2-CTA cluster and merge inside the
-    kernel, leaving one; otherwise one per split."""
-    return 1 if splits == 2 and (heads // BLOCK) % 2 == 1 else splits
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
@@ -443,7 +437,7 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
         r, v = (x[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK] for x in (rows, valid))
         part_ids.append(jnp.where(v & (r >= 0) & (r < pools[p].shape[0] * (pools[p].shape[1] // E)), r, -1)[:, None])
     extra = len(pools) > 1
-    sm_parts = max(getattr(jax.devices()[0], "core_count", 132) // (H // BLOCK), 1)
+    sm_parts = flashmla_sm_parts(H)
     f32 = jnp.float32
     out, lse = jax.ffi.ffi_call(flashmla.FFI_TARGET, (
         jax.ShapeDtypeStruct((N, 1, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N, 1, H), f32),
@@ -475,17 +469,5 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
-def fill_splits(rows: int, heads: int, blocks: int, sms: int = 132) -> int:
-    """Key splits for ``blocks`` blocks of 64 keys per query row: as few blocks per split as
-    the programs (one per query row, 64 heads and split) allow in one wave over ``sms`` (an
-    H100's 132), and no split left without a block. A split's blocks run one after another, so
-    at small batches one block per split is fastest (H100, V4-Flash batch 1: 10 splits 0.0126
-    ms against 0.0139 with 8; V4-Pro batch 1: 18 splits 0.0163 against 0.0205;
-    benchmarks/RESULTS.md)."""
-    most = max(1, min(blocks, sms // max(rows * (heads // BLOCK), 1)))
-    per = -(-blocks // most)  # blocks per split
-    return max(1, -(-blocks // per))
-
-
-__all__ = ["cuda_parts", "fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
+__all__ = ["pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
            "ref_pool_attention", "row_scales"]

@@ -1,7 +1,7 @@
 """Prefix attention: every query attends to the keys ``[0, kv_len)`` of its buffer (Hopper).
 
-cuDNN's flash attention pays ~16-35% more when told a key length (its padding-mask
-kernel), even when the length covers the whole buffer (``benchmarks/RESULTS.md``). A frame
+cuDNN's flash attention pays more when told a key length (its padding-mask kernel), even
+when the length covers the whole buffer (docs/kernels/prefix_attention.md). A frame
 cache's visible keys are a prefix of a fixed-capacity buffer, so every call needs a length.
 This kernel takes it as data: the key loop runs ``ceil(kv_len / block_kv)`` steps and only
 the last step is masked, so a length costs nothing.
@@ -10,15 +10,16 @@ Design (FlashAttention-3's warp specialization, written with Pallas' Mosaic GPU 
 JAX's ``pallas/ops/gpu/attention_mgpu.py`` is the pattern): each program owns 128 queries
 of one head and one key chunk; two compute warpgroups (64 queries each) run QK^T and PV on
 the tensor cores (``wgmma``) with an online softmax in registers, ping-ponged by a barrier;
-a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` blocks ahead (both from ``tuning``).
+a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` blocks ahead (both from ``launch``).
 
     q: dtype[B, Tq, Hq, D]       queries (Tq padded to a multiple of 128 here)
     k, v: dtype[B, T, H, D]      key/value buffers (Hq a multiple of H: GQA), T = splits x chunk
     kv_len: i32[B]               visible prefix of each batch entry's buffer
     -> out dtype[B, Tq, Hq, D]   zeros where kv_len == 0
 
-``splits`` > 1 cuts each buffer into equal key chunks handled by separate programs (for
-few queries: 262 at 224x224 fill 48 of 132 SMs) and merges them by their log-sum-exp.
+``splits`` > 1 cuts each buffer into equal key chunks handled by separate programs (few
+queries make few programs; ``jaxkv.kernels.launch.prefix_splits`` picks the count) and
+merges them by their log-sum-exp.
 ``ref_prefix_attention`` is the float32 reference with the same contract. Mosaic GPU only
 (no interpret mode): the tests run it on a GPU.
 
@@ -39,7 +40,7 @@ from jax import lax
 
 from jaxkv.cuda import register_ffi_targets
 from jaxkv.math.attention import merge_partials, ref_attention
-from jaxkv.kernels.tuning import launch
+from jaxkv.kernels.launch import launch
 
 BLOCK_Q = 64  # queries per compute warpgroup (the wgmma M tile); a program holds 2 x BLOCK_Q
 LOG2E = math.log2(math.e)

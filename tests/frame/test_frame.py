@@ -326,14 +326,11 @@ def test_memory_target_after_1000_frames():
     assert abs(extra) < spec.page_size * per_token
 
 
-def test_prefix_kernel_split_rule_and_input_checks():
-    """The split rule and the kernel's argument checks run on any machine (trace time)."""
-    from jaxkv.frame.attention import prefix_splits
+def test_prefix_kernel_input_checks():
+    """The kernel's argument checks run on any machine (trace time); its split rule is
+    ``kernels.launch.prefix_splits`` (tests/kernels/test_launch.py)."""
     from jaxkv.kernels import prefix_attention
 
-    assert prefix_splits(1005, 16, 81920) == 1  # 128 programs already fill one wave of 132 SMs
-    assert prefix_splits(262, 16, 26624) == 8  # 48 programs: 8 chunks fill 2.9 waves
-    assert prefix_splits(262, 16, 26624 + 256) == 1  # no equal split into 256-row blocks
     q = jnp.ones((1, 10, 4, 64), jnp.bfloat16)
     kv = jnp.ones((1, 512, 2, 64), jnp.bfloat16)
     n = jnp.array([5], jnp.int32)

@@ -8,7 +8,7 @@ import pytest
 
 from jaxkv._backend import _flashmla_missing, _pool_cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, fill_splits, pool_attention, pool_attention_cuda,
+from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda,
                                           pool_attention_flashmla, ref_partial, ref_pool_attention, row_scales)
 from jaxkv.math import merge_partials
 
@@ -74,24 +74,6 @@ def test_partials_merge_into_the_reference(rng):
     ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
     np.testing.assert_allclose(np.asarray(merged), np.asarray(ref), rtol=1e-5, atol=1e-5)  # f32 rounding
     assert float(jnp.max(jnp.abs(ref[:-1]))) > 0.01
-
-
-def test_fill_splits_one_wave_no_idle_split():
-    """Every split gets a block, the programs fit one wave where the batch allows, and no
-    fewer blocks per split would: V4-Flash (64 heads, 10 blocks) and V4-Pro (128, 18)."""
-    sms = 132
-    for heads in (64, 128, 192):
-        for blocks in (1, 2, 3, 9, 10, 18, 33, 128):
-            for rows in (1, 2, 3, 4, 7, 8, 16, 32, 40, 64, 65, 128, 1024):
-                S = fill_splits(rows, heads, blocks, sms)
-                per = -(-blocks // S)
-                groups = rows * (heads // BLOCK)
-                assert 1 <= S <= blocks and (S - 1) * per < blocks, (rows, heads, blocks, S)
-                assert S == 1 or groups * S <= sms, (rows, heads, blocks, S)
-                fits = [n for n in range(1, blocks + 1) if groups * n <= sms] or [1]  # split counts in one wave
-                assert per == min(-(-blocks // n) for n in fits), (rows, heads, blocks, S)  # no fewer blocks per split
-    assert [fill_splits(b, 64, 10) for b in (1, 8, 16, 32, 64, 128)] == [10, 10, 5, 4, 2, 1]
-    assert [fill_splits(b, 128, 18) for b in (1, 2, 4, 8, 64)] == [18, 18, 9, 6, 1]
 
 
 def test_bad_inputs(rng):

@@ -12,14 +12,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch_bridge import FlashInferKVCacheManager  # noqa: E402
-from torch_bridge import manager as M  # noqa: E402
+from jaxkv.frame import NONE  # noqa: E402
+from torch_bridge import FlashInferKVCacheManager, kernels  # noqa: E402
+from torch_bridge import backends as B  # noqa: E402
+from torch_bridge import pages as P  # noqa: E402
 
 from frame_model import FrameModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-HAS_FLASHINFER_GPU = DEVICE == "cuda" and M.FLASHINFER_AVAILABLE
-HAS_CUDA_KERNEL = DEVICE == "cuda" and M.kernels.prefix_attention_available(DEVICE)
+HAS_FLASHINFER_GPU = DEVICE == "cuda" and B.FLASHINFER_AVAILABLE
+HAS_CUDA_KERNEL = DEVICE == "cuda" and kernels.prefix_attention_available(DEVICE)
 on_gpu = pytest.mark.skipif(not HAS_FLASHINFER_GPU, reason="needs CUDA torch and FlashInfer")
 
 
@@ -179,16 +181,17 @@ class _PrefixStandIn:
 @pytest.fixture
 def stand_in(monkeypatch):
     """Pretend FlashInfer and the cuda kernel run here, with ``StandIn`` and dense torch attention."""
-    monkeypatch.setattr(M, "flashinfer", StandIn)
-    monkeypatch.setattr(M, "FLASHINFER_AVAILABLE", True)
-    monkeypatch.setattr(M, "CUDA_ONLY", ())
-    monkeypatch.setattr(M.kernels, "PrefixAttention", _PrefixStandIn)
-    monkeypatch.setattr(M.kernels, "prefix_attention_available", lambda device: True)
+    context = B.backend_context
+    monkeypatch.setattr(B, "flashinfer", StandIn)
+    monkeypatch.setattr(B, "FLASHINFER_AVAILABLE", True)
+    monkeypatch.setattr(B, "backend_context", lambda *a, **k: {**context(*a, **k), "device": "cuda:0"})
+    monkeypatch.setattr(kernels, "PrefixAttention", _PrefixStandIn)
+    monkeypatch.setattr(kernels, "prefix_attention_available", lambda device: True)
     StandIn.plans = 0
     return StandIn
 
 
-STAND_INS = [f"stand-in:{b}" for b in M.CUDA_ONLY]
+STAND_INS = [f"stand-in:{b}" for b in B.BACKENDS if b not in ("auto", "sdpa")]
 # (backend, storage dtype, force_fp32): bf16 and fp16 on every backend, float32 (the seed's
 # force_fp32 path) on "sdpa", the only float32 one; on CPU the FlashInfer backends' code
 # paths with stand-in kernels.
@@ -263,7 +266,7 @@ def test_plan_once_per_frame_also_on_non_keyframes(stand_in, backend):
     L, H, D, P, NS, S, W = 4, 2, 64, 12, 2, 2, 3
     mgr = FlashInferKVCacheManager(L, 8, P + NS, H, D, torch.bfloat16, DEVICE, NS, S, W, 64, backend=backend)
     assert mgr.page_size == (16 if backend.endswith("fa3") else 12)
-    plans = (lambda: len(mgr._prefix.plans)) if backend == "cuda" else (lambda: stand_in.plans)  # noqa: E731
+    plans = (lambda: len(mgr._attention.prefix.plans)) if backend == "cuda" else (lambda: stand_in.plans)  # noqa: E731
     g = torch.Generator(device=DEVICE).manual_seed(0)
     rand = lambda: torch.randn(P + NS, H, D, generator=g, device=DEVICE)  # noqa: E731
     for t in range(12):
@@ -342,7 +345,7 @@ def test_visible_keys_are_one_prefix():
 
 @pytest.mark.parametrize("S, W, pow2", [(2, 3, False), (1, 0, False), (0, 2, True), (2, 3, True)])
 def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
-    """The manager takes rows, moves and page ids from its host mirror (``_Pages``), never
+    """The manager takes rows, moves and page ids from its host mirror (``pages.Pages``), never
     from the device: over random appends, deferred commits and rollbacks they must equal
     what ``jaxkv.frame`` computes on the device."""
     import jax.numpy as jnp
@@ -354,21 +357,21 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
                            scale_frames=S, sliding_window=W, max_frames=64, pow2_pages=pow2)
     meta = frame.init(spec).replace(k=(), v=())
     start, calls = meta, []
-    pages = M._Pages(spec)
+    pages = P.Pages(spec)
     rs = np.random.default_rng(S * 10 + W + pow2)
 
     def device_moves(m):  # i32[M, 3] (stream, src, dst); dst = trash where no move is made
         return [(int(src), int(dst)) for _, src, dst in np.asarray(m) if dst != spec.trash_row]
 
     for _ in range(40):
-        if pages.pending != M.NONE:
+        if pages.pending != NONE:
             keep = bool(rs.random() < 0.5)
-            calls.append((M.RESOLVE, keep))
+            calls.append((P.RESOLVE, keep))
             meta, m = ops.resolve_moves(meta, keep)
             assert pages.resolve(keep) == device_moves(m)
         else:
             defer = bool(rs.random() < 0.4)
-            calls.append((M.BEGIN, defer))
+            calls.append((P.BEGIN, defer))
             meta, m = ops.begin_frame_moves(meta, defer)
             moves, special_row, patch_row = pages.begin(defer)
             assert moves == device_moves(m)
@@ -387,12 +390,13 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         np.testing.assert_array_equal(tid >= 0, ~pad)
     assert int(jnp.max(meta.error)) == 0
     # The manager replays its queued bookkeeping in one batched call: the same state.
-    padded = np.zeros((M.REPLAY, 2), np.int32)
+    padded = np.zeros((P.REPLAY, 2), np.int32)
     padded[: len(calls)] = calls
-    replayed = M._replay(start, padded)
+    replayed = P.replay(start, padded)
     for name in ("token_id", "num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
                  "write_patch_row", "write_special_row", "error"):
-        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)), err_msg=name)
+        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)),
+                                      err_msg=name)
 
 
 def _snapshot(mgr):
@@ -516,44 +520,31 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(backend):
 
 
 def test_backend_errors_and_choice():
+    """The manager's ``backend=`` is the registry's ``torch.attention`` operation, fed by what
+    the torch side knows (``backend_context``); refusals name ``backend``."""
+    from jaxkv import _backend
+
     for bad in ("jaxkv", "fa2", "SDPA", None):
         with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'sdpa', 'cuda', 'flashinfer'.*got " +
                            repr(bad).replace("(", r"\(")):
             FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 2, backend=bad)
+
+    def check(backend, device, force_fp32=False, dtype=torch.bfloat16, head_dim=64):
+        _backend.choose("torch.attention", backend, **B.backend_context(device, dtype, head_dim, force_fp32=force_fp32))
+
     with pytest.raises(ValueError, match="backend: .*got 'cuda': .*needs a CUDA device"):
-        M._check_backend("cuda", torch.device("cpu"), False)
-    with pytest.raises(ValueError, match="backend: .*got 'cuda': .*" + ("force_fp32" if HAS_CUDA_KERNEL else "sm_90")):
-        M._check_backend("cuda", torch.device("cuda", 0), True)
-    for fi in (b for b in M.CUDA_ONLY if b.startswith("flashinfer")):
+        check("cuda", "cpu")
+    if DEVICE == "cuda":
+        why = "force_fp32" if HAS_CUDA_KERNEL else "sm_90"
+        with pytest.raises(ValueError, match="backend: .*got 'cuda': .*" + why):
+            check("cuda", "cuda:0", True)
+    for fi in ("flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3"):
         with pytest.raises(ValueError, match="backend: .*needs a CUDA device"):
-            M._check_backend(fi, torch.device("cpu"), False)
-        with pytest.raises(ValueError, match="backend: .*force_fp32" if M.FLASHINFER_AVAILABLE else "not importable"):
-            M._check_backend(fi, torch.device("cuda", 0), True)
-        if not M.FLASHINFER_AVAILABLE:
-            with pytest.raises(ValueError, match=f"backend: .*got '{fi}': flashinfer is not importable"):
-                M._check_backend(fi, torch.device("cuda", 0), False)
+            check(fi, "cpu")
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="needs a CUDA device"):
             FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, "cpu", 2, backend="flashinfer")
-    choose = M.choose_backend
-    assert choose("cpu") == choose("cpu", fa3=True) == choose("cpu", force_fp32=True) == "sdpa"
-    assert choose("cuda", flashinfer_available=False, cuda_available=False) == \
-        choose("cuda", fa3=True, flashinfer_available=False, cuda_available=False) == "sdpa"
-    assert choose("cuda", force_fp32=True, flashinfer_available=True) == "sdpa"
-    assert choose("cuda", fa3=True, flashinfer_available=True) == "flashinfer-paged-fa3"
-    for fi in (False, True):  # the cuda kernel wherever it runs (bf16, head_dim 64)
-        for tpf in (262, 1005):
-            assert choose("cuda", flashinfer_available=fi, tokens_per_frame=tpf, cuda_available=True) == "cuda"
-        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=1005, cuda_available=True,
-                      dtype=torch.float16) == ("flashinfer" if fi else "sdpa")
-        assert choose("cuda", flashinfer_available=fi, tokens_per_frame=262, cuda_available=True,
-                      head_dim=128) == ("flashinfer-paged-fa2" if fi else "sdpa")
-    assert choose("cuda", flashinfer_available=True, tokens_per_frame=1005, cuda_available=False) == "flashinfer"
-    assert choose("cuda", flashinfer_available=True, tokens_per_frame=262, cuda_available=False) == \
-        "flashinfer-paged-fa2"
-    assert choose("cuda", flashinfer_available=False, tokens_per_frame=262, cuda_available=False) == "sdpa"
-    assert [M.cuda_splits(t, 16, n, 132) for t, n in ((1005, 72648), (262, 19152), (262, 3000), (262, 100))] == \
-        [1, 2, 1, 1]
+    assert B.backend_context("cpu", torch.float16, 64)["dtype"] == "float16"
     # fa3 keeps its power-of-two pages only on the paged FA3 backend
     mgr = FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 3, fa3=True, backend="sdpa")
     assert mgr.page_size == 7 and mgr.fa3
@@ -630,7 +621,7 @@ def test_gpu_backends_equal_sdpa(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA torch")
-@pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b in M.PREFIX_BACKENDS])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b in B.PREFIX_BACKENDS])
 def test_gpu_prefix_backends_never_sync(backend):
     """Steady-state frames (window full, keyframes and non-keyframes) under torch's sync debug
     mode "error": the append, the bookkeeping and the prefix attention make no host sync."""
