@@ -8,7 +8,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#include "../cuda/ptx.cuh"  // wgmma (sm_90a)
+#include "../jaxkv/cuda/ptx.cuh"  // wgmma (sm_90a)
 
 namespace {
 

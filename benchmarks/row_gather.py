@@ -48,7 +48,7 @@ from _timing import kernel_ms_per_step  # noqa: E402
 from jaxkv.cuda.build import _flags, cache_dir, link_cached  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_gather.cu")
-HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cuda", "ptx.cuh")  # included: part of the key
+HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jaxkv", "cuda", "ptx.cuh")  # included: part of the key
 ROW, SCALE = 576, 8
 SMS = 132  # H100 SXM
 # (label, mode, rows per thread or per group, threads per CTA, CTAs per SM[, load variant, products' duty])

@@ -32,11 +32,13 @@ class BuildError(RuntimeError):
 
 
 def source_dir() -> Path:
-    """The repository's ``cuda/`` (the package is installed editable from the repo)."""
-    d = Path(__file__).resolve().parents[2] / "cuda"
-    if not all((d / s).is_file() for s in SOURCES + HEADERS):
-        raise BuildError(f"cuda sources not found: expected {', '.join(SOURCES + HEADERS)} in {d} "
-                         "(install jaxkv from a checkout: pip install -e .)")
+    """This package's directory: the ``.cu`` / ``.cuh`` sources ship beside this module as
+    package data, so an installed wheel builds them as a checkout does."""
+    d = Path(__file__).resolve().parent
+    missing = [s for s in SOURCES + HEADERS if not (d / s).is_file()]
+    if missing:
+        raise BuildError(f"CUDA sources: expected {', '.join(SOURCES + HEADERS)} in {d}, missing "
+                         f"{', '.join(missing)} (an install without jaxkv's package data)")
     return d
 
 

@@ -39,8 +39,8 @@ NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas 
     "--use_fast_math", "--ptxas-options=--register-usage-level=10",
     "-gencode", "arch=compute_90a,code=sm_90a",
 )
-HANDLER = "flashmla_sparse_decode.cu"  # under cuda/: the FFI handler, jaxkv's
-HANDLER_HEADERS = ("ffi_handler.cuh",)  # under cuda/, included by HANDLER: part of the key
+HANDLER = "flashmla_sparse_decode.cu"  # in jaxkv/cuda/ (build.source_dir()): the FFI handler, jaxkv's
+HANDLER_HEADERS = ("ffi_handler.cuh",)  # in jaxkv/cuda/, included by HANDLER: part of the key
 FFI_TARGET = "jaxkv_flashmla_sparse_decode"
 HEADS = (64, 128)  # query heads the sm90 kernel is instantiated for
 
