@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import statistics
 import sys
@@ -45,10 +44,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import kernel_ms_per_step  # noqa: E402
 
-from jaxkv.cuda.build import _flags, cache_dir, link_cached  # noqa: E402
+from jaxkv.cuda.build import kernel_flags, shared_library, source_dir  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_gather.cu")
-HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "jaxkv", "cuda", "ptx.cuh")  # included: part of the key
 ROW, SCALE = 576, 8
 SMS = 132  # H100 SXM
 # (label, mode, rows per thread or per group, threads per CTA, CTAs per SM[, load variant, products' duty])
@@ -77,9 +75,9 @@ BESIDE = [("by thread", 2, 2, 256, 1, 0, busy) for busy in (0, 1, 2)] + [
 
 
 def library() -> str:
-    flags = _flags("90a")
-    key = hashlib.sha256(open(SOURCE, "rb").read() + open(HEADER, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
-    return str(link_cached(cache_dir() / "bench" / key / "row_gather.so", [SOURCE], flags))
+    """row_gather.cu (it includes jaxkv's ptx.cuh) built by jaxkv.cuda.build into its cache."""
+    return str(shared_library("bench", "row_gather.so", [SOURCE], kernel_flags("90a"),
+                              headers=[source_dir() / "ptx.cuh"]))
 
 
 def row_ids(B: int, M: int, K: int = 512, W: int = 128):
