@@ -4,7 +4,8 @@ atomically into the cache. Every CUDA build of the project goes through here:
 * ``build`` / ``library``: the kernels library of this package's sources, one per arch.
   One library serves both sides: XLA FFI handlers for ``jax.ffi`` (``jaxkv.kernels``) and
   ``extern "C"`` launchers for ``ctypes`` (``torch_bridge.kernels``).
-* ``jaxkv.cuda.flashmla``: FlashMLA's sparse decode with jaxkv's XLA FFI handler.
+* ``jaxkv.cuda.flashmla``: FlashMLA's sparse decode with jaxkv's handler and launcher, the
+  same library for ``jax.ffi`` and for ``torch_bridge.flashmla``.
 * ``shared_library`` / ``executable`` for anything else (benchmark and test programs).
 
 The sources ship inside the package (``source_dir``) and are compiled on first use, so an

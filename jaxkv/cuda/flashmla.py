@@ -1,13 +1,14 @@
-"""FlashMLA's sm90 sparse FP8 decode as an XLA FFI target, built from a FlashMLA source tree
-on first use: ``kernels.pool_attention_flashmla`` and ``hybrid.attention(impl="flashmla")``.
+"""FlashMLA's sm90 sparse FP8 decode, built from a FlashMLA source tree on first use into
+one library that serves both sides: an XLA FFI target (``kernels.pool_attention_flashmla``,
+``hybrid.attention(impl="flashmla")``) and a C launcher that ``torch_bridge.flashmla`` calls
+through ``ctypes``.
 
 Nothing of FlashMLA lives in this package. ``$FLASHMLA_SRC`` names a FlashMLA checkout (with
 its ``csrc/cutlass`` submodule) or the trimmed tree ``tools/flashmla_tree.sh`` makes in
 ``.upstream/flashmla``; ``build`` compiles the scheduler, the combine and the two MODEL1
-decode instantiations from it, plus jaxkv's handler ``flashmla_sparse_decode.cu``, through
-``jaxkv.cuda.build`` (``$JAXKV_CACHE_DIR``/flashmla/<key>/, the key hashing the FlashMLA
-files below, jaxkv's, the FFI headers, the flags and nvcc). ``torch_bridge.flashmla`` builds
-the same sources as a torch extension and takes the lists below from here.
+decode instantiations from it, plus jaxkv's ``flashmla_sparse_decode.cu`` (the handler and
+the launcher), through ``jaxkv.cuda.build`` (``$JAXKV_CACHE_DIR``/flashmla/<key>/, the key
+hashing the FlashMLA files below, jaxkv's, the FFI headers, the flags and nvcc).
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas 
     "--use_fast_math", "--ptxas-options=--register-usage-level=10",
     "-gencode", "arch=compute_90a,code=sm_90a",
 )
-HANDLER = "flashmla_sparse_decode.cu"  # in jaxkv/cuda/ (build.source_dir()): the FFI handler, jaxkv's
+HANDLER = "flashmla_sparse_decode.cu"  # in jaxkv/cuda/ (build.source_dir()): the FFI handler and C launcher
 HANDLER_HEADERS = ("ffi_handler.cuh",)  # in jaxkv/cuda/, included by HANDLER: part of the key
 FFI_TARGET = "jaxkv_flashmla_sparse_decode"
+LAUNCHER = "jaxkv_flashmla_sparse_decode"  # the extern "C" launcher's symbol (torch_bridge.flashmla)
 HEADS = (64, 128)  # query heads the sm90 kernel is instantiated for
 
 
@@ -73,7 +75,7 @@ def _flags(csrc: Path) -> list[str]:
 
 
 def build(src=None) -> Path:
-    """The shared library (FlashMLA's sm90 sparse decode + jaxkv's FFI handler),
+    """The shared library (FlashMLA's sm90 sparse decode + jaxkv's handler and launcher),
     compiled if the cache lacks it."""
     csrc = source_dir(src)
     here = jaxkv_source_dir()
@@ -98,5 +100,5 @@ def register_ffi_target() -> str:
     return FFI_TARGET
 
 
-__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "NVCC_FLAGS", "SOURCES", "build", "library",
+__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "LAUNCHER", "NVCC_FLAGS", "SOURCES", "build", "library",
            "missing", "register_ffi_target", "source_dir"]
