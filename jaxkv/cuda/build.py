@@ -13,7 +13,8 @@ installed wheel builds them as a checkout does. Results live under
 ``cache_dir()/<kind>/<key>/<name>`` (``$JAXKV_CACHE_DIR``, default ``~/.cache/jaxkv``),
 never in the package directory, which may be read-only. The key hashes every source and
 header given, the XLA FFI headers, nvcc's version and the flags (which carry the pool layout
-from ``jaxkv.formats.storage``, the arch and the include directories), so an edit, another
+from ``jaxkv.formats.storage``, the arch and the include directories; with them the flags
+nvcc reads from ``$NVCC_PREPEND_FLAGS`` / ``$NVCC_APPEND_FLAGS``), so an edit, another
 toolkit or another FlashMLA tree builds anew and nothing stale is loaded. A result is
 written under a temporary name and renamed into place: processes building the same key at
 once never load a half-written file.
@@ -107,9 +108,13 @@ def cache_dir() -> Path:
     return Path(os.environ.get("JAXKV_CACHE_DIR", Path.home() / ".cache" / "jaxkv")).expanduser()
 
 
+ENV_FLAGS = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")  # flags nvcc reads from the environment
+
+
 def key(files, flags) -> str:
     """The cache key of a build of ``files`` (sources and the headers they include) with
-    ``flags``: their bytes, the XLA FFI headers, nvcc's version and the flags."""
+    ``flags``: their bytes, the XLA FFI headers, nvcc's version, the flags and those of
+    ``ENV_FLAGS`` (a ``-D`` there changes what is built)."""
     h = hashlib.sha256()
     for f in files:
         data = Path(f).read_bytes()
@@ -118,7 +123,7 @@ def key(files, flags) -> str:
     for hdr in sorted(Path(ffi_include(), "xla", "ffi", "api").glob("*.h")):
         h.update(hdr.read_bytes())
     h.update(nvcc_version(nvcc()).encode())
-    h.update("\0".join(flags).encode())
+    h.update("\0".join([*flags, *(f"{v}={os.environ.get(v, '')}" for v in ENV_FLAGS)]).encode())
     return h.hexdigest()[:16]
 
 

@@ -36,6 +36,8 @@ def fake_nvcc(tmp_path, monkeypatch):
         return path
 
     monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "cache"))
+    for v in B.ENV_FLAGS:
+        monkeypatch.delenv(v, raising=False)
     monkeypatch.setattr(B, "ffi_include", lambda: str(tmp_path))  # no FFI headers to hash
     return make
 
@@ -45,7 +47,7 @@ def _calls(tmp_path):
     return [line for line in log.read_text().splitlines() if line != "--version"] if log.exists() else []
 
 
-def test_builds_once_per_key_and_rebuilds_on_any_input(tmp_path, fake_nvcc):
+def test_builds_once_per_key_and_rebuilds_on_any_input(tmp_path, fake_nvcc, monkeypatch):
     fake_nvcc()
     a, h = tmp_path / "a.cu", tmp_path / "a.cuh"
     a.write_text("// a\n")
@@ -62,10 +64,12 @@ def test_builds_once_per_key_and_rebuilds_on_any_input(tmp_path, fake_nvcc):
     h.write_text("// h, edited\n")
     keys.add(B.shared_library("t", "liba.so", [a], ["-O3"], headers=[h]).parent.name)
     keys.add(B.shared_library("t", "liba.so", [a], ["-O2"], headers=[h]).parent.name)
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-DJAXKV_FLUSH_ROWS=8")  # nvcc reads it
+    keys.add(B.shared_library("t", "liba.so", [a], ["-O2"], headers=[h]).parent.name)
     B.nvcc_version.cache_clear()
     fake_nvcc(version="2.0")
     keys.add(B.shared_library("t", "liba.so", [a], ["-O2"], headers=[h]).parent.name)
-    assert len(keys) == 4  # a header, the flags, the toolkit: each a new key
+    assert len(keys) == 5  # a header, the flags, nvcc's flags from the environment, the toolkit: each a new key
 
 
 def test_a_failed_compile_names_what_was_expected_and_leaves_nothing(tmp_path, fake_nvcc):
