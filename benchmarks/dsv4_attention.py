@@ -1,9 +1,9 @@
 """DeepSeek-V4 decode attention over the FP8 pools: the ``cuda/`` kernel
 (``kernels.pool_attention_cuda``) vs the Mosaic GPU kernel (``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
 FlashMLA's sm90 sparse decode on the same pool bytes, through jax.ffi (``flashmla``:
-``kernels.pool_attention_flashmla``, opt-in with ``--contenders``) and through its own torch
-binding (``flashmla-torch``, whenever ``FLASHMLA_SRC`` is set and torch with CUDA is
-importable), per shape: one token per request, top-k entries + a
+``kernels.pool_attention_flashmla``, opt-in with ``--contenders``) and from torch
+(``torch_bridge.flashmla``, the same library through ctypes: ``flashmla-torch``, whenever
+``FLASHMLA_SRC`` is set and torch with CUDA is importable), per shape: one token per request, top-k entries + a
 128-item window, an attention sink. Back-to-back calls (dispatch amortized), median of
 ``--reps`` rounds after warm-up; TFLOP/s counts QK and PV (4 * H * keys * 512 per token).
 The floors beside them: the H100's dense BF16 peak (``PEAK_TFLOPS``) and the device-to-device
@@ -111,7 +111,7 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
     try:
         flashmla.load()
     except (ImportError, RuntimeError) as e:  # a failed build: say why, time the others
-        return None, f"FlashMLA's torch binding did not build: {str(e).splitlines()[0][:300]}"
+        return None, f"FlashMLA's library did not build or load: {str(e).splitlines()[0][:300]}"
     tq = torch.from_dlpack(q).reshape(B, 1, H, 512)
     pool, ring = (torch.from_dlpack(p) for p in pools)
     idx = torch.from_dlpack(rows[:, :K]).reshape(B, 1, K)

@@ -8,7 +8,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#include "../cuda/ptx.cuh"  // wgmma (sm_90a)
+#include "../jaxkv/cuda/ptx.cuh"  // wgmma (sm_90a)
 
 namespace {
 
@@ -129,9 +129,8 @@ __device__ __forceinline__ uint4 load_rows(const int32_t* ids, int n, const uint
   return acc;
 }
 // The launch bounds let ptxas hold all R rows' loads in flight, as the attention's producer
-// does (SASS: every load of a group before its first use). Without them it allotted 48
-// registers and put the XORs between the loads, about one row per thread in flight, whatever
-// R: the figures of this loader before 2026-11-26's second run, 46-49% of copy at R = 2.
+// does (SASS: every load of a group before its first use; without them about one row per
+// thread is in flight, whatever R: docs/kernels/pool_attention.md).
 template <int R>
 __global__ void __launch_bounds__(R == 4 ? 256 : 512, 1) rows_by_thread(const int32_t* ids, int n, const uint4* codes, const uint2* scales, uint4* out) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = load_rows<R>(ids, n, codes, scales, blockDim.x);  // keeps the loads
@@ -225,8 +224,7 @@ using Stream = ffi::PlatformStream<cudaStream_t>;
 
 // Dynamic shared memory for a kernel that needs ``bytes`` of it, launched as ``ctas`` CTAs:
 // at least enough that no more than ctas / SMs CTAs fit an SM (228 KiB), so that the block
-// scheduler cannot stack them on some SMs and leave others idle (a guard: with and without it
-// the loaders measured the same on an H100)
+// scheduler cannot stack them on some SMs and leave others idle (a guard)
 template <class K>
 static int per_sm_smem(K kernel, int bytes, int ctas) {
   int dev = 0, sms = 1;

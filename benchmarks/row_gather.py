@@ -1,9 +1,9 @@
 """How fast can an H100 read DeepSeek-V4's scattered pool rows at all, and with how many loads in
 flight? The ``cuda`` pool attention reads each key's row (576 bytes of FP8 codes + BF16 rope,
-64-byte aligned, and 8 scale bytes elsewhere) from wherever the top-k put it; issue 21 asks it
-to move its bytes at 60% of copy bandwidth. This script reads the same pattern and nothing
-else (``row_gather.cu``, built on first use into the cache directory), so the figures say what
-the memory system gives such rows for a given loader:
+64-byte aligned, and 8 scale bytes elsewhere) from wherever the top-k put it, and its target
+is a share of copy bandwidth (docs/kernels/pool_attention.md). This script reads the same
+pattern and nothing else (``row_gather.cu``, built on first use into the cache directory), so
+the figures say what the memory system gives such rows for a given loader:
 
 * ``by thread``: the attention producer's layout (four threads per row, nine 16-byte loads
   each, the next group's row ids one group ahead) with 128 to 512 threads per SM and 1 to 4
@@ -18,7 +18,7 @@ copies) with a second warpgroup in the CTA that runs the 64-head attention's Q K
 ``wgmma`` products over 128 KiB of shared memory while they load: never (``idle``), back to
 back (``busy``), with a 2 us pause after each (``part``), or back to back with A from registers
 (half the shared-memory reads). Whether the tensor cores' reads of shared memory slow the loads,
-which take 1.6x as long inside the attention as alone.
+which take longer inside the attention than alone.
 
 The rows: V4-Flash decode at batch B, each request's 512 top-k rows at random in a 1 GiB area
 and its 128 window rows contiguous (as ``dsv4_attention.py`` picks them), the same rows on every
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import statistics
 import sys
@@ -45,10 +44,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _timing import kernel_ms_per_step  # noqa: E402
 
-from jaxkv.cuda.build import _flags, cache_dir, link_cached  # noqa: E402
+from jaxkv.cuda.build import kernel_flags, shared_library, source_dir  # noqa: E402
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "row_gather.cu")
-HEADER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "cuda", "ptx.cuh")  # included: part of the key
 ROW, SCALE = 576, 8
 SMS = 132  # H100 SXM
 # (label, mode, rows per thread or per group, threads per CTA, CTAs per SM[, load variant, products' duty])
@@ -77,9 +75,9 @@ BESIDE = [("by thread", 2, 2, 256, 1, 0, busy) for busy in (0, 1, 2)] + [
 
 
 def library() -> str:
-    flags = _flags("90a")
-    key = hashlib.sha256(open(SOURCE, "rb").read() + open(HEADER, "rb").read() + " ".join(flags).encode()).hexdigest()[:16]
-    return str(link_cached(cache_dir() / "bench" / key / "row_gather.so", [SOURCE], flags))
+    """row_gather.cu (it includes jaxkv's ptx.cuh) built by jaxkv.cuda.build into its cache."""
+    return str(shared_library("bench", "row_gather.so", [SOURCE], kernel_flags("90a"),
+                              headers=[source_dir() / "ptx.cuh"]))
 
 
 def row_ids(B: int, M: int, K: int = 512, W: int = 128):

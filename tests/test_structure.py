@@ -247,7 +247,7 @@ LAYOUT_LITERALS = re.compile(r"(?<![\w.%\[])(584|580|576|68|76)(?![\w.])")
 
 def test_layout_numbers_have_one_owner():
     bad = []
-    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + sorted((ROOT / "cuda").glob("*.cu*"))
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + sorted((ROOT / "jaxkv" / "cuda").glob("*.cu*"))
     for path in files:
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith("jaxkv/formats/"):

@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# A FlashMLA source tree small enough to carry to the GPU machine (about 30 MB): FlashMLA's
-# csrc/ headers and kernels that jaxkv's two builds read (jaxkv.cuda.flashmla: the sm90
-# sparse decode as an XLA FFI target; torch_bridge.flashmla: the same as a torch extension,
-# whose dispatcher also includes sm100 headers) and CUTLASS's include/.
+# A FlashMLA source tree small enough to carry to the GPU machine (about 30 MB): the csrc/
+# headers and kernels of FlashMLA that jaxkv's build reads (jaxkv.cuda.flashmla: the sm90
+# sparse decode in one library for jax.ffi and torch_bridge.flashmla) and CUTLASS's include/.
 #
 #   tools/flashmla_tree.sh FLASHMLA_CHECKOUT [CUTLASS_CHECKOUT] [DEST=.upstream/flashmla]
 #
@@ -15,6 +14,6 @@ dest=${3:-.upstream/flashmla}
 [ -f "$src/csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh" ] || { echo "$src: not a FlashMLA checkout (no csrc/sm90/decode/sparse_fp8)"; exit 1; }
 [ -f "$cutlass/include/cute/tensor.hpp" ] || { echo "$cutlass: no CUTLASS include/ (init FlashMLA's csrc/cutlass submodule or pass a CUTLASS checkout)"; exit 1; }
 rm -rf "$dest" && mkdir -p "$dest/csrc/cutlass"
-cp -r "$src"/csrc/{api,kerutils,sm90,sm100,smxx} "$src"/csrc/*.h "$dest/csrc/"
+cp -r "$src"/csrc/{api,kerutils,sm90,smxx} "$src"/csrc/*.h "$dest/csrc/"
 cp -r "$cutlass/include" "$dest/csrc/cutlass/"
 du -sh "$dest"

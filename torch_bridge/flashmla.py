@@ -8,31 +8,32 @@ MODEL1 block byte for byte (``bs`` x [448 FP8 e4m3 + 64 BF16 rope dims], then ``
 FlashMLA has (MODEL1 wants UE8M0 per 64 dims after the block's data; V3.2 wants 512 FP8
 dims with 4 f32 scales per 128), so there it raises.
 
-Nothing of FlashMLA lives in this package. ``load`` compiles the sm90 sparse decode alone
-(5 translation units, the binding and stubs written below) from a FlashMLA source tree:
-``load(src)`` or ``$FLASHMLA_SRC`` -- a checkout with its ``csrc/cutlass`` submodule, or the
-trimmed tree ``tools/flashmla_tree.sh`` makes in ``.upstream/flashmla``. The extension is cached under
-``$FLASHMLA_BUILD`` if set, else ``$JAXKV_CACHE_DIR`` (default ``~/.cache/jaxkv``)
-``/flashmla/<key>/``, the key hashing the sources, flags, torch and nvcc.
+Nothing of FlashMLA lives in this package. ``load`` builds FlashMLA's sm90 sparse decode with
+jaxkv's launcher into the library ``jaxkv.cuda.flashmla`` builds for ``jax.ffi`` (one build,
+one cache: ``jaxkv.cuda.build``), from ``load(src)`` or ``$FLASHMLA_SRC`` -- a checkout with
+its ``csrc/cutlass`` submodule, or the trimmed tree ``tools/flashmla_tree.sh`` makes in
+``.upstream/flashmla`` -- and calls its ``extern "C"`` launcher through ``ctypes`` with the
+tensors' data pointers, as ``torch_bridge.kernels`` calls jaxkv's own kernels. The launcher
+does what FlashMLA's torch entry point does on sm90 (the same code path as the FFI handler).
 
-Imports torch, the standard library and ``jaxkv.cuda.flashmla`` (the FlashMLA file list and
-flags, shared with the JAX FFI build of the same kernels); ``import jaxkv`` does not import it. jax
-arrays cross with ``torch.from_dlpack`` (``torch_bridge.to_torch``): zero-copy views.
-The kernels run on torch's current stream of the tensors' device.
+Imports torch, the standard library, ``jaxkv.cuda.flashmla`` and ``torch_bridge.kernels``;
+``import jaxkv`` does not import it. jax arrays cross with ``torch.from_dlpack``
+(``torch_bridge.to_torch``): zero-copy views. The kernels run on torch's current stream of
+the tensors' device.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
-import hashlib
-import os
-import subprocess
 import threading
-from pathlib import Path
 
 import torch
 
-from jaxkv.cuda.flashmla import HEADS, INCLUDES, KEYED, NVCC_FLAGS, SOURCES, source_dir
+from jaxkv.cuda import flashmla as _ffi
+from jaxkv.cuda.flashmla import HEADS, source_dir
+from torch_bridge.kernels import _stream
 
 HEAD_DIM = 512  # q / entry dims FlashMLA's MODEL1 path takes (448 FP8 nope + 64 BF16 rope)
 TOPK_BLOCK = 64  # the kernel walks indices 64 at a time: topk and window widths are multiples
@@ -40,107 +41,51 @@ TOPK_BLOCK = 64  # the kernel walks indices 64 at a time: topk and window widths
 # jaxkv.formats.storage.entry_bytes("official"), which tests/torch_bridge/test_flashmla.py checks.
 _NOPE, _ROPE, _TILE = 448, 64, 64
 MODEL1_ENTRY_BYTES = _NOPE + 2 * _ROPE + _NOPE // _TILE + 1  # 584
-
-# --- build: the FlashMLA files, includes and nvcc flags are jaxkv.cuda.flashmla's (its FFI build compiles the same) ---
-CXX_FLAGS = ("-O3", "-std=c++20", "-DNDEBUG", "-Wno-deprecated-declarations")
-
-# The binding: FlashMLA's api.cpp binds every kernel family; this one binds the sparse decode.
-_BINDING = r"""// written by jaxkv torch_bridge.flashmla: FlashMLA's sparse FP8 decode alone
-#include <pybind11/pybind11.h>
-#include "api/sparse_decode.h"
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-    m.doc() = "FlashMLA sparse FP8 decode (sm90 MODEL1), built by jaxkv torch_bridge.flashmla";
-    m.def("sparse_decode_fwd", &sparse_attn_decode_interface);
-}
-"""
-BINDING_HEADERS = ("sm100/decode/head64/kernel.h", "sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h")
-# The kernels left out (V3.2's layout, the sm100 paths): api/sparse_decode.h's dispatcher
-# names them, so they are defined here to raise instead of being compiled.
-_STUBS = r"""// written by jaxkv torch_bridge.flashmla: kernels this build leaves out raise
-#include <torch/extension.h>
-#include "params.h"
-#include "sm90/decode/sparse_fp8/splitkv_mla.h"
-#include "sm100/decode/head64/kernel.h"  // BINDING_HEADERS
-#include "sm100/prefill/sparse/fwd_for_small_topk/head128/phase1.h"
-
-[[noreturn]] static void not_built(const char *what) {
-    TORCH_CHECK(false, "FlashMLA (jaxkv build): ", what, " is not built; only the sm90 MODEL1 sparse decode is");
-}
-
-namespace sm90::decode::sparse_fp8 {
-template<> void run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 64>(const SparseAttnDecodeParams &) { not_built("the V3.2 layout"); }
-template<> void run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32, 128>(const SparseAttnDecodeParams &) { not_built("the V3.2 layout"); }
-}
-namespace sm100::decode::head64 {
-template<> void run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::V32>(const SparseAttnDecodeParams &) { not_built("sm100"); }
-template<> void run_flash_splitkv_mla_fp8_sparse_kernel<ModelType::MODEL1>(const SparseAttnDecodeParams &) { not_built("sm100"); }
-}
-namespace sm100::fwd_for_small_topk::head128 {
-template<> void run_fwd_for_small_topk_phase1_kernel<SparseAttnFwdMode::DecodeWithSplitKV, 512>(const SparseAttnDecodeParams &) { not_built("sm100"); }
-}
-"""
+SCHED_INTS = 8  # ints per SM part in FlashMLA's tile schedule (sizeof(DecodingSchedMeta) / 4)
 
 _lock = threading.Lock()
-_module = None
+_library = None  # the typed library once loaded
 
 
-def _nvcc_version() -> str:
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    if CUDA_HOME is None:
-        raise RuntimeError("FlashMLA build: no CUDA toolkit found (torch's CUDA_HOME is None); set CUDA_HOME")
-    nvcc = Path(CUDA_HOME) / "bin" / "nvcc"
-    return subprocess.run([str(nvcc), "--version"], capture_output=True, text=True).stdout
-
-
-def _key(csrc: Path) -> str:
-    h = hashlib.sha256()
-    for f in KEYED:
-        h.update((csrc / f).read_bytes())
-    for part in (_BINDING, _STUBS, " ".join(CXX_FLAGS), " ".join(NVCC_FLAGS), torch.__version__,
-                 str(torch.version.cuda), _nvcc_version()):
-        h.update(part.encode())
-    return h.hexdigest()[:16]
-
-
-def build_dir(csrc: Path) -> Path:
-    """Where the extension of ``csrc`` is built: ``$FLASHMLA_BUILD``, else the keyed cache."""
-    if os.environ.get("FLASHMLA_BUILD"):
-        return Path(os.environ["FLASHMLA_BUILD"]).expanduser()
-    cache = Path(os.environ.get("JAXKV_CACHE_DIR", Path.home() / ".cache" / "jaxkv"))
-    return cache / "flashmla" / _key(csrc)
+def _typed(lib):
+    if not getattr(lib, "_jaxkv_typed", False):
+        p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
+        f = getattr(lib, _ffi.LAUNCHER)
+        f.argtypes = [p, i64, i64, i64,  # stream, b, s_q, h
+                      p, i64, i64, i64,  # q and its strides
+                      p, i64, i64, i64,  # kv, num_blocks, block_size, block stride (bytes)
+                      p, i64, i64, i64, p,  # indices, topk, strides, topk_length
+                      p, i64, i64, i64,  # extra_kv, num_blocks, block_size, block stride
+                      p, i64, i64, i64, p,  # extra_indices, extra_topk, strides, extra_topk_length
+                      p, ctypes.c_float, p, p,  # sink, scale, out, lse
+                      p, p, i64, i32,  # sched, splits, parts, make_schedule
+                      p, p, ctypes.c_char_p, i64]  # lse_acc, o_acc, error, error_size
+        f.restype = ctypes.c_int
+        lib._jaxkv_typed = True
+    return lib
 
 
 def load(src=None, *, verbose: bool = False):
-    """The compiled extension (``sparse_decode_fwd``), built on the first call from ``src``
-    or ``$FLASHMLA_SRC``; later calls return the same module."""
-    global _module
-    with _lock:
-        if _module is not None:
-            return _module
-        csrc = source_dir(src)
-        absent = [h for h in BINDING_HEADERS if not (csrc / h).is_file()]
-        if absent:  # the FFI build needs only the sm90 files; this binding's dispatcher names the rest
-            raise ImportError(f"{csrc.parent}: FlashMLA's torch binding also needs {', '.join(absent)} under csrc/ "
-                              "(its api/sparse_decode.h includes them)")
-        if not torch.cuda.is_available() or torch.version.cuda is None:
-            raise RuntimeError("FlashMLA needs a CUDA build of torch and a GPU")
-        from torch.utils import cpp_extension
+    """The library with FlashMLA's sparse decode (a ``ctypes.CDLL``; its launcher is
+    ``jaxkv.cuda.flashmla.LAUNCHER``), built on the first call from ``src`` or
+    ``$FLASHMLA_SRC``; later calls return the same library. ``verbose``: print its path.
 
-        out = build_dir(csrc)
-        out.mkdir(parents=True, exist_ok=True)
-        glue = []
-        for name, text in (("jaxkv_binding.cpp", _BINDING), ("jaxkv_stubs.cpp", _STUBS)):
-            path = out / name
-            if not path.is_file() or path.read_text() != text:  # rewritten only on change: no rebuild
-                path.write_text(text)
-            glue.append(str(path))
-        _module = cpp_extension.load(
-            name="jaxkv_flashmla", sources=glue + [str(csrc / s) for s in SOURCES],
-            extra_include_paths=[str(csrc / i) for i in INCLUDES], extra_cflags=list(CXX_FLAGS),
-            extra_cuda_cflags=list(NVCC_FLAGS), build_directory=str(out), verbose=verbose)
-        return _module
+    ImportError when the FlashMLA tree is not given or lacks a file the build needs (before
+    any build), RuntimeError without a CUDA build of torch and a GPU, ``BuildError`` (a
+    RuntimeError) with nvcc's output when the build fails."""
+    global _library
+    with _lock:
+        if _library is not None:
+            return _library
+        source_dir(src)
+        if not torch.cuda.is_available() or torch.version.cuda is None:
+            raise RuntimeError("FlashMLA: expected a CUDA build of torch and a visible GPU, got "
+                               f"torch {torch.__version__} (CUDA {torch.version.cuda}) with "
+                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+        _library = _typed(_ffi.library(src))
+        if verbose:
+            print(f"torch_bridge.flashmla: {_library._name}")
+        return _library
 
 
 # --- the call ------------------------------------------------------------------------------
@@ -152,6 +97,10 @@ class Schedule:
 
     tile_scheduler_metadata: torch.Tensor | None = None  # i32[num_sm_parts, 8]
     num_splits: torch.Tensor | None = None  # i32[B + 1]
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
 
 
 def _check(name, t, dtype, ndim, device=None):
@@ -225,7 +174,7 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
     sink not in it), natural log; a row with no valid entry gives out 0 and lse +inf.
     Only the value -1 marks padding: any other negative id is read as a (huge) block.
     """
-    mod = load()
+    lib = load()
     _check("q", q, torch.bfloat16, 4)
     dev = q.device
     B, T, H, D = q.shape
@@ -261,11 +210,47 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
                              f"{TOPK_BLOCK}, got {tuple(w)}")
     elif window_length is not None:
         raise ValueError("window_length: given without window")
+    if B == 0 or T == 0:
+        raise ValueError(f"q: expected at least one request and one token, got {tuple(q.shape)}")
+    # FlashMLA's entry point: max(SMs / s_q / (h_q / 64), 1) SM parts on sm90
+    parts = max(torch.cuda.get_device_properties(dev).multi_processor_count // T // (H // 64), 1)
     sched = schedule if schedule is not None else Schedule()
-    out, lse, sched.tile_scheduler_metadata, sched.num_splits = mod.sparse_decode_fwd(
-        q, k_cache, indices, topk_length, sink, sched.tile_scheduler_metadata, sched.num_splits,
-        extra, window_indices, window_length, HEAD_DIM, float(scale))
-    return out, lse
+    make = sched.tile_scheduler_metadata is None
+    if make:
+        sched_t = torch.empty((parts, SCHED_INTS), dtype=torch.int32, device=dev)
+        splits_t = torch.empty((B + 1,), dtype=torch.int32, device=dev)
+    else:
+        sched_t, splits_t = sched.tile_scheduler_metadata, sched.num_splits
+        for name, t, shape in (("schedule.tile_scheduler_metadata", sched_t, (parts, SCHED_INTS)),
+                               ("schedule.num_splits", splits_t, (B + 1,))):
+            _check(name, t, torch.int32, len(shape), dev)
+            if tuple(t.shape) != shape or not t.is_contiguous():
+                raise ValueError(f"{name}: expected contiguous i32{list(shape)} (made for these shapes), got "
+                                 f"{tuple(t.shape)}")
+    out = torch.empty((B, T, H, HEAD_DIM), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((B, T, H), dtype=torch.float32, device=dev)
+    lse_acc = torch.empty((B + parts, T, H), dtype=torch.float32, device=dev)
+    o_acc = torch.empty((B + parts, T, H, HEAD_DIM), dtype=torch.float32, device=dev)
+    err = ctypes.create_string_buffer(1024)
+    guard = torch.cuda.device(dev) if torch.cuda.current_device() != dev.index else contextlib.nullcontext()
+    with guard:
+        code = getattr(lib, _ffi.LAUNCHER)(
+            _stream(dev), B, T, H,
+            q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
+            k_cache.data_ptr(), k_cache.shape[0], block_size, k_cache.stride(0),
+            indices.data_ptr(), indices.shape[2], indices.stride(0), indices.stride(1), _ptr(topk_length),
+            _ptr(extra), 0 if extra is None else extra.shape[0], 0 if extra is None else extra.shape[1],
+            0 if extra is None else extra.stride(0),
+            _ptr(window_indices), 0 if extra is None else window_indices.shape[2],
+            0 if extra is None else window_indices.stride(0), 0 if extra is None else window_indices.stride(1),
+            _ptr(window_length),
+            sink.data_ptr(), float(scale), out.data_ptr(), lse.data_ptr(),
+            sched_t.data_ptr(), splits_t.data_ptr(), parts, int(make),
+            lse_acc.data_ptr(), o_acc.data_ptr(), err, len(err))
+    if code != 0:
+        raise RuntimeError(err.value.decode(errors="replace") or f"flashmla sparse decode: error {code}")
+    sched.tile_scheduler_metadata, sched.num_splits = sched_t, splits_t
+    return out, lse.transpose(1, 2)
 
 
 __all__ = ["Schedule", "entry_ids", "kv_view", "load", "sparse_decode", "window_ids"]

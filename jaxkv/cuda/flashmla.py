@@ -1,26 +1,24 @@
-"""FlashMLA's sm90 sparse FP8 decode as an XLA FFI target, built from a FlashMLA source tree
-on first use: ``kernels.pool_attention_flashmla`` and ``hybrid.attention(impl="flashmla")``.
+"""FlashMLA's sm90 sparse FP8 decode, built from a FlashMLA source tree on first use into
+one library that serves both sides: an XLA FFI target (``kernels.pool_attention_flashmla``,
+``hybrid.attention(impl="flashmla")``) and a C launcher that ``torch_bridge.flashmla`` calls
+through ``ctypes``.
 
 Nothing of FlashMLA lives in this package. ``$FLASHMLA_SRC`` names a FlashMLA checkout (with
 its ``csrc/cutlass`` submodule) or the trimmed tree ``tools/flashmla_tree.sh`` makes in
-``.upstream/flashmla``; ``build`` compiles
-the scheduler, the combine and the two MODEL1 decode instantiations from it, plus jaxkv's
-handler ``cuda/flashmla_sparse_decode.cu`` (``build.link_cached``, as ``cuda/``: one nvcc
-per file on all cores), and caches the library (``$JAXKV_CACHE_DIR``/flashmla-ffi/<key>/, the key hashing the
-sources, the FFI headers, the flags and nvcc). ``torch_bridge.flashmla`` builds the same
-sources as a torch extension and takes the lists below from here.
+``.upstream/flashmla``; ``build`` compiles the scheduler, the combine and the two MODEL1
+decode instantiations from it, plus jaxkv's ``flashmla_sparse_decode.cu`` (the handler and
+the launcher), through ``jaxkv.cuda.build`` (``$JAXKV_CACHE_DIR``/flashmla/<key>/, the key
+hashing the FlashMLA files below, jaxkv's, the FFI headers, the flags and nvcc).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import subprocess
 from pathlib import Path
 
-from jaxkv.cuda.build import BuildError, _ffi_include, cache_dir, link_cached, nvcc, source_dir as jaxkv_source_dir
+from jaxkv.cuda.build import BuildError, ffi_include, nvcc, shared_library, source_dir as jaxkv_source_dir
 from jaxkv.formats.storage import cuda_defines
 
 SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
@@ -39,9 +37,10 @@ NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas 
     "--use_fast_math", "--ptxas-options=--register-usage-level=10",
     "-gencode", "arch=compute_90a,code=sm_90a",
 )
-HANDLER = "flashmla_sparse_decode.cu"  # under cuda/: the FFI handler, jaxkv's
-HANDLER_HEADERS = ("ffi_handler.cuh",)  # under cuda/, included by HANDLER: part of the key
+HANDLER = "flashmla_sparse_decode.cu"  # in jaxkv/cuda/ (build.source_dir()): the FFI handler and C launcher
+HANDLER_HEADERS = ("ffi_handler.cuh",)  # in jaxkv/cuda/, included by HANDLER: part of the key
 FFI_TARGET = "jaxkv_flashmla_sparse_decode"
+LAUNCHER = "jaxkv_flashmla_sparse_decode"  # the extern "C" launcher's symbol (torch_bridge.flashmla)
 HEADS = (64, 128)  # query heads the sm90 kernel is instantiated for
 
 
@@ -71,29 +70,24 @@ def missing() -> str | None:
 
 
 def _flags(csrc: Path) -> list[str]:
-    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", _ffi_include(), *cuda_defines(),
+    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", ffi_include(), *cuda_defines(),
             *(f"-I{csrc / i}" for i in INCLUDES)]
 
 
-def _key(csrc: Path) -> str:
-    h = hashlib.sha256()
-    for f in KEYED:
-        h.update((csrc / f).read_bytes())
-    for f in (HANDLER,) + HANDLER_HEADERS:
-        h.update((jaxkv_source_dir() / f).read_bytes())
-    for hdr in sorted(Path(_ffi_include(), "xla", "ffi", "api").glob("*.h")):
-        h.update(hdr.read_bytes())
-    h.update(subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout.encode())
-    h.update(" ".join(NVCC_FLAGS + tuple(cuda_defines())).encode())
-    return h.hexdigest()[:16]
-
-
 def build(src=None) -> Path:
-    """The shared library (FlashMLA's sm90 sparse decode + jaxkv's FFI handler), compiled if
-    the cache lacks it."""
+    """The shared library (FlashMLA's sm90 sparse decode + jaxkv's handler and launcher),
+    compiled if the cache lacks it."""
     csrc = source_dir(src)
-    out = cache_dir().parent / "flashmla-ffi" / _key(csrc) / "libjaxkv_flashmla.so"
-    return link_cached(out, [csrc / s for s in SOURCES] + [jaxkv_source_dir() / HANDLER], _flags(csrc))
+    here = jaxkv_source_dir()
+    headers = [csrc / f for f in KEYED if f not in SOURCES] + [here / h for h in HANDLER_HEADERS]
+    return shared_library("flashmla", "libjaxkv_flashmla.so", [csrc / s for s in SOURCES] + [here / HANDLER],
+                          _flags(csrc), headers=headers)
+
+
+@functools.lru_cache(maxsize=None)
+def library(src=None) -> ctypes.CDLL:
+    """The loaded library built from ``src`` or ``$FLASHMLA_SRC`` (built on first use)."""
+    return ctypes.CDLL(str(build(src)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,10 +95,10 @@ def register_ffi_target() -> str:
     """Build (or load) the library and register ``FFI_TARGET`` with jax, once per process."""
     import jax
 
-    lib = ctypes.CDLL(str(build()))
+    lib = library()
     jax.ffi.register_ffi_target(FFI_TARGET, jax.ffi.pycapsule(lib.JaxkvFlashmlaSparseDecode), platform="CUDA")
     return FFI_TARGET
 
 
-__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "NVCC_FLAGS", "SOURCES", "build", "missing",
-           "register_ffi_target", "source_dir"]
+__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "LAUNCHER", "NVCC_FLAGS", "SOURCES", "build", "library",
+           "missing", "register_ffi_target", "source_dir"]

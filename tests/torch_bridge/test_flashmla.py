@@ -50,16 +50,41 @@ def test_window_ids_follow_the_ring_rule():
             assert set(got) - {-1} == want and got.count(-1) == W - len(want)
 
 
-def test_a_tree_without_the_binding_headers_is_named_before_any_build(tmp_path, monkeypatch):
-    from jaxkv.cuda.flashmla import KEYED
+def test_a_tree_without_a_needed_file_is_named_before_any_build(tmp_path, monkeypatch):
+    from jaxkv.cuda import flashmla as ffi_build
 
-    monkeypatch.setattr(flashmla, "_module", None)  # as before a first load in this process
+    monkeypatch.setattr(flashmla, "_library", None)  # as before a first load in this process
+    monkeypatch.setattr(ffi_build, "library", lambda *a: pytest.fail("built from an incomplete tree"))
     csrc = tmp_path / "csrc"
-    for f in KEYED + ("cutlass/include/cute/tensor.hpp",):  # what the FFI build needs, and no sm100/
-        (csrc / f).parent.mkdir(parents=True, exist_ok=True)
-        (csrc / f).write_text("// stand-in\n")
-    with pytest.raises(ImportError, match="sm100/decode/head64/kernel.h"):
+    for f in ffi_build.KEYED + ("cutlass/include/cute/tensor.hpp",):
+        if f != "params.h":
+            (csrc / f).parent.mkdir(parents=True, exist_ok=True)
+            (csrc / f).write_text("// stand-in\n")
+    with pytest.raises(ImportError, match="missing under csrc/: params.h"):
         flashmla.load(tmp_path)
+
+
+def test_launcher_types_match_its_c_signature():
+    """The ctypes argument types torch_bridge.flashmla gives the launcher are, one by one, the
+    parameters of ``jaxkv_flashmla_sparse_decode`` in jaxkv/cuda/flashmla_sparse_decode.cu
+    (the GPU tests need FlashMLA and a Hopper GPU; this runs everywhere)."""
+    import ctypes
+    import re
+    import types
+
+    from jaxkv.cuda import flashmla as ffi_build
+    from jaxkv.cuda.build import source_dir
+
+    text = (source_dir() / ffi_build.HANDLER).read_text()
+    params = re.search(r'extern "C" int ' + ffi_build.LAUNCHER + r"\(([^)]*)\)", text).group(1)
+    kinds = {"int64_t": ctypes.c_int64, "int32_t": ctypes.c_int32, "float": ctypes.c_float}
+    want = []
+    for decl in (" ".join(d.split()) for d in params.split(",")):
+        ctype = decl.rsplit(" ", 1)[0].replace("const ", "")
+        want.append(ctypes.c_char_p if ctype == "char*" else ctypes.c_void_p if ctype.endswith("*") else kinds[ctype])
+    lib = types.SimpleNamespace(**{ffi_build.LAUNCHER: types.SimpleNamespace()})
+    got = getattr(flashmla._typed(lib), ffi_build.LAUNCHER).argtypes
+    assert got == want
 
 
 def test_entry_ids_map_through_the_block_table():

@@ -1,19 +1,17 @@
 // Correctly rounded float32 x / d for many x over one divisor d > 0: the reciprocal once per
 // divisor, then per quotient a multiply and one fused correction.
 //
-// div.rn.f32 spends ~10 instructions per quotient (SASS on sm_90: MUFU.RCP, two FFMAs
-// refining the reciprocal, a multiply, the correction FFMAs, FCHK and a branch to a slow
-// path). SharedDivisor does that fast path's arithmetic with the reciprocal refinement
-// hoisted out of the loop: 4 full-rate instructions and a sign fix per quotient.
+// div.rn.f32 refines the reciprocal for every quotient and checks for its slow path; SharedDivisor
+// does that fast path's arithmetic with the refinement hoisted out of the loop
+// (docs/kernels/cache_writes.md).
 //
 // Its contract is narrower than div.rn's: it equals div.rn.f32 bit for bit wherever the
 // quotient could reach a FP8 or FP4 code (|x / d| >= 2^-12) for every bfloat16 x, with d
 // either amax / 448 (the per_entry family's FP8 entry scale, amax any positive bf16) or
 // e4m3 * (gmax / 2688) (the per_entry family's NVFP4 group denominator, gmax any positive bf16).
 // Smaller quotients (which both FP8 and E2M1 encode as a zero of x's sign) may differ in
-// their last bits but keep the sign. tests/cuda/div_rn_check.cu checks this exhaustively, all
-// 1.1e9 entry quotients and 1.3e11 NVFP4 ones, in about a second on an H100
-// (tests/cuda/test_cuda.py::test_shared_divisor_exhaustive). jaxkv/kernels/division.py's
+// their last bits but keep the sign. tests/cuda/div_rn_check.cu checks this exhaustively over
+// both domains (tests/cuda/test_cuda.py::test_shared_divisor_exhaustive). jaxkv/kernels/division.py's
 // ptx_div_shared is the same instruction sequence for the Pallas kernels.
 
 #pragma once

@@ -36,7 +36,7 @@ static_assert(kOffData == kNope + kRopeBytes && kOffScales == 8 && kPeCodes == k
               kPeScale == 4 && kOffKeyCodes == kIndexDim / 2 && kPeKeyCodes == kIndexDim / 2 &&
               kOffKeyScales == 4 && kPeKeyScales == 8 && kPeKeyGlobal == 4,
               "the stores below are written for this layout: change them with it");
-#ifndef JAXKV_FLUSH_ROWS  // swept with NVCC_APPEND_FLAGS=-DJAXKV_FLUSH_ROWS=n (scratch only)
+#ifndef JAXKV_FLUSH_ROWS  // a build knob (-DJAXKV_FLUSH_ROWS=n); the default: docs/kernels/cache_writes.md
 #define JAXKV_FLUSH_ROWS 4
 #endif
 constexpr int kRowsPerBlock = JAXKV_FLUSH_ROWS;  // warps per CTA, one entry each

@@ -12,8 +12,8 @@
 //   * at 64 heads, two splits run as a 2-CTA cluster and merge at the end: each CTA owns one
 //     warpgroup's output dims, the peer's weighted partial of them comes through distributed
 //     shared memory into its K stages (free by then) and is added to its own, so no partial
-//     reaches global memory and no merge kernel runs (V4-Flash batch 64). Clusters of 4 or 8
-//     CTAs (one per SM) ran in two waves, so more splits still merge in XLA;
+//     reaches global memory and no merge kernel runs. More splits merge in XLA (larger
+//     clusters run in two waves: docs/kernels/pool_attention.md);
 //   * the producer warpgroup lists the non-empty blocks while the consumers load Q (alone, the
 //     consumers then load and dequantize the first block, the producer the rest), then loads
 //     a block's raw row bytes (576 B of codes + rope, the scale bytes) into registers one block
@@ -30,21 +30,15 @@
 //   * warpgroup 1: O[:, 256:] = alpha O + P V with P from shared memory. V is the same K stage
 //     read N-major (transposed): the dequantized tile is both operands.
 // So the CUDA cores' dequantization of block j + 1 runs under the tensor cores' products of
-// block j. At 64 heads the gather bounds it; paired, no one part does. Pairing at 64 heads
-// too (each CTA gathering half the rows and writing half the output dims) ran twice the CTAs
-// for less than half the time per block, a net loss (benchmarks/RESULTS.md). Rows
-// past a block's count, and ids outside their pool, are zero-filled and masked: no read
-// outside a pool. Deterministic: a fixed order of every sum. sm_90a only (wgmma,
-// setmaxnreg); the launcher refuses other devices.
+// block j. At 64 heads the gather bounds it; paired, no one part does. 64 heads stay unpaired
+// (twice the CTAs would not pay: docs/kernels/pool_attention.md). Rows past a block's count,
+// and ids outside their pool, are zero-filled and masked: no read outside a pool.
+// Deterministic: a fixed order of every sum. sm_90a only (wgmma, setmaxnreg); the launcher
+// refuses other devices.
 // Why CUDA and not Mosaic GPU: a block's rows are scattered over the pool and Mosaic GPU has
 // no per-thread gather; per-row TMAs cost more than the math (kernels.pool_attention).
-// Why one producer warpgroup although at 64 heads the row loads bound the kernel
-// (benchmarks/RESULTS.md): a second one (512 threads; ptxas then allots an instruction 128
-// registers, under the 158 one m64n256 wgmma needs, so P V ran as m64n128 halves; registers
-// 208 / 160 / 72 / 72 with 20-68 bytes spilled; one row per producer thread) measured 3%
-// faster at V4-Flash batch 128 and no faster elsewhere: alone such a loader reads the rows only
-// 3-6% faster than this one, and beside the consumers' Q K^T (its shared-memory reads) any
-// loader is 1.2-1.4x slower (benchmarks/row_gather.py --beside). Not kept.
+// One producer warpgroup, although at 64 heads the row loads bound the kernel: a second one
+// does not pay for its registers (docs/kernels/pool_attention.md).
 
 #include <cstdint>
 #include <cuda_bf16.h>
@@ -110,13 +104,11 @@ struct AttnArgs {
 // in a cluster). Alone in its CTA (64 heads), once it has stored one of its two rows of block
 // j it loads the same row of block j + 1 into the registers just freed, so that load is in
 // flight while it dequantizes the other row; the consumers, not the producer, fence the stage
-// for the tensor cores (fence.proxy.async is MEMBAR.ALL.CTA in SASS, which waits for the
-// thread's loads in flight: with the fence here the same order measured 3-8% slower, without
-// it 6-9% faster than loading after the stage's fence and arrival; halves of rows gained
-// nothing more; RESULTS.md). In a cluster the producer fences its stores itself, as FlashMLA
-// does, and loads the rows of block j + 2 after them. (Landing the rows by cp.async in the
-// free stage instead, to hold no registers, measured 14% slower: the loads can then only
-// start once the consumers free the stage.)
+// for the tensor cores (fence.proxy.async is MEMBAR.ALL.CTA in SASS, which would wait for the
+// thread's loads in flight; docs/kernels/pool_attention.md). In a cluster the producer fences
+// its stores itself, as FlashMLA does, and loads the rows of block j + 2 after them. Rows go
+// through registers, not cp.async into the free stage, whose loads could start only once the
+// consumers free it (docs/kernels/pool_attention.md).
 template <int kPairs>
 struct RowIds {
   static constexpr int kRows = 2 / kPairs;
@@ -233,8 +225,7 @@ __device__ __forceinline__ void store_row(const RawRows<kPairs>& raw, int h, int
   if (kPairs == 2 && q4 == 1) ok[32 * (1 - rank) + (t >> 2)] = raw.peer_ok;
   const int r = 32 * (h + rank) + (t >> 2);
   // bf16x2 words decoded before they are stored: in a cluster 4 (16 bytes at a time: fewer
-  // registers live; V4-Pro 2-3% faster), alone 8 (in 16-byte halves it measured 4-14% slower
-  // at V4-Flash; RESULTS.md)
+  // registers live), alone 8 (docs/kernels/pool_attention.md)
   constexpr int kWords = kPairs == 2 ? 4 : 8;
 #pragma unroll
   for (int k = 0; k < kCodeChunks / 4; ++k) {  // chunk c = q4 + 4 k lies in scale tile k
@@ -328,10 +319,9 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
   // the non-empty blocks (the path to the first product is three dependent global reads: the
   // counts, the ids, the rows). Then, alone (64 heads), the consumers load and dequantize the
   // first block themselves, one row per four threads, while the producer starts on the second
-  // (as the producer's two rows per thread, the second row's loads waited behind the first's:
-  // V4-Flash batch 1 is 7% faster this way, RESULTS.md). (Reading the first block's ids and rows
-  // alongside the counts, on the guess that every block holds rows, measured 1-5% slower at
-  // every shape.)
+  // (with the producer's two rows per thread, the second row's loads would queue behind the
+  // first's). The first block's ids are read after the counts, not guessed beside them
+  // (docs/kernels/pool_attention.md).
   if (wg == 2) {
     if (t - 256 < a.nb) nv_s[t - 256] = min(max(__ldg(a.nvalid + n * a.nb + t - 256), 0), kBlock);
     bar_sync(kBarList, 128);
@@ -632,9 +622,8 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #endif
 }
 
-// The cluster shape is the kernel's attribute, so every kernel launches as a plain launch: a
-// launch with a cluster attribute (cudaLaunchKernelEx) cost ~40 us more host time per call
-// on an H100 (benchmarks/dsv4_attention.py's wall column).
+// The cluster shape is the kernel's attribute, so every kernel launches as a plain launch,
+// cheaper on the host than cudaLaunchKernelEx with a cluster attribute (docs/kernels/pool_attention.md).
 __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
   pool_attention_cta<1, 1>(a);
 }
@@ -668,7 +657,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
     return ffi::Error::InvalidArgument("rows, nvalid: expected i32[N, blocks * 64] and i32[N, blocks]");
   // a 2-CTA cluster per query row's head groups 2 g, 2 g + 1 when they pair up, else per its
   // two splits when it has two (merged in the kernel: one partial left). More splits merge in
-  // XLA: clusters of 4 or 8 ran in two waves (RESULTS.md). jaxkv.kernels.pool_attention.cuda_parts
+  // XLA (docs/kernels/pool_attention.md). jaxkv.kernels.pool_attention.cuda_parts
   const bool pairs = (H / kBlock) % 2 == 0, split_pairs = !pairs && splits == 2;
   const int64_t parts = split_pairs ? 1 : splits;
   if (splits < 1) return ffi::Error::InvalidArgument("splits: expected >= 1");

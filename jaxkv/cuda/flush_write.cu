@@ -154,7 +154,7 @@ int jaxkv_tail_state(void* stream, float* tails, int64_t R, int32_t streams, int
 
 }  // extern "C"
 
-// ---- XLA FFI handlers (jax.ffi; jaxkv/cuda/flush.py) ------------------------------------------
+// ---- XLA FFI handlers (jax.ffi; jaxkv/kernels/flush_write.py) --------------------------------
 // Every handler only enqueues work on XLA's stream (no host sync, no allocation), so it is
 // marked command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
 namespace ffi = xla::ffi;

@@ -1,8 +1,8 @@
 // Frame-cache append for the torch drop-in (torch_bridge.manager): one frame's K and V rows
 // scattered into a layer's buffers, unless the frame holds a NaN or an Inf anywhere, in
 // which case every row goes to the trash row and a sticky flag is raised. This is
-// jaxkv.frame.write_layer's rule; written with torch ops it takes ~16 launches per layer
-// (isfinite is composite), here it is two launches from one ctypes call.
+// jaxkv.frame.write_layer's rule in two launches from one ctypes call, where torch ops take
+// many (isfinite is composite; docs/kernels/frame_append.md).
 //
 //   check   grid-stride over k and v as 32-bit words; each block writes whether its words
 //           held a non-finite value to scratch[block] (no reset needed: every block writes).
