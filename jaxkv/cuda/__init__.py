@@ -1,30 +1,31 @@
-"""The ``cuda/`` kernels: built with nvcc on first use (``build``) and registered as XLA
-FFI targets, so jitted JAX reaches them through ``jax.ffi`` (``jaxkv.kernels``) and
-PyTorch through ``ctypes`` (``torch_bridge.kernels``), on the same buffers.
+"""The CUDA kernels (the ``.cu`` sources in this directory, shipped with the package):
+built with nvcc on first use (``build.library``) and registered as XLA FFI targets, so
+jitted JAX reaches them through ``jax.ffi`` (``jaxkv.kernels``) and PyTorch through
+``ctypes`` (``torch_bridge.kernels``), on the same buffers. See docs/kernels/building.md.
 """
 
 from __future__ import annotations
 
 import functools
 
-from jaxkv.cuda.build import ARCHS, BuildError, arch_of, build, check_compile, library
+from jaxkv.cuda.build import ARCHS, BuildError, arch_of, check_compile, library, library_path
 
 from jaxkv.formats.storage import STORAGE_CODES  # the kernels' storage-family argument (enum Storage)
 
-# FFI target name -> exported handler symbol (cuda/flush_write.cu unless named)
+# FFI target name -> exported handler symbol (flush_write.cu unless named)
 FFI_TARGETS = {
     "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
     "jaxkv_flush_write_hca": "JaxkvFlushWriteHca",
     "jaxkv_window_write": "JaxkvWindowWrite",
     "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
     "jaxkv_hca_reset_state": "JaxkvHcaResetState",
-    "jaxkv_dequant_gather": "JaxkvDequantGather",  # cuda/dequant_gather.cu
-    "jaxkv_compress_decode_csa": "JaxkvCompressDecodeCsa",  # cuda/compress_decode.cu
+    "jaxkv_dequant_gather": "JaxkvDequantGather",  # dequant_gather.cu
+    "jaxkv_compress_decode_csa": "JaxkvCompressDecodeCsa",  # compress_decode.cu
     "jaxkv_compress_decode_hca": "JaxkvCompressDecodeHca",
-    "jaxkv_mxfp4_pack": "JaxkvMxfp4Pack",  # cuda/fp4_pack.cu
+    "jaxkv_mxfp4_pack": "JaxkvMxfp4Pack",  # fp4_pack.cu
     "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
-    "jaxkv_pool_attention": "JaxkvPoolAttention",  # cuda/pool_attention.cu
-    "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # cuda/prefix_attention.cu
+    "jaxkv_pool_attention": "JaxkvPoolAttention",  # pool_attention.cu
+    "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
 }
 
 
@@ -51,5 +52,5 @@ def register_ffi_targets() -> str:
     return arch
 
 
-__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "STORAGE_CODES", "arch_of", "build", "check_compile", "device_arch", "library",
-           "register_ffi_targets"]
+__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "STORAGE_CODES", "arch_of", "check_compile", "device_arch", "library",
+           "library_path", "register_ffi_targets"]

@@ -186,8 +186,8 @@ def executable(kind: str, name: str, sources, flags, *, headers=()) -> Path:
     return _cached(kind, name, sources, flags, headers, [])
 
 
-def build(arch: str) -> Path:
-    """The kernels library for ``arch`` (e.g. "90a"), compiled if the cache lacks it."""
+def library_path(arch: str) -> Path:
+    """The path of the kernels library for ``arch`` (e.g. "90a"), compiled if the cache lacks it."""
     src = source_dir()
     return shared_library("cuda", "libjaxkv_cuda.so", [src / s for s in SOURCES], kernel_flags(arch),
                           headers=[src / h for h in HEADERS])
@@ -196,7 +196,7 @@ def build(arch: str) -> Path:
 @functools.lru_cache(maxsize=None)
 def library(arch: str) -> ctypes.CDLL:
     """The loaded kernels library for ``arch`` (built on first use)."""
-    return ctypes.CDLL(str(build(arch)))
+    return ctypes.CDLL(str(library_path(arch)))
 
 
 def check_compile(archs=ARCHS) -> None:
