@@ -5,6 +5,15 @@ frame manager over jaxkv buffers, and the ``cuda/`` flush kernels for torch call
 See ``torch_bridge.dlpack``, ``torch_bridge.manager``, ``torch_bridge.kernels``.
 """
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise  # torch is there, something it imports is not
+    raise ModuleNotFoundError(
+        'torch_bridge needs PyTorch, not installed here: pip install "jaxkv[torch]" (on a machine without a GPU, '
+        "first: pip install torch --index-url https://download.pytorch.org/whl/cpu)", name="torch") from None
+
 from torch_bridge.dlpack import from_torch, to_torch
 from torch_bridge.manager import FlashInferKVCacheManager, use_in_lingbot_map
 
