@@ -149,6 +149,11 @@ def _safetensors_problem(header: bytes, data_bytes: int) -> str | None:
     return None
 
 
+def _first_line(e: Exception, width: int = 160) -> str:
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
 def read_state_dict(path, *, unsafe_pickle: bool = False, arg: str = "path") -> tuple[dict, dict]:
     """(``{key: f32 ndarray}``, safetensors metadata or {}) from a safetensors file or a torch
     checkpoint (``.pt`` / ``.pth`` / ``.bin``), told apart by their bytes (``checkpoint_kind``).
@@ -178,7 +183,7 @@ def read_state_dict(path, *, unsafe_pickle: bool = False, arg: str = "path") -> 
         obj = torch.load(str(path), map_location="cpu", weights_only=not unsafe_pickle)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a pickle it will not load
         raise ValueError(f"{arg}: torch.load({path.name}, weights_only={not unsafe_pickle}) failed "
-                         f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                         f"({type(e).__name__}: {_first_line(e)})"
                          + ("; if you trust the file, pass unsafe_pickle=True" if not unsafe_pickle else "")) from None
     sd = obj.get("model", obj) if isinstance(obj, dict) else None
     if not isinstance(sd, dict) or not all(hasattr(v, "shape") for v in sd.values()):
