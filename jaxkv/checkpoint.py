@@ -24,12 +24,14 @@ device.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -114,10 +116,71 @@ def _sums(arrays: dict) -> dict:
     return {k: [int(v) for v in np.asarray(s)] for k, s in sums.items()}
 
 
-def _checkpointer():
-    import orbax.checkpoint as ocp
+def _orbax():
+    """``orbax.checkpoint``, or a ModuleNotFoundError that gives the pip command."""
+    try:
+        import orbax.checkpoint as ocp
+    except ModuleNotFoundError as e:
+        if (e.name or "orbax").split(".")[0] != "orbax":
+            raise  # orbax is there, something it imports is not
+        raise ModuleNotFoundError('jaxkv.save / jaxkv.restore need orbax-checkpoint, not installed here: '
+                                  'pip install "jaxkv[checkpoint]"', name="orbax") from None
+    return ocp
 
-    return ocp.PyTreeCheckpointer()
+
+_drain_lock = threading.Lock()
+_drain_users = 0
+
+
+def _drain_then_close(loop):
+    """``loop``, whose ``close`` first runs its pending tasks to their end, as ``asyncio.run`` does."""
+    close = loop.close
+
+    def drain_then_close():
+        if not loop.is_closed() and not loop.is_running():
+            pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        close()
+
+    try:
+        loop.close = drain_then_close
+    except AttributeError:  # a loop type without instance attributes (uvloop): closes as before
+        pass
+    return loop
+
+
+@contextlib.contextmanager
+def _checkpointer():
+    """An Orbax PyTree checkpointer, closed after use, whose event loops end cleanly.
+
+    Orbax runs each save / restore on a new asyncio loop that it closes when the call returns
+    or raises. A read that fails (a corrupted checkpoint) raises while the other arrays'
+    tensorstore reads are still in flight; each of those, when it ends, posts its result to
+    the closed loop, and Python prints "RuntimeError: Event loop is closed" from
+    tensorstore's thread. Loops made inside this block finish their pending tasks before
+    they close, so every read ends while its loop is alive (docs/checkpoint.md).
+    """
+    global _drain_users
+    ocp = _orbax()
+    get_policy = getattr(asyncio.events, "_get_event_loop_policy", None) or asyncio.get_event_loop_policy
+    policy = get_policy()  # the private spelling: the public one warns from Python 3.14
+    with _drain_lock:
+        if _drain_users == 0:
+            try:  # asyncio.new_event_loop() asks the policy
+                policy.new_event_loop = lambda: _drain_then_close(type(policy).new_event_loop(policy))
+            except AttributeError:  # a policy type without instance attributes: loops close as before
+                pass
+        _drain_users += 1
+    ckptr = ocp.PyTreeCheckpointer()
+    try:
+        yield ckptr
+    finally:
+        ckptr.close()
+        with _drain_lock:
+            _drain_users -= 1
+            if _drain_users == 0 and "new_event_loop" in getattr(policy, "__dict__", {}):
+                del policy.new_event_loop
 
 
 def _as_tree(arrays: dict) -> dict:
@@ -144,6 +207,7 @@ def new_directory(path):
 
 def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
     """The checkpoint directory ``path`` (new) holding ``arrays`` ({name: array}) and metadata."""
+    ocp = _orbax()
     path = Path(path).absolute()
     sums = _sums(arrays)
     meta = {
@@ -153,10 +217,8 @@ def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
         "spec": spec,
         "arrays": {k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()},
     }
-    import orbax.checkpoint as ocp
-
-    with new_directory(path) as tmp:
-        _checkpointer().save(tmp / ARRAYS, args=ocp.args.PyTreeSave(_as_tree(arrays)))
+    with new_directory(path) as tmp, _checkpointer() as ckptr:
+        ckptr.save(tmp / ARRAYS, args=ocp.args.PyTreeSave(_as_tree(arrays)))
         (tmp / META).write_text(json.dumps(meta, indent=1))
     return path
 
@@ -171,13 +233,15 @@ def _read(path, meta: dict, like: dict, sharding, what: str) -> list:
         s = saved[k]
         if tuple(s["shape"]) != tuple(x.shape) or s["dtype"] != str(x.dtype):
             raise CheckpointError(f"{path}: array {k} is {s['dtype']}{s['shape']}, {what} has {x.dtype}{list(x.shape)}")
-    import orbax.checkpoint as ocp
-
+    ocp = _orbax()
     items = _as_tree({k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding(x)) for k, x in like.items()})
     try:
-        restored = _checkpointer().restore(
-            path / ARRAYS, args=ocp.args.PyTreeRestore(
-                item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
+        with _checkpointer() as ckptr:
+            restored = ckptr.restore(
+                path / ARRAYS, args=ocp.args.PyTreeRestore(
+                    item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
+    except ModuleNotFoundError:
+        raise
     except Exception as e:  # orbax / tensorstore: missing or unreadable files
         raise CheckpointError(f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
                               f"{type(e).__name__}: {str(e)[:300]}") from None
@@ -193,18 +257,21 @@ def save(path, state) -> Path:
     """Save a frame or hybrid cache state to the directory ``path`` (which must not exist).
 
     Blocks until the checkpoint is complete on disk; returns its path."""
+    _orbax()
     return _write(path, kind_of(state), spec_to_json(spec_of(state)), leaves(state))
 
 
 def save_arrays(path, arrays: dict) -> Path:
     """Save ``{name: array}`` (any arrays: a model's other state beside its caches) to the
     new directory ``path``, with the same metadata, checksums and atomicity as ``save``."""
+    _orbax()
     return _write(path, "arrays", {}, dict(arrays))
 
 
 def restore_arrays(path, like: dict) -> dict:
     """``save_arrays``' arrays, checked against ``like`` ({name: array}: names, shapes,
     dtypes) and placed on its arrays' shardings."""
+    _orbax()
     path = Path(path).absolute()
     meta = read_meta(path)
     if meta["kind"] != "arrays":
@@ -239,6 +306,7 @@ def restore(path, like=None, mesh=None):
       arrays; its values are not read), or None (the spec comes from the checkpoint).
     mesh: with ``like=None``, a ``jax.sharding.Mesh`` to replicate the arrays over.
     """
+    _orbax()
     path = Path(path).absolute()
     meta = read_meta(path)
     kind = meta["kind"]

@@ -1,7 +1,6 @@
 """``python -m jaxkv demo`` runs, reports what it did, and keeps the right frames."""
 
-import subprocess
-import sys
+import pytest
 
 from jaxkv import demo
 from jaxkv.__main__ import main
@@ -28,25 +27,31 @@ def test_demo_keyframes_roll_back_the_rest():
     assert summary["frames"] == 3  # frames 0, 3, 6 kept
 
 
-def test_demo_help_lists_every_flag():
-    out = subprocess.run([sys.executable, "-m", "jaxkv", "demo", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+def test_demo_help_lists_every_flag(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
     for flag in ("--frames", "--resolution", "--layers", "--heads", "--head-dim", "--scale-frames", "--window",
                  "--special", "--keyframe-every", "--impl", "--dtype", "--seed", "--model", "--keyframe-threshold",
-                 "--plot"):
+                 "--plot", "--lingbot", "--images", "--checkpoint", "--small", "--keyframe-interval", "--out",
+                 "--set"):
         assert flag in out
 
 
-def test_model_demo_streams_keyframes_and_plots(tmp_path):
-    import pytest
-
+def test_model_demo_streams_keyframes_and_plots(tmp_path, monkeypatch, capsys):
     pytest.importorskip("flax")
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(tmp_path)
     p = argparse_parser()
-    plot = tmp_path / "model.png"
     summary = demo.run(p.parse_args(["--model", "--frames", "14", "--layers", "1", "--heads", "2", "--head-dim", "8",
                                      "--resolution", "112x84", "--scale-frames", "2", "--window", "3",
-                                     "--keyframe-threshold", "0.01", "--plot", str(plot)]))
+                                     "--keyframe-threshold", "0.01"]))
+    plot = tmp_path / demo.OUT / demo.MODEL_PLOT  # the default: one named folder, announced
     assert plot.stat().st_size > 10_000  # a PNG with two panels
+    assert f"wrote {demo.OUT}/{demo.MODEL_PLOT}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [demo.OUT]
+    assert "112x84 (width x height)" in summary["model"]  # the flag's order
     # the synthetic camera hovers on frames 6-8: those three are rolled back
     assert summary["frames kept (keyframes)"] == summary["frames in cache"] == 11
     # visible: 2 scale + 3 window frames of 48 patches, and 11 x 6 specials
@@ -63,14 +68,18 @@ def argparse_parser():
     return p
 
 
-import pytest  # noqa: E402
-
 
 @pytest.mark.parametrize("argv, message", [
     (["--frames", "0"], "--frames: expected an int >= 1, got 0"),
     (["--layers", "0"], "--layers: expected an int >= 1, got 0"),
     (["--window", "-1"], "--window: expected an int >= 0, got -1"),
     (["--keyframe-threshold", "0.01"], "--keyframe-threshold: used only with --model"),
+    (["--scale-frames", "0", "--window", "0"], "--scale-frames, --window: expected at least one frame kept"),
+    (["--model", "--special", "1"], "--special: with --model, expected an int >= 2 (camera + scale tokens), got 1"),
+    (["--model", "--head-dim", "5"], "--head-dim: with --model, expected an even int >= 6"),
+    (["--model", "--keyframe-every", "2"], "--keyframe-every: not used with --model (use --keyframe-threshold)"),
+    (["--model", "--lingbot"], "--lingbot: not used with --model (pick one)"),
+    (["--small"], "--small: used only with --lingbot"),
 ])
 def test_demo_bad_flags_are_usage_errors(capsys, argv, message):
     """A mistaken flag prints usage and what is wrong (exit status 2), never a traceback."""
@@ -78,4 +87,4 @@ def test_demo_bad_flags_are_usage_errors(capsys, argv, message):
         main(["demo", *argv])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
+    assert f"error: {message}" in err and "Traceback" not in err

@@ -7,6 +7,15 @@ host mirror of the page structure), ``backends`` (its attention backends), ``lin
 (``use_in_lingbot_map``), ``kernels`` (the ``cuda/`` kernels through ctypes), ``flashmla``.
 """
 
+try:
+    import torch  # noqa: F401
+except ModuleNotFoundError as e:
+    if e.name != "torch":
+        raise  # torch is there, something it imports is not
+    raise ModuleNotFoundError(
+        'torch_bridge needs PyTorch, not installed here: pip install "jaxkv[torch]" (on a machine without a GPU, '
+        "first: pip install torch --index-url https://download.pytorch.org/whl/cpu)", name="torch") from None
+
 from torch_bridge.dlpack import from_torch, to_torch
 from torch_bridge.lingbot import use_in_lingbot_map
 from torch_bridge.manager import FlashInferKVCacheManager

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,24 +11,44 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxkv import frame
 from jaxkv.flax import CachedStep, caches, check
 from jaxkv.models.reconstructor import ReconstructorConfig, StreamingReconstructor
 from jaxkv.models.synthetic import synthetic_video
 
 
-
-def run(args) -> dict:
-    """Stream ``args.frames`` frames; print a summary table and write ``args.plot``."""
+def config_from_args(args) -> ReconstructorConfig:
+    """The model the demo's flags describe (``--resolution`` is width x height)."""
     width, height = (int(x) for x in args.resolution.split("x"))
-    if args.special < 2:
-        raise ValueError(f"--special: the model needs camera + scale tokens (>= 2), got {args.special}")
-    config = ReconstructorConfig(
+    return ReconstructorConfig(
         height=height, width=width, dim=args.heads * args.head_dim, depth=args.layers, num_heads=args.heads,
         num_registers=args.special - 2, scale_frames=args.scale_frames, sliding_window=args.window,
         max_frames=max(args.frames, 1), keyframe_threshold=args.keyframe_threshold,
         cache_dtype=args.dtype, impl=args.impl,
         **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"))
-    video = synthetic_video(args.frames, height, width, seed=args.seed)
+
+
+def cache_spec(config: ReconstructorConfig) -> frame.FrameSpec:
+    """The FrameSpec of the cache ``StreamingReconstructor(config)`` holds (tests compare the two)."""
+    c = config
+    return frame.FrameSpec(
+        num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
+        num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
+        max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype)
+
+
+def memory(config: ReconstructorConfig, frames: int) -> dict:
+    """{what: bytes} of the run's largest arrays, known before anything is built: the K/V cache
+    and the synthetic video (float32, on the host and again on the device)."""
+    video = frames * config.height * config.width * 3 * 4
+    return {"K/V cache": cache_spec(config).kv_bytes, "synthetic video": 2 * video}
+
+
+def run(args, config: ReconstructorConfig | None = None) -> dict:
+    """Stream ``args.frames`` frames; print a summary table and write ``args.plot`` (a path, or
+    empty for none)."""
+    config = config or config_from_args(args)
+    video = synthetic_video(args.frames, config.height, config.width, seed=args.seed)
     model = StreamingReconstructor(config, rngs=nnx.Rngs(args.seed))
     step = CachedStep(model)
     frames = jax.device_put(jnp.asarray(video.frames))
@@ -55,19 +76,21 @@ def run(args) -> dict:
         "frames kept (keyframes)": int(keep.sum()),
         "frames in cache": int(np.asarray(state.num_frames)[0]),
         "visible tokens": int(np.asarray(state.num_valid)[0]),
-        "model": f"{config.depth} x (frame + global) blocks, dim {config.dim}, {config.height}x{config.width}, "
-                 f"{config.tokens_per_frame} tokens/frame",
+        "model": f"{config.depth} x (frame + global) blocks, dim {config.dim}, {config.width}x{config.height} "
+                 f"(width x height), {config.tokens_per_frame} tokens/frame",
         "cache memory": f"{cache_bytes / 2**20:.1f} MiB (K+V, {config.depth} global layers)",
         "ms/frame (median, after the first)": f"{np.median(steady) * 1e3:.2f}",
         "first frame (compile) ms": f"{times[0] * 1e3:.0f}",
         "device": f"{device.platform}: {getattr(device, 'device_kind', device)}",
     }
     if args.plot:
-        summary["plot"] = _plot(args.plot, video, camera, keep, np.asarray(times) * 1e3)
+        summary["plot"] = str(_plot(args.plot, video, camera, keep, np.asarray(times) * 1e3))
     width_ = max(map(len, summary))
     print()
     for k, v in summary.items():
         print(f"  {k:<{width_}}  {v}")
+    if args.plot:
+        print(f"wrote {summary['plot']}")
     return summary
 
 
@@ -88,6 +111,7 @@ def _plot(path: str, video, camera, keep, ms) -> str:
     b.plot(t, ms, "-o", ms=3)
     b.set(title="per-frame latency (first = compile)", xlabel="frame", ylabel="ms", yscale="log")
     fig.tight_layout()
+    Path(path).parent.mkdir(exist_ok=True)  # the default folder; a --plot path's folder exists (checked)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -29,7 +29,12 @@ def test_demo_on_example_frames_writes_both_plots(tmp_path, capsys):
         assert path.stat().st_size > 0 and str(path) in printed
         with Image.open(path) as im:
             im.verify()
-    assert "frames" in printed and "112x84" in printed
+    assert "frames" in printed and "112x84 (width x height)" in printed
+    # 2 scale frames in one call, then 6 streamed: the median is over the 5 after the first (its compile)
+    assert "first streamed frame (compile) ms" in printed
+    median = next(ln for ln in printed.splitlines() if "ms/frame (median, streamed frames after the first)" in ln)
+    assert float(median.split()[-1]) > 0
+    assert f"wrote {tmp_path / 'out' / 'trajectory.png'}" in printed
 
 
 def _error(capsys, *argv):

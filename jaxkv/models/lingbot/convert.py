@@ -1,8 +1,9 @@
 """Upstream lingbot-map weights into ``LingbotMap``, by name, all or nothing.
 
-Reads upstream's torch pickle (``{"model": state_dict}`` or a bare state dict; torch is
-needed only for this) or a safetensors file (upstream names; what ``convert`` writes,
-with the config in its metadata, readable without torch).
+Reads upstream's torch checkpoint (``{"model": state_dict}`` or a bare state dict; torch
+is needed only for this) or a safetensors file (upstream names; what ``convert`` writes,
+with the config in its metadata, readable without torch), told apart by their first
+bytes; any other file is refused saying what it is.
 
 Names: a parameter's path in the NNX model, joined by dots, is upstream's key, except
 * Linear ``kernel`` / LayerNorm ``scale`` -> ``weight`` (Linear kernels transposed, conv
@@ -21,6 +22,7 @@ trained with a point head loads into a model without one).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import warnings
@@ -77,32 +79,115 @@ def from_upstream(path: tuple, x: np.ndarray, shape: tuple) -> np.ndarray | None
     return x if x.shape == shape else None
 
 
-def read_state_dict(path, *, unsafe_pickle: bool = False) -> tuple[dict, dict]:
-    """(``{key: f32 ndarray}``, safetensors metadata or {}) from a ``.pt`` / ``.pth`` / ``.bin``
-    torch pickle or a ``.safetensors`` file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"path: no checkpoint file at {path}")
-    if path.suffix == ".safetensors":
-        from safetensors import safe_open
+EXPECTED = ("expected a safetensors file (convert-lingbot's output) or upstream's torch checkpoint "
+            "(.pt / .pth, read with torch)")
+# first bytes -> what a file that is not a checkpoint is, for the error message
+MAGIC = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x93NUMPY", "a NumPy .npy array"),
+         (b"\x89HDF", "an HDF5 file"), (b"GGUF", "a GGUF file (llama.cpp)"), (b"\x1f\x8b", "a gzip archive"),
+         (b"version https://git-lfs", "a Git LFS pointer, not the weights (fetch them: git lfs pull)"),
+         (b"<", "a text file (HTML or XML: an error page saved instead of the download?)"),
+         (b"{", "a text file (JSON)"))
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+SAFETENSORS_HEADER_MAX = 100 * 2**20  # the safetensors format's own bound on its JSON header
 
-        with safe_open(str(path), framework="flax") as f:
-            meta = f.metadata() or {}
-            sd = {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+
+def checkpoint_kind(path, *, arg: str = "path") -> str:
+    """``"safetensors"`` or ``"torch"``: what the file at ``path`` is, from its first bytes
+    (its name only where they match nothing known: a ``.pt`` is left to ``torch.load``). A
+    ValueError naming ``arg`` for anything else, saying what the file is: missing, a folder,
+    empty, a truncated or corrupted safetensors file, an image, a Git LFS pointer, ..."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{arg}: no checkpoint file at {path}")
+    if path.is_dir():
+        raise ValueError(f"{arg}: {path} is a folder; {EXPECTED}")
+    size = path.stat().st_size
+    if size == 0:
+        raise ValueError(f"{arg}: {path} is empty (0 bytes); {EXPECTED}")
+    with open(path, "rb") as f:
+        head = f.read(32)
+        if head.startswith(b"PK\x03\x04"):
+            return "torch"  # a zip archive: torch.save's format (torch.load says if it is not one)
+        if head[:1] == b"\x80" and head[1:2] and 2 <= head[1] <= 5:
+            return "torch"  # a bare pickle: torch.save's legacy format
+        n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
+        if head[8:9] == b"{" and 2 <= n <= SAFETENSORS_HEADER_MAX:
+            f.seek(8)
+            why = (f"its header needs {n} bytes, the file has {size}" if 8 + n > size
+                   else _safetensors_problem(f.read(n), size - 8 - n))
+            if why:
+                raise ValueError(f"{arg}: {path} is not a valid safetensors file ({why}): truncated or corrupted?")
+            return "safetensors"
+    what = next((name for magic, name in MAGIC if head.lstrip().startswith(magic)), None)
+    if what is None and path.suffix == ".safetensors":
+        why = f"its header length field says {n} bytes" + (f", the file has {size}" if 8 + n > size else "")
+        raise ValueError(f"{arg}: {path} is not a valid safetensors file ({why}): truncated or corrupted?")
+    if what is None and path.suffix.lower() in TORCH_SUFFIXES:
+        return "torch"  # by its name; torch.load says if it is not one
+    what = what or f"not a format jaxkv reads (it starts with bytes {head[:8].hex(' ')})"
+    raise ValueError(f"{arg}: {path} ({path.suffix or 'no suffix'}, {size} bytes) is {what}; {EXPECTED}")
+
+
+def _safetensors_problem(header: bytes, data_bytes: int) -> str | None:
+    """Why a safetensors JSON header (and ``data_bytes`` after it) cannot be read, or None."""
+    try:
+        entries = json.loads(header)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"its header is not JSON: {e}"
+    if not isinstance(entries, dict):
+        return "its header is not a JSON object"
+    end = 0
+    for name, e in entries.items():
+        if name == "__metadata__":
+            continue
+        offsets = e.get("data_offsets") if isinstance(e, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            return f"tensor {name!r} has no data_offsets"
+        end = max(end, offsets[1])
+    if end > data_bytes:
+        return f"its tensors need {end} bytes of data, the file holds {data_bytes}"
+    return None
+
+
+def _first_line(e: Exception, width: int = 160) -> str:
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def read_state_dict(path, *, unsafe_pickle: bool = False, arg: str = "path") -> tuple[dict, dict]:
+    """(``{key: f32 ndarray}``, safetensors metadata or {}) from a safetensors file or a torch
+    checkpoint (``.pt`` / ``.pth`` / ``.bin``), told apart by their bytes (``checkpoint_kind``).
+    ValueErrors name ``arg``."""
+    path = Path(path)
+    if checkpoint_kind(path, arg=arg) == "safetensors":
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise ValueError(f"{arg}: reading {path.name} needs safetensors, not installed here: "
+                             'pip install "jaxkv[lingbot]"') from None
+        try:
+            with safe_open(str(path), framework="flax") as f:
+                meta = f.metadata() or {}
+                sd = {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError and the dtype errors under it
+            raise ValueError(f"{arg}: {path} is not a readable safetensors file "
+                             f"({type(e).__name__}: {e})") from None
         return sd, meta
     try:
         import torch
     except ImportError:
-        raise ValueError(f"path: {path.name} is a torch pickle; reading it needs torch (pip install torch), "
-                         "or convert it once where torch is installed: python -m jaxkv convert-lingbot") from None
+        raise ValueError(f"{arg}: {path.name} is a torch checkpoint; reading it needs torch, not installed here: "
+                         'pip install "jaxkv[torch]", or convert it once where torch is installed: '
+                         "python -m jaxkv convert-lingbot") from None
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=not unsafe_pickle)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a pickle it will not load
-        raise ValueError(f"path: torch.load({path.name}, weights_only=True) failed ({type(e).__name__}: {e}); "
-                         "if you trust the file, pass unsafe_pickle=True") from None
+        raise ValueError(f"{arg}: torch.load({path.name}, weights_only={not unsafe_pickle}) failed "
+                         f"({type(e).__name__}: {_first_line(e)})"
+                         + ("; if you trust the file, pass unsafe_pickle=True" if not unsafe_pickle else "")) from None
     sd = obj.get("model", obj) if isinstance(obj, dict) else None
     if not isinstance(sd, dict) or not all(hasattr(v, "shape") for v in sd.values()):
-        raise ValueError(f"path: {path.name} holds neither a state dict nor {{'model': state dict}}")
+        raise ValueError(f"{arg}: {path.name} holds neither a state dict nor {{'model': state dict}}")
     if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module."):]: v for k, v in sd.items()}
     return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}, {}
@@ -172,26 +257,51 @@ def _arch(c: LingbotConfig) -> str:
             f"point head={'on' if c.enable_point else 'off'}")
 
 
+def checkpoint_config(sd: dict, meta: dict, **overrides) -> LingbotConfig:
+    """The config of a checkpoint: the one ``convert`` saved in its metadata, else the
+    architecture the state dict holds; ``overrides`` on top."""
+    saved = {}
+    if meta.get("format") == FORMAT:
+        try:
+            saved = json.loads(meta["config"])
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"state dict: its {FORMAT} metadata holds no readable config ({e})") from None
+        unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(LingbotConfig)})
+        if unknown:
+            raise ValueError(f"state dict: its saved config has fields {unknown} that this jaxkv's LingbotConfig "
+                             "does not know (written by a newer jaxkv?)")
+    saved["selected_idx"] = tuple(saved.get("selected_idx", LingbotConfig.selected_idx))
+    return config_from_state_dict(sd, **{**saved, **overrides})
+
+
+def model_from_state_dict(config: LingbotConfig, sd: dict, *, arg: str = "path") -> LingbotMap:
+    """``from_state_dict``'s model, warning about the keys skipped as upstream skips them;
+    a state dict that does not fit raises a ValueError naming ``arg``."""
+    try:
+        model, skipped = from_state_dict(config, sd)
+    except ValueError as e:
+        raise ValueError(f"{arg}: {e}") from None
+    if skipped:
+        warnings.warn(f"{len(skipped)} checkpoint keys skipped, as upstream skips them: {skipped[:6]}"
+                      + (" ..." if len(skipped) > 6 else ""), stacklevel=3)
+    return model
+
+
 def load_lingbot_checkpoint(path, config: LingbotConfig | None = None, *, unsafe_pickle: bool = False,
-                            **overrides) -> LingbotMap:
+                            arg: str = "path", **overrides) -> LingbotMap:
     """A ``LingbotMap`` with upstream's weights from ``path`` (``.pt`` / ``.safetensors``).
 
     config: the model to build; None infers the architecture from the checkpoint (and
       takes the config saved by ``convert``), ``overrides`` set the rest (height, width,
       cache policy, dtype, ...).
+    arg: the name ValueErrors give the checkpoint (a CLI passes its flag).
     """
-    sd, meta = read_state_dict(path, unsafe_pickle=unsafe_pickle)
+    sd, meta = read_state_dict(path, unsafe_pickle=unsafe_pickle, arg=arg)
     if config is None:
-        saved = json.loads(meta["config"]) if meta.get("format") == FORMAT else {}
-        saved["selected_idx"] = tuple(saved.get("selected_idx", LingbotConfig.selected_idx))
-        config = config_from_state_dict(sd, **{**saved, **overrides})
+        config = checkpoint_config(sd, meta, **overrides)
     elif overrides:
         config = config.replace(**overrides)
-    model, skipped = from_state_dict(config, sd)
-    if skipped:
-        warnings.warn(f"{len(skipped)} checkpoint keys skipped, as upstream skips them: {skipped[:6]}"
-                      + (" ..." if len(skipped) > 6 else ""), stacklevel=2)
-    return model
+    return model_from_state_dict(config, sd, arg=arg)
 
 
 def from_state_dict(config: LingbotConfig, sd: dict) -> tuple[LingbotMap, list[str]]:
@@ -238,8 +348,6 @@ def save_converted(model: LingbotMap, out, config: LingbotConfig | None = None) 
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     tensors = {upstream_key(p): np.ascontiguousarray(to_upstream(p, np.asarray(v.get_value(), np.float32)))
                for p, v in flat.items()}
-    import dataclasses
-
     cfg = dataclasses.asdict(config or model.config)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "config": json.dumps(cfg)})
@@ -247,7 +355,8 @@ def save_converted(model: LingbotMap, out, config: LingbotConfig | None = None) 
     return out
 
 
-def convert(src, out, **overrides) -> Path:
-    """``python -m jaxkv convert-lingbot SRC OUT``: upstream's checkpoint as a torch-free safetensors file."""
-    model = load_lingbot_checkpoint(src, **{**overrides, "dtype": "float32"})  # bf16 weights would round
+def convert(src, out, *, arg: str = "src", **overrides) -> Path:
+    """``python -m jaxkv convert-lingbot SRC OUT``: upstream's checkpoint as a torch-free safetensors file.
+    ValueErrors about the checkpoint name ``arg``."""
+    model = load_lingbot_checkpoint(src, arg=arg, **{**overrides, "dtype": "float32"})  # bf16 weights would round
     return save_converted(model, out, model.config.replace(dtype=overrides.get("dtype", LingbotConfig.dtype)))
