@@ -108,6 +108,12 @@ def _prefix_cuda_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) ->
     return why or _cuda_missing()
 
 
+def _cudnn_missing(*, dtype: str = "bfloat16", **_) -> str | None:
+    if jax.default_backend() == "gpu" and dtype in ("bfloat16", "float16"):
+        return None
+    return f"expected an NVIDIA GPU with cuDNN and a bfloat16 or float16 cache, got {jax.devices()[0].device_kind}, {dtype}"
+
+
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
@@ -177,7 +183,7 @@ def _cuda_op(name: str, names: tuple[str, ...] = ("xla", "cuda")) -> Operation:
 
 OPERATIONS = {op.name: op for op in (
     Operation("frame.attention", ("reference", "xla", "cudnn", "pallas", "cuda"), _frame_attention_auto,
-              {"pallas": _hopper_missing, "cuda": _prefix_cuda_missing}),
+              {"cudnn": _cudnn_missing, "pallas": _hopper_missing, "cuda": _prefix_cuda_missing}),
     Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
               {"pallas": _sm90_missing}),
     _cuda_op("hybrid.write"),

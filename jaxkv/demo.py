@@ -197,10 +197,6 @@ def check_impl(flag: str, impl: str, *, dtype: str, head_dim: int) -> str:
         impl = _backend.choose("frame.attention", impl, pow2_pages=False, dtype=dtype, head_dim=head_dim)
     except ValueError as e:
         raise ValueError(f"{flag}: {e}") from None
-    if impl == "cudnn" and jax.default_backend() != "gpu":
-        # the registry has no run-here rule for cudnn: without one, cuDNN fails inside the first step
-        raise ValueError(f"{flag}: impl='cudnn' for frame.attention: expected an NVIDIA GPU with cuDNN, "
-                         f"got {jax.devices()[0].device_kind}")
     return impl
 
 
