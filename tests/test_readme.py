@@ -69,18 +69,19 @@ def _blocks():
         lines = page.read_text().splitlines()
         i, n = 0, 0
         while i < len(lines):
-            m = re.match(r"^```(\w*)\s*$", lines[i])
+            m = re.match(r"^( *)```(\w*)\s*$", lines[i])  # a fence, maybe indented in a list item
             if not m:
                 i += 1
                 continue
-            lang = m.group(1)
+            indent, lang = len(m.group(1)), m.group(2)
             markers = set(re.findall(r"<!--\s*([a-z-]+)\s*-->", lines[i - 1])) if i else set()
             j = i + 1
-            while not lines[j].startswith("```"):
+            while not lines[j].strip().startswith("```"):
                 j += 1
             if lang in ("python", "bash"):
                 n += 1
-                out.append((page.relative_to(ROOT).as_posix(), n, lang, "\n".join(lines[i + 1:j]) + "\n", markers))
+                code = "\n".join(line[indent:] for line in lines[i + 1:j]) + "\n"
+                out.append((page.relative_to(ROOT).as_posix(), n, lang, code, markers))
             i = j + 1
     return out
 
@@ -143,7 +144,7 @@ def _env() -> dict:
 def test_every_page_has_blocks_and_every_block_is_tested():
     readme = [b for b in BLOCKS if b[0] == "README.md"]
     assert sum(b[2] == "python" for b in readme) >= 3, "README.md: expected the frame, hybrid and torch examples"
-    with_lang = sum(len(re.findall(r"^```(?:python|bash)\s*$", p.read_text(), re.M)) for p in PAGES)
+    with_lang = sum(len(re.findall(r"^ *```(?:python|bash)\s*$", p.read_text(), re.M)) for p in PAGES)
     assert with_lang == len(PY) + sum(b[2] == "bash" for b in BLOCKS)
 
 
