@@ -54,8 +54,8 @@ SHELL_NOT_RUN = [
     (r"^python -m jaxkv demo", "about a minute or more on a CPU; tests/test_demo.py runs the demo at "
                                "small sizes"),
     (r"^python -m jaxkv convert-lingbot ", "needs upstream's checkpoint, which is not in the repository; "
-                                          "tests/models/test_lingbot.py converts a random one"),
-    (r"^(JAXKV_LONG=1 )?python -m pytest", "the test suite itself"),
+                                          "tests/models/test_lingbot_cli.py converts a random one"),
+    (r"^(JAXKV_LONG=1 )?python -m pytest", "runs tests: the long Hypothesis profile takes about an hour"),
     (r"^\S+=\S+ .*python3? (benchmarks|-m pytest)", "needs an upstream checkout and a GPU"),
     (r"^(cd benchmarks && )?python3? benchmarks/|^python3? [a-z_]+\.py", "a benchmark: needs a GPU"),
     (r"^tools/flashmla_tree.sh|^git clone", "needs a FlashMLA or DeepSeek-V4 checkout (network)"),
@@ -174,3 +174,28 @@ def test_shell_command(command, tmp_path):
     args = [sys.executable, "-m", "jaxkv", *args[1:]] if args[0] == "jaxkv" else [sys.executable, *args[1:]]
     p = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.startswith("usage:"), f"{command}: {p.returncode}\n{p.stdout}\n{p.stderr}"
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    """Every relative link of README.md and docs/ names a file that exists, and its
+    ``#anchor`` a heading of that file."""
+    bad = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # not inside code blocks
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"^[a-z]+:", target):
+                continue  # https:, mailto:
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md":
+                heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                if anchor not in heads:
+                    bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not bad, "\n".join(bad)
