@@ -47,14 +47,10 @@ EXTRAS = {
 SHELL_RUN = re.compile(r"^(python -m jaxkv|jaxkv)( [a-z-]+)? --help$")
 # Shell commands that are not run, by pattern, with the reason.
 SHELL_NOT_RUN = [
-    (r"^pip install", "installs packages into this environment; .ci/run runs the README's test command "
-                      "in a fresh venv"),
-    (r"^python -m jaxkv demo .*--lingbot", "lingbot-map demos: tests/models/test_lingbot_cli.py runs them "
-                                           "at small sizes"),
-    (r"^python -m jaxkv demo", "about a minute or more on a CPU; tests/test_demo.py runs the demo at "
-                               "small sizes"),
-    (r"^python -m jaxkv convert-lingbot ", "needs upstream's checkpoint, which is not in the repository; "
-                                          "tests/models/test_lingbot_cli.py converts a random one"),
+    (r"^pip install", "installs packages here; .ci/run runs the README's test command in a fresh venv"),
+    (r"^python -m jaxkv demo .*--lingbot", "lingbot-map demos: tests/models/test_lingbot_cli.py runs them small"),
+    (r"^python -m jaxkv demo", "a minute or more on a CPU; tests/test_demo.py runs the demo at small sizes"),
+    (r"^python -m jaxkv convert-lingbot ", "needs upstream's checkpoint; tests/models/test_lingbot_cli.py converts one"),
     (r"^(JAXKV_LONG=1 )?python -m pytest", "runs tests: the long Hypothesis profile takes about an hour"),
     (r"^\S+=\S+ .*python3? (benchmarks|-m pytest)", "needs an upstream checkout and a GPU"),
     (r"^(cd benchmarks && )?python3? benchmarks/|^python3? [a-z_]+\.py", "a benchmark: needs a GPU"),
@@ -112,6 +108,13 @@ def _needs(code: str) -> list[str]:
     return extras
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing
+        return False
+
+
 def _promises(code: str) -> list[str]:
     """The lines ``print(...)  # text`` promise, in order."""
     out = []
@@ -144,13 +147,13 @@ def _env() -> dict:
 def test_every_page_has_blocks_and_every_block_is_tested():
     readme = [b for b in BLOCKS if b[0] == "README.md"]
     assert sum(b[2] == "python" for b in readme) >= 3, "README.md: expected the frame, hybrid and torch examples"
-    with_lang = sum(len(re.findall(r"^ *```(?:python|bash)\s*$", p.read_text(), re.M)) for p in PAGES)
+    with_lang = sum(len(re.findall(r"^ *```(?:python|bash)\s*$", p.read_text(), re.MULTILINE)) for p in PAGES)
     assert with_lang == len(PY) + sum(b[2] == "bash" for b in BLOCKS)
 
 
 @pytest.mark.parametrize("code, markers", _params(PY))
 def test_python_block(code, markers, tmp_path):
-    missing = [(e, mod) for e in _needs(code) for mod in EXTRAS[e] if importlib.util.find_spec(mod) is None]
+    missing = [(e, mod) for e in _needs(code) for mod in EXTRAS[e] if not _installed(mod)]
     if missing:
         pytest.skip(f"needs the {missing[0][0]!r} extra: {missing[0][1]} is not installed")
     if "slow" in markers and not LONG:
@@ -158,7 +161,7 @@ def test_python_block(code, markers, tmp_path):
     promises = _promises(code)
     assert promises, "the block prints nothing it promises: print what its comments claim"
     p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=900)
+                       timeout=900, check=False)
     assert p.returncode == 0, f"exit status {p.returncode}\n{p.stdout}\n{p.stderr[-6000:]}"
     _check_output(p.stdout, promises)
 
@@ -172,7 +175,7 @@ def test_shell_command(command, tmp_path):
         pytest.skip(f"not run: {reason}")
     args = shlex.split(command)
     args = [sys.executable, "-m", "jaxkv", *args[1:]] if args[0] == "jaxkv" else [sys.executable, *args[1:]]
-    p = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(args, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300, check=False)
     assert p.returncode == 0 and p.stdout.startswith("usage:"), f"{command}: {p.returncode}\n{p.stdout}\n{p.stderr}"
 
 
@@ -186,7 +189,7 @@ def test_relative_links_resolve():
     ``#anchor`` a heading of that file."""
     bad = []
     for page in PAGES:
-        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # not inside code blocks
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL)  # not inside code blocks
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if re.match(r"^[a-z]+:", target):
                 continue  # https:, mailto:
@@ -195,7 +198,7 @@ def test_relative_links_resolve():
             if not dest.exists():
                 bad.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md":
-                heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.M)}
+                heads = {_anchor(h) for h in re.findall(r"^#+ (.*)$", dest.read_text(), re.MULTILINE)}
                 if anchor not in heads:
                     bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
