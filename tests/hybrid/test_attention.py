@@ -3,6 +3,7 @@ float32 reference) and the kernels (Mosaic GPU on Hopper, cuda/), on caches fill
 compress / write_window with random inputs, requests at different positions."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,9 @@ import pytest
 import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
-from jaxkv.hybrid import attend
 from jaxkv.kernels.pool_attention import ref_pool_attention
+
+attention = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
 HEADS = 64 if is_hopper() else 2  # the kernel takes heads by 64; the CPU tests run its reference
 CFG = H.HybridConfig(compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k=24, block_size=32,
@@ -76,15 +78,15 @@ def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
     def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
         return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
-    monkeypatch.setattr(attend, "pool_attention", ref)
-    choose = attend._backend.choose
-    monkeypatch.setattr(attend._backend, "choose",
+    monkeypatch.setattr(attention, "pool_attention", ref)
+    choose = attention._backend.choose
+    monkeypatch.setattr(attention._backend, "choose",
                         lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw))
 
 
 def _missing(impl):
     """Why the kernel ``impl`` cannot run here for this module's caches, or None."""
-    return attend._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
+    return attention._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
 
 
 def _valid_rows(out, step):
