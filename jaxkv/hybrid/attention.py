@@ -10,7 +10,7 @@ denominator; K = V.
 ``impl="xla"`` dequantizes the rows into BF16 copies (``gather_entries`` /
 ``all_entries`` / ``window_keys``) and runs the float32 reference ``sparse_attention``;
 ``impl="cuda"`` (``kernels.pool_attention_cuda``, Hopper, any storage family), ``impl="pallas"``
-(``kernels.pool_attention``, Mosaic GPU, Hopper, official storage) and ``impl="flashmla"``
+(``kernels.pool_attention_pallas``, Mosaic GPU, Hopper, official storage) and ``impl="flashmla"``
 (``kernels.pool_attention_flashmla``: FlashMLA's sm90 kernel built from ``$FLASHMLA_SRC``,
 official storage, 64 or 128 heads; the step's own tokens and the sink merged by XLA) read the FP8 rows where
 they are stored: only the step's own tokens are encoded by XLA (the bytes ``write_window``
@@ -30,8 +30,8 @@ from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_devices
-from jaxkv.kernels.pool_attention import (BLOCK, fill_splits, pool_attention, pool_attention_cuda,
-                                          pool_attention_flashmla)
+from jaxkv.kernels.pool_attention import fill_splits
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
 from jaxkv.stacked import row
 
 _HI = lax.Precision.HIGHEST
@@ -72,8 +72,8 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
     sink = sink.astype(jnp.float32)
     if impl == "xla":
         fn = _xla
-    else:  # the kernel looked up now: tests swap pool_attention for its reference
-        kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention)
+    else:  # the kernel looked up now: tests swap pool_attention_pallas for its reference
+        kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
         fn = functools.partial(_in_place, kernel=kernel)
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
     return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),

@@ -8,7 +8,7 @@ with an attention sink. Two lowerings of one contract (shapes below):
   ``S = Q K^T`` and ``P V`` on ``wgmma``. The faster of the two (``benchmarks/RESULTS.md``,
   DeepSeek-V4 decode attention), and ``hybrid.attention``'s ``auto``. Where its time goes
   there: gathering a block's 37 KB of scattered rows, not the math or the dequantization.
-* ``pool_attention``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
+* ``pool_attention_pallas``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
 
 A DeepSeek-V4 query attends to rows of up to three pools: a CSA / HCA layer's compressed
 entries (picked by ``index_topk``, or all visible), its SWA ring, and the step's own
@@ -386,9 +386,9 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``
-    (module docstring); both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90
-    GPU and nvcc (the first use builds ``cuda/``)."""
+    """The pool attention contract (module docstring) on ``cuda/pool_attention.cu`` through
+    ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90 GPU and
+    nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
@@ -416,7 +416,7 @@ def cuda_parts(heads: int, splits: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """``pool_attention``'s contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
+    """The pool attention contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
     (``jaxkv.cuda.flashmla``: built from ``$FLASHMLA_SRC`` on first use; Hopper, official
     storage, 64 or 128 heads). FlashMLA reads two pools, its cache and its extra cache:
     parts 0 and 1, each row a pool-wide id with -1 past ``nvalid``, and with them the sink.
@@ -464,8 +464,8 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
-def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
+def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+    """The Mosaic GPU kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
@@ -487,5 +487,5 @@ def fill_splits(rows: int, heads: int, blocks: int, sms: int = 132) -> int:
     return max(1, -(-blocks // per))
 
 
-__all__ = ["cuda_parts", "fill_splits", "pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
-           "ref_pool_attention", "row_scales"]
+__all__ = ["cuda_parts", "fill_splits", "pool_attention_cuda", "pool_attention_flashmla",
+           "pool_attention_pallas", "ref_partial", "ref_pool_attention", "row_scales"]

@@ -78,7 +78,7 @@ def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
     def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
         return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
-    monkeypatch.setattr(attention, "pool_attention", ref)
+    monkeypatch.setattr(attention, "pool_attention_pallas", ref)
     choose = attention._backend.choose
     monkeypatch.setattr(attention._backend, "choose",
                         lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw))
