@@ -23,7 +23,6 @@ from jaxkv.hybrid.attention import (
     after_reads,
     attention,
     causal_entry_mask,
-    query_positions,
     sparse_attention,
     window_mask,
 )
@@ -43,7 +42,7 @@ from jaxkv.hybrid.ops import (
 )
 from jaxkv.stacked import Stacked
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
-from jaxkv.hybrid.step import Step, finish, prepare_forward
+from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
 

@@ -27,9 +27,10 @@ from jax import lax
 from jaxkv import _backend
 from jaxkv.formats.storage import pack_items
 from jaxkv.hybrid.config import CSA, HCA, SWA
-from jaxkv.hybrid.ops import all_entries, check_layer, check_tokens, gather_entries, ring_positions, window_keys
+from jaxkv.hybrid.ops import (all_entries, check_layer, check_tokens, entry_address, gather_entries, ring_positions,
+                             window_keys)
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices
+from jaxkv.hybrid.step import Step, on_devices, query_positions
 from jaxkv.kernels.pool_attention import fill_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
 from jaxkv.stacked import row
@@ -110,16 +111,18 @@ def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
 
 
 # --- what a query sees, and the reference attention over it ---------------------------------------
-def query_positions(step: Step, T: int):
-    """i32[B, T] absolute position of each query row (padding rows continue the count)."""
-    return step.start[:, None] + jnp.arange(T)[None, :]
+# Both paths (``_xla`` and ``_in_place``) and the indexer ask these; nothing else restates them.
+def window_first(step: Step, T: int, window: int):
+    """i32[B, T]: the oldest position in the window of each query row. A query at position p
+    sees the raw tokens at ``p - window < pos <= p``: ``window_first <= pos <= p``."""
+    return query_positions(step, T) - window + 1
 
 
 def window_mask(key_pos, step: Step, T: int, window: int):
     """bool[B, T, K]: query t sees key k iff ``p - window < key_pos <= p`` (p its position)."""
     p = query_positions(step, T)[..., None]
     kp = key_pos[:, None, :]
-    return (kp >= 0) & (kp <= p) & (kp > p - window)
+    return (kp >= 0) & (kp <= p) & (kp >= window_first(step, T, window)[..., None])
 
 
 def visible_entries(step: Step, T: int, ratio: int):
@@ -127,9 +130,15 @@ def visible_entries(step: Step, T: int, ratio: int):
     return (query_positions(step, T) + 1) // ratio
 
 
+def entry_visible(entry, step: Step, T: int, ratio: int):
+    """bool[B, T, k]: query t sees compressed entry ``entry[b, t, k]`` (-1: none) iff
+    ``0 <= entry < (p + 1) // ratio``."""
+    return (entry >= 0) & (entry < visible_entries(step, T, ratio)[..., None])
+
+
 def causal_entry_mask(num_entries: int, step: Step, T: int, ratio: int):
     """bool[B, T, N]: query at position p sees compressed entry s iff ``s < (p + 1) // ratio``."""
-    return jnp.arange(num_entries)[None, None, :] < visible_entries(step, T, ratio)[..., None]
+    return entry_visible(jnp.arange(num_entries)[None, None, :], step, T, ratio)
 
 
 def sparse_attention(q, parts, sink, scale: float):
@@ -168,7 +177,7 @@ def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
     keys, pos = window_keys(state, step, layer, kv, impl="xla")
     parts = [(keys, window_mask(pos, step, T, c.window))]
     if kind == CSA:
-        ok = (idx >= 0) & (idx < visible_entries(step, T, c.compress_ratios[layer])[..., None])
+        ok = entry_visible(idx, step, T, c.compress_ratios[layer])
         parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
     elif kind == HCA:
         entries, _ = all_entries(state, step, layer, impl="xla")
@@ -189,49 +198,50 @@ def _block_counts(count, blocks: int):
     return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
 
 
+def _pool_rows(pool, layer, block, item, items: int):
+    """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]
+    (row ``block * items + item``), and the row of item ``item`` of block ``block`` of
+    layer ``layer`` in it (block clamped at 0)."""
+    L, NB, width = pool.shape
+    return pool.reshape(L * NB, width), (layer * NB + jnp.maximum(block, 0)) * items + item
+
+
 def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     """The kernel path: each part's row ids (through the block tables), then ``kernel``."""
     c = state.config
     B, T, H, D = q.shape
     N = B * T
-    W, R = c.window, c.max_requests
+    W = c.window
     codec = c.storage_format.entry
-    pos = query_positions(step, T)  # i32[B, T]
     parts = []  # (pool u8[P, bs * E], ids i32[N, k], count i32[N])
 
     if kind != SWA:
         ratio = c.compress_ratios[layer]
         g, j = state.group(layer)
-        pool = state.entries[g]  # u8[Lg, NB, bs * E]: rows of layer j are offset by j * NB blocks
-        Lg, NB, width = pool.shape
-        bs = c.block_size
-        vis = visible_entries(step, T, ratio)[..., None]  # [B, T, 1]
         if kind == CSA:
             e = idx
         else:
             e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
-        table = state.alloc[g].table  # i32[R, max_blocks]
-        blk = table[step.slot[:, None, None], jnp.clip(e // bs, 0, table.shape[1] - 1)]
-        valid = (e >= 0) & (e < vis) & (blk >= 0)
-        ids = (j * NB + jnp.maximum(blk, 0)) * bs + jnp.maximum(e, 0) % bs
-        parts.append((pool.reshape(Lg * NB, width),) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
+        blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], e, c.block_size)
+        valid = entry_visible(e, step, T, ratio) & (blk >= 0)
+        pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
+        parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
 
-    # the ring as it was before this step
-    i = jnp.arange(W, dtype=jnp.int32)[None, :]
-    ring_pos = ring_positions(step, W)  # [B, W], -1: empty
-    seen = (ring_pos[:, None, :] >= 0) & (ring_pos[:, None, :] > pos[..., None] - W)  # [B, T, W]
-    ring_ids = jnp.broadcast_to(((layer * R + step.slot[:, None]) * W + i)[:, None, :], (B, T, W))
-    parts.append((state.window.reshape(-1, state.window.shape[-1]),)
-                 + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
+    # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
+    seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
+    pool, ring_ids = _pool_rows(state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W)
+    ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
+    parts.append((pool,) + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
-    # the step's own tokens t' with t - W < t' <= t, encoded as write_window will store them
+    # the step's own tokens in query t's window: t' from first to t (positions start + t'),
+    # encoded as write_window will store them
     own = pack_items(codec.encode(row(kv).reshape(N, D)), OWN_BLOCK, codec.segments)
     K = min(T, W)
-    t = jnp.arange(T, dtype=jnp.int32)
-    first = jnp.maximum(t - W + 1, 0)  # [T]
-    own_ids = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * T + first[None, :, None]
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]
+    own_ids = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * T + first[..., None]
                + jnp.arange(K, dtype=jnp.int32)[None, None, :])  # [B, T, K]
-    own_count = jnp.broadcast_to(t - first + 1, (B, T)).reshape(N)
+    own_count = (t - first + 1).reshape(N)
     own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
     parts.append((own, own_ids, own_count.astype(jnp.int32)))
 
@@ -244,5 +254,5 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     return out.reshape(B, T, H, D)
 
 
-__all__ = ["after_reads", "attention", "causal_entry_mask", "query_positions", "sparse_attention", "visible_entries",
-           "window_mask"]
+__all__ = ["after_reads", "attention", "causal_entry_mask", "entry_visible", "sparse_attention", "visible_entries",
+           "window_first", "window_mask"]

@@ -54,6 +54,12 @@ class Step:
     active: jnp.ndarray
 
 
+def query_positions(step: Step, T: int):
+    """i32[B, T] absolute position of each token row of the step, ``start + t`` (padding rows
+    continue the count): where a query sits, and where the row's token is written."""
+    return step.start[:, None] + jnp.arange(T)[None, :]
+
+
 def on_devices(fn, state: HybridCacheState, *args, axes=(), out="state"):
     """``fn(state, *args)`` run by each device on its request shard (``jax.shard_map``), or
     directly for a state on one device. Inside, the state is one shard's (a ``local_config``,

@@ -13,6 +13,7 @@ import pytest
 import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
+from jaxkv.hybrid.ops import entry_address, ring_item, ring_positions
 from jaxkv.kernels.pool_attention import ref_pool_attention
 
 attention = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
@@ -231,3 +232,49 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     assert float(jnp.max(jnp.abs(outs.astype(jnp.float32)))) > 0.01
     for a, b in zip(jax.tree.leaves(ordered_state), jax.tree.leaves(plain_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ring_and_entry_addresses(rng):
+    """ring_item / ring_positions / entry_address against a numpy transcription: the ring
+    before a step holds, at item i, the latest position before start that is i mod window;
+    entry e sits at item e % bs of block table[slot, e // bs] (-1: none)."""
+    W = 8
+    start = rng.integers(0, 40, size=6).astype(np.int32)
+    step = H.Step(slot=jnp.zeros(6, jnp.int32), write_slot=jnp.zeros(6, jnp.int32), start=jnp.asarray(start),
+                  num_tokens=jnp.ones(6, jnp.int32), active=jnp.ones(6, bool))
+    pos = np.asarray(ring_positions(step, W))
+    for b, s in enumerate(start):
+        want = [max([p for p in range(s) if p % W == i], default=-1) for i in range(W)]
+        assert pos[b].tolist() == want, (s, pos[b], want)
+    held = pos >= 0
+    assert (np.asarray(ring_item(jnp.asarray(pos), W))[held] == np.nonzero(held)[1]).all()
+
+    bs, R, MB = 4, 3, 5
+    table = rng.integers(-1, 50, size=(R, MB)).astype(np.int32)
+    slot = rng.integers(0, R, size=(R, 1)).astype(np.int32)
+    entry = rng.integers(-1, MB * bs, size=(R, 7)).astype(np.int32)
+    blk, item = (np.asarray(a) for a in entry_address(jnp.asarray(table), jnp.asarray(slot), jnp.asarray(entry), bs))
+    for r in range(R):
+        for k in range(7):
+            e = entry[r, k]
+            assert blk[r, k] == (table[slot[r, 0], e // bs] if e >= 0 else -1)
+            assert e < 0 or item[r, k] == e % bs
+
+
+def test_visibility_rules(rng):
+    """window_mask / window_first and entry_visible / causal_entry_mask against their
+    definitions: ``p - window < pos <= p``; ``0 <= s < (p + 1) // ratio``."""
+    B, T, W, ratio = 3, 5, 6, 4
+    start = rng.integers(0, 30, size=B).astype(np.int32)
+    step = H.Step(slot=jnp.zeros(B, jnp.int32), write_slot=jnp.zeros(B, jnp.int32), start=jnp.asarray(start),
+                  num_tokens=jnp.full(B, T, jnp.int32), active=jnp.ones(B, bool))
+    p = start[:, None] + np.arange(T)[None, :]
+    key_pos = rng.integers(-1, 40, size=(B, 9)).astype(np.int32)
+    want = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] > p[..., None] - W) & (key_pos[:, None, :] <= p[..., None])
+    np.testing.assert_array_equal(np.asarray(H.window_mask(jnp.asarray(key_pos), step, T, W)), want)
+    np.testing.assert_array_equal(np.asarray(attention.window_first(step, T, W)), p - W + 1)
+    e = rng.integers(-1, 12, size=(B, T, 7)).astype(np.int32)
+    want = (e >= 0) & (e < ((p + 1) // ratio)[..., None])
+    np.testing.assert_array_equal(np.asarray(attention.entry_visible(jnp.asarray(e), step, T, ratio)), want)
+    np.testing.assert_array_equal(np.asarray(H.causal_entry_mask(12, step, T, ratio)),
+                                  np.arange(12)[None, None, :] < ((p + 1) // ratio)[..., None])
