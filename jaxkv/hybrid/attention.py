@@ -30,7 +30,7 @@ from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import (all_entries, check_layer, check_tokens, entry_address, gather_entries, ring_positions,
                              window_keys)
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices, query_positions
+from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.kernels.pool_attention import fill_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
 from jaxkv.stacked import row
@@ -77,7 +77,7 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
         kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
         fn = functools.partial(_in_place, kernel=kernel)
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
-    return on_devices(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
+    return on_requests(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
                       state, *args, axes=("batch",) * len(args), out="batch")
 
 
@@ -107,7 +107,7 @@ def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
         return st.replace(window=touch(st.window), entries=tuple(map(touch, st.entries)),
                           index_keys=touch(st.index_keys))
 
-    return on_devices(local, state, *outs, axes=("batch",) * len(outs), out="state")
+    return on_requests(local, state, *outs, axes=("batch",) * len(outs), out="state")
 
 
 # --- what a query sees, and the reference attention over it ---------------------------------------

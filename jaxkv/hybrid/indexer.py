@@ -19,7 +19,7 @@ from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
 from jaxkv.math.rotation import hadamard
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices
+from jaxkv.hybrid.step import Step, on_requests
 from jaxkv.formats.storage import as_bytes
 
 
@@ -32,7 +32,7 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     if state.layout is None:
         return _index_query(state, q, impl)
     state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
-    return on_devices(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
+    return on_requests(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
 
 
 def _index_query(state, q, impl):
@@ -69,7 +69,7 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *,
     """
     _check_scores(state, step, layer, q, weights)
     impl = _scores_impl(state, impl)
-    return on_devices(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
+    return on_requests(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
                       axes=("batch",) * 3, out="batch")
 
 
@@ -111,7 +111,7 @@ def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_
         val, idx = _top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
         return jnp.where(jnp.isfinite(val), idx, -1)
 
-    return on_devices(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
+    return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
 
 
 def _top_k(s, k: int, chunks: int = 4):

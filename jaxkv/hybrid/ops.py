@@ -25,7 +25,7 @@ from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.math.rotation import rope_freqs
 from jaxkv.stacked import check_stacked, map_stack, row
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices, query_positions
+from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.formats.storage import read_items
 
 
@@ -108,7 +108,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     impl = check_impl(impl)
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_devices(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
+    return on_requests(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
                       axes=("batch", "batch"))
 
 
@@ -220,10 +220,10 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
-        return on_devices(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
+        return on_requests(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
             st, step, layer, kv, score, p, (ikv, iscore, ip), impl), state, step, kv, score, params, ikv, iscore,
             iparams, axes=("batch", "batch", "batch", None, "batch", "batch", None))
-    return on_devices(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
+    return on_requests(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
                       state, step, kv, score, params, axes=("batch", "batch", "batch", None))
 
 
@@ -321,7 +321,7 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     """
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_devices(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
+    return on_requests(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
                       axes=("batch", "batch"), out=("batch", "batch"))
 
 
@@ -381,7 +381,7 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
         return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
                        c.storage, impl)
 
-    return on_devices(local, state, step, idx, axes=("batch", "batch"), out="batch")
+    return on_requests(local, state, step, idx, axes=("batch", "batch"), out="batch")
 
 
 def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = "auto"):
@@ -409,7 +409,7 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
                        c.storage_format.index_key(c.index_dim), c.block_size, c.storage)
         return keys, cnt
 
-    return on_devices(local, state, step, axes=("batch",), out=("batch", "batch"))
+    return on_requests(local, state, step, axes=("batch",), out=("batch", "batch"))
 
 
 __all__ = ["CompressorParams", "all_entries", "compress", "entry_address", "entry_count", "gather_entries",

@@ -102,6 +102,22 @@ class HybridCacheState:
     def allocator(self, layer: int) -> BlockAllocator:
         return self.alloc[self.group(layer)[0]]
 
+    # how the state splits on its layout (``jaxkv.sharding.on_devices``)
+    def partition_specs(self) -> HybridCacheState:
+        """The PartitionSpec of every array on ``layout``'s mesh (a state of specs)."""
+        return specs(self.config, self.layout)
+
+    def to_shard(self) -> HybridCacheState:
+        """This device's part as a state of its own: a ``local_config``, its own block ids
+        and ``num_free``, no layout."""
+        alloc = tuple(a.replace(num_free=a.num_free[0]) for a in self.alloc)
+        return self.replace(config=local_config(self.config, self.layout.shards("requests")), layout=None, alloc=alloc)
+
+    def from_shard(self, part: HybridCacheState) -> HybridCacheState:
+        """A device's ``part`` (``to_shard``, updated) as its piece of this whole state."""
+        alloc = tuple(a.replace(num_free=a.num_free[None]) for a in part.alloc)
+        return part.replace(config=self.config, layout=self.layout, alloc=alloc)
+
 
 def _layers_of(c: HybridConfig, ratio: int) -> int:
     return c.compress_ratios.count(ratio)
