@@ -88,7 +88,7 @@ def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
     A decode step reads a layer's pools (``attention``, ``index_topk``) and then updates
     the same stacked arrays in place. Nothing in the data orders the read before the write,
     so XLA keeps the read's version alive by copying the whole stacked pool, layer after
-    layer (``benchmarks/RESULTS.md``, ``dsv4_step.py``: 64K context does not fit). Here each
+    layer (a long context then does not fit: docs/hybrid.md). Here each
     pool rewrites one of its own bytes with itself at an index computed from ``outs``
     (0 or 1: the sign bit of their sum), which XLA cannot know: the pools now depend on the
     reads, and the writes after them stay in place. No value changes.

@@ -41,7 +41,7 @@ def check_impl(impl: str) -> str:
 
 def default_impl() -> str:
     """"cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
-    layer; figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
+    layer: docs/kernels/cache_writes.md), "xla" elsewhere; the same for both storage families."""
     return _backend.choose("hybrid.write", "auto")
 
 

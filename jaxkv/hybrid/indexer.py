@@ -118,7 +118,7 @@ def _top_k(s, k: int, chunks: int = 4):
     """``lax.top_k`` over the last axis, in two exact stages where the axis is long: the k best
     of each of ``chunks`` slices, then the k best of those (the same values and indices, ties
     to the lower index). XLA's top-k sorts, and four short sorts take less time than one long
-    one (``benchmarks/RESULTS.md``, the indexer)."""
+    one (docs/kernels/index_scores.md)."""
     n = s.shape[-1]
     if n % chunks or n < 2 * chunks * k:
         return jax.lax.top_k(s, k)

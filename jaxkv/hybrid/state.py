@@ -10,8 +10,8 @@ handful of buffers, not a few per layer. Per request slot (``R = config.max_requ
 * ``tails[g]: f32[Lg, R, streams, 3, width]`` the running-softmax tails of the ``Lg``
   layers of ratio ``config.ratios[g]`` (see ``compressor``): CSA 3 streams over
   ``head_dim + index_dim`` channels (the main and the indexer compressor side by side),
-  HCA 1 stream over ``head_dim``. Stacked, like the pools: every buffer of the state costs
-  the step's dispatch a few microseconds (``benchmarks/RESULTS.md``).
+  HCA 1 stream over ``head_dim``. Stacked, like the pools: every buffer of the state adds
+  to the step's dispatch time (docs/hybrid.md).
 
 Per ratio ``g``, paged pools ``entries[g]: u8[Lg, num_blocks, block_size * E]`` and, for the
 CSA ratio, ``index_keys: u8[Lg, num_blocks, block_size * K]``. Every layer of a ratio
