@@ -1,5 +1,5 @@
 """DeepSeek-V4 decode attention over the FP8 pools: the ``cuda/`` kernel
-(``kernels.pool_attention_cuda``) vs the Mosaic GPU kernel (``kernels.pool_attention``) vs the XLA path (dequantize the rows, float32 attention) vs
+(``kernels.pool_attention_cuda``) vs the Mosaic GPU kernel (``kernels.pool_attention_pallas``) vs the XLA path (dequantize the rows, float32 attention) vs
 FlashMLA's sm90 sparse decode on the same pool bytes, through jax.ffi (``flashmla``:
 ``kernels.pool_attention_flashmla``, opt-in with ``--contenders``) and from torch
 (``torch_bridge.flashmla``, the same library through ctypes: ``flashmla-torch``, whenever
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from _timing import kernel_ms_per_step  # benchmarks/, the script's directory
 from jaxkv.formats.storage import STORAGES, pack_items
 from jaxkv.kernels.launch import pool_splits
-from jaxkv.kernels.pool_attention import (BLOCK, pool_attention, pool_attention_cuda, pool_attention_flashmla,
+from jaxkv.kernels.pool_attention import (BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas,
                                           ref_pool_attention)
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
@@ -167,7 +167,7 @@ def main():
             floors[name, B] = (small, max(bytes_ / copy_gbs / 1e6 if copy_gbs else 0, flops / PEAK_TFLOPS / 1e9))
             fns = dict(
                 cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
-                pallas=jax.jit(lambda q, p, r, n, s: pool_attention(q, p, pb, r, n, s, splits=S)),
+                pallas=jax.jit(lambda q, p, r, n, s: pool_attention_pallas(q, p, pb, r, n, s, splits=S)),
                 flashmla=jax.jit(lambda q, p, r, n, s: pool_attention_flashmla(q, p, pb, r, n, s)),
                 xla=jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16)))
             res = {}

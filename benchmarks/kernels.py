@@ -156,7 +156,7 @@ def bench_flush_write(n, storage, iters):
     block, slot = cells // bs, cells % bs
     moved = n * (x.shape[1] * 2 + xi.shape[1] * 2 + 8 + fmt.entry_bytes + kb)
     rows, outs = [], {}
-    impls = [("xla", F.ref_flush_write), ("cuda", F.cuda_flush_write)]
+    impls = [("xla", F.ref_flush_write), ("cuda", F.flush_write_cuda)]
     if (old := triton_kernels("flush_write")) is not None:
         impls.append(("triton", functools.partial(old.flush_write, interpret=False)))
     for name, fn in impls:

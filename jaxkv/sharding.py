@@ -4,9 +4,9 @@ Every array of a cache names its axes with the logical names below; a ``Layout``
 ``jax.sharding.Mesh`` and the rules) turns them into ``PartitionSpec`` s. A state made
 with ``frame.init(spec, mesh=...)`` / ``hybrid.init(config, mesh=...)`` carries its
 ``Layout`` as a static field, and every per-step operation runs its unchanged
-single-device code on each device's part of the state under ``jax.shard_map``: what a
-device computes is what one device computes for its streams or requests, so a step
-compiles with no collective (``tests/sharding``).
+single-device code on each device's part of the state under ``jax.shard_map``
+(``on_devices``): what a device computes is what one device computes for its streams or
+requests, so a step compiles with no collective (``tests/sharding``).
 
 | logical axis | what it is | default mesh axis |
 | --- | --- | --- |
@@ -112,6 +112,47 @@ def per_device(lay: Layout, fn, in_specs, out_specs):
     return _shard_map(fn, mesh=lay.mesh, in_specs=in_specs, out_specs=out_specs, **_NO_CHECK)
 
 
+def on_devices(fn, state, *args, axes=(), out="state"):
+    """``fn(state, *args)`` run by each device on its part of a cache state and of the
+    arguments (``per_device`` over ``state.layout``), or called directly for a state on one
+    device (``layout`` None).
+
+    The state says how it splits: ``partition_specs()`` places its arrays on the layout's
+    mesh; ``fn`` gets ``to_shard()`` of the device's part (one device's static config, no
+    layout), and a state ``fn`` returns is put back with ``from_shard`` of the whole one.
+
+    axes: per argument, its logical axes (the table above): a tuple of names, one per array
+      axis (None: that axis replicated; an empty tuple, or None for the whole argument:
+      replicated), or a pytree of ``PartitionSpec`` s of logical names that prefixes the
+      argument (a ``Stacked``'s, a dataclass's: one spec for all its fields).
+    out: the result's, likewise, "state" for a state; a list of them for a tuple of results.
+    """
+    lay = state.layout
+    if lay is None:
+        return fn(state, *args)
+    lay.check_placed(state)
+
+    def is_state(x):
+        return isinstance(x, type(state))
+
+    def body(part, *a):
+        res = fn(part.to_shard(), *a)
+        return jax.tree_util.tree_map(lambda x: state.from_shard(x) if is_state(x) else x, res, is_leaf=is_state)
+
+    def place(names):
+        if isinstance(names, str) and names == "state":
+            return state.partition_specs()
+        if names is None:
+            return lay.spec()
+        if isinstance(names, tuple) and all(n is None or isinstance(n, str) for n in names):
+            return lay.spec(*names)
+        return jax.tree_util.tree_map(lambda p: lay.spec(*p), names, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+    in_specs = (state.partition_specs(),) + tuple(map(place, axes))
+    out_specs = tuple(map(place, out)) if isinstance(out, list) else place(out)
+    return per_device(lay, body, in_specs, out_specs)(state, *args)
+
+
 def build(make, specs, lay: Layout):
     """``make()`` (a pytree of new arrays) computed straight into these PartitionSpecs: each
     device makes only its part (no device holds a whole sharded cache on the way), and it
@@ -121,4 +162,4 @@ def build(make, specs, lay: Layout):
     return jax.jit(make, out_shardings=shardings)()
 
 
-__all__ = ["AXES", "DEFAULT_RULES", "Layout", "build", "layout", "per_device"]
+__all__ = ["AXES", "DEFAULT_RULES", "Layout", "build", "layout", "on_devices", "per_device"]

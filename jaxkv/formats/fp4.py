@@ -1,4 +1,5 @@
-"""FP4 E2M1 formats for indexer keys: NVFP4 (the dsv4 seed) and MXFP4 (official DeepSeek-V4).
+"""FP4 E2M1 formats for indexer keys: NVFP4 (the reference DeepSeek-V4 cache design,
+``docs/glossary.md``) and MXFP4 (official DeepSeek-V4).
 
 Codes are packed two per byte, element ``2i`` in the low nibble and ``2i+1`` in the high
 nibble. E2M1 has no NaN or inf: rounding is to nearest-even and magnitudes above 6

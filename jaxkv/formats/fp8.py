@@ -22,13 +22,14 @@ def _to_fp8(y):
 
 
 def quantize_fp8_per_entry(x):
-    """Per-entry FP8 (the dsv4 seed's entries and SWA ring).
+    """Per-entry FP8 (the entries and SWA ring of the reference DeepSeek-V4 cache design,
+    ``docs/glossary.md``).
 
     Args:
       x: float[..., d]
     Returns:
       q: float8_e4m3fn[..., d]
-      scale: f32[...]  dequantization multiplier ``amax / 448`` (the seed calls it
+      scale: f32[...]  dequantization multiplier ``amax / 448`` (that design calls it
         ``inv_scale``: the inverse of the quantization multiplier 448/amax). An all-zero
         entry has scale 0 and q 0.
     """

@@ -36,11 +36,12 @@ from jax import lax
 
 from jaxkv import _backend
 from jaxkv.frame import tuning
-from jaxkv.frame.state import FrameCacheState, on_devices
+from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
 from jaxkv.kernels.launch import prefix_splits
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda
 from jaxkv.math.attention import HIGHEST, ref_attention
+from jaxkv.sharding import on_devices
 
 IMPLS = _backend.choices("frame.attention")
 

@@ -16,8 +16,9 @@ from jax import lax
 from jaxkv import _backend
 from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.frame import plan, tuning
-from jaxkv.frame.state import NONE, FrameCacheState, on_devices
+from jaxkv.frame.state import NONE, FrameCacheState
 from jaxkv.kernels.frame_append import write_frame, write_rows
+from jaxkv.sharding import on_devices
 
 
 # ---------------------------------------------------------------- row-block helpers

@@ -57,6 +57,21 @@ class FrameCacheState:
         """i32[B]: occupied patch slots."""
         return self.num_scale + self.num_window
 
+    # how the state splits on its layout (``jaxkv.sharding.on_devices``)
+    def partition_specs(self) -> FrameCacheState:
+        """The PartitionSpec of every array on ``layout``'s mesh (a state of specs)."""
+        return specs(self.spec, self.layout)
+
+    def to_shard(self) -> FrameCacheState:
+        """This device's part as a state of its own: its streams and heads, no layout."""
+        lay = self.layout
+        return self.replace(spec=dataclasses.replace(self.spec, num_streams=self.spec.num_streams // lay.shards("streams"),
+                                                     num_heads=self.spec.num_heads // lay.shards("heads")), layout=None)
+
+    def from_shard(self, part: FrameCacheState) -> FrameCacheState:
+        """A device's ``part`` (``to_shard``, updated) as its piece of this whole state."""
+        return part.replace(spec=self.spec, layout=self.layout)
+
     @property
     def num_valid(self):
         """i32[B]: visible rows form the prefix ``[0, num_valid)`` of each buffer."""
@@ -95,28 +110,6 @@ def specs(spec: FrameSpec, lay: Layout) -> FrameCacheState:
         **{f: per_stream for f in ("num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
                                    "write_patch_row", "write_special_row", "error")},
         spec=spec, layout=lay)
-
-
-def on_devices(fn, state: FrameCacheState, *args, axes=(), out=None):
-    """``fn(state, *args)`` run by each device on its streams and heads (``jax.shard_map``),
-    or directly for a state on one device. ``axes``: each arg's logical axes (a tuple of
-    names, None for a replicated array); ``out``: the result's, the state's by default."""
-    lay = state.layout
-    if lay is None:
-        return fn(state, *args)
-    lay.check_placed(state)
-    spec = state.spec
-    local = dataclasses.replace(spec, num_streams=spec.num_streams // lay.shards("streams"),
-                                num_heads=spec.num_heads // lay.shards("heads"))
-
-    def body(st, *a):
-        res = fn(st.replace(spec=local, layout=None), *a)
-        return jax.tree_util.tree_map(lambda x: x.replace(spec=spec, layout=lay) if isinstance(x, FrameCacheState) else x,
-                                      res, is_leaf=lambda x: isinstance(x, FrameCacheState))
-
-    arg_specs = tuple(lay.spec(*(n or ())) for n in axes)
-    out_specs = specs(spec, lay) if out is None else lay.spec(*out)
-    return sharding.per_device(lay, body, (specs(spec, lay),) + arg_specs, out_specs)(state, *args)
 
 
 def _empty(spec: FrameSpec) -> FrameCacheState:

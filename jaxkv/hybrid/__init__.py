@@ -19,16 +19,14 @@ batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an
 stacked over layers, without a copy; ``HybridCache`` is the eager wrapper that raises on recorded faults.
 """
 
-from jaxkv.hybrid.attend import after_reads, attention
 from jaxkv.hybrid.attention import (
+    after_reads,
+    attention,
     causal_entry_mask,
-    index_query,
-    index_scores,
-    index_topk,
-    query_positions,
     sparse_attention,
     window_mask,
 )
+from jaxkv.hybrid.indexer import index_query, index_scores, index_topk
 from jaxkv.math.compressor import ref_pool_sequence
 from jaxkv.hybrid.eager import HybridCache
 from jaxkv.hybrid.config import CSA, HCA, SWA, V4_FLASH, V4_PRO, HybridConfig, bytes_per_token
@@ -44,7 +42,7 @@ from jaxkv.hybrid.ops import (
 )
 from jaxkv.stacked import Stacked
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
-from jaxkv.hybrid.step import Step, finish, prepare_forward
+from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
 

@@ -1,143 +1,128 @@
-"""The lightning indexer (scores and top-k) and a reference sparse attention with a sink.
+"""``attention``: the one call a DeepSeek-V4 layer makes to attend over the hybrid cache.
 
-The indexer's XLA path and ``sparse_attention`` are the meaning the kernels are tested
-against; ``index_scores(impl="pallas")`` runs ``kernels.index_scores`` (Hopper).
+A query at position p sees, in every layer, the raw tokens of its window (the SWA ring as
+it was before this step, and the step's own tokens, ``p - window < pos <= p``), and in a
+compressed layer also compressed entries: the top-k a CSA layer's indexer picked
+(``index_topk``), or every visible entry of an HCA layer (``s < (p + 1) // ratio``).
+One softmax runs over their union, with the layer's per-head attention sink in the
+denominator; K = V.
+
+``impl="xla"`` dequantizes the rows into BF16 copies (``gather_entries`` /
+``all_entries`` / ``window_keys``) and runs the float32 reference ``sparse_attention``;
+``impl="cuda"`` (``kernels.pool_attention_cuda``, Hopper, any storage family), ``impl="pallas"``
+(``kernels.pool_attention_pallas``, Mosaic GPU, Hopper, official storage) and ``impl="flashmla"``
+(``kernels.pool_attention_flashmla``: FlashMLA's sm90 kernel built from ``$FLASHMLA_SRC``,
+official storage, 64 or 128 heads; the step's own tokens and the sink merged by XLA) read the FP8 rows where
+they are stored: only the step's own tokens are encoded by XLA (the bytes ``write_window``
+will store). ``"auto"``: cuda on Hopper with nvcc, else pallas on Hopper, else xla.
 """
 
 from __future__ import annotations
 
-import jax
+import functools
+
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv import _backend
-from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
-from jaxkv.kernels.index_scores import index_scores as score_kernel
-from jaxkv.formats import nvfp4_global_scale
-from jaxkv.hybrid.config import CSA
-from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
-from jaxkv.math.rotation import hadamard
+from jaxkv.formats.storage import pack_items
+from jaxkv.hybrid.config import CSA, HCA, SWA
+from jaxkv.hybrid.ops import (all_entries, check_layer, check_tokens, entry_address, gather_entries, ring_positions,
+                             window_keys)
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices
-from jaxkv.formats.storage import as_bytes
+from jaxkv.hybrid.step import Step, on_requests, query_positions
+from jaxkv.kernels.launch import pool_splits
+from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
+from jaxkv.stacked import row
 
-_HI = jax.lax.Precision.HIGHEST
-
-
-def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
-    """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
-    cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
-    impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "cuda" (the
-    ``kernels.fp4_pack`` kernels; same bytes), "auto" (cuda on a GPU, else xla)."""
-    impl = _backend.choose("hybrid.index_query", impl)
-    if state.layout is None:
-        return _index_query(state, q, impl)
-    state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
-    return on_devices(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
+_HI = lax.Precision.HIGHEST
+OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
 
 
-def _index_query(state, q, impl):
-    c = state.config
-    codec = c.storage_format.index_key(c.index_dim)
-    x = hadamard(q).astype(jnp.bfloat16)
-    if impl == "xla":
-        return codec.decode(codec.encode(x))
-    rows = x.reshape(-1, x.shape[-1])  # bf16: the kernel reads it as it is
-    if c.storage == "official":
-        parts = quantize_mxfp4(rows)
-    else:  # per_entry keys: one global scale per key
-        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows))
-        parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
-    return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))
+def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=None, *, scale: float | None = None,
+              impl: str = "auto"):
+    """Attention of the step's queries over layer ``layer`` of the cache.
 
-
-def query_positions(step: Step, T: int):
-    """i32[B, T] absolute position of each query row (padding rows continue the count)."""
-    return step.start[:, None] + jnp.arange(T)[None, :]
-
-
-def _scores_impl(state, impl):
-    c = state.config
-    return _backend.choose("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
-                            block_size=c.block_size)
-
-
-def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *, impl: str = "auto"):
-    """Lightning-indexer scores ``I[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s])``.
-
-    q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
-    scales them by ``index_dim**-0.5 * H**-0.5``).
-    Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
-    are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "pallas"
-    (``kernels.index_scores``: the FP4 keys read in place, Hopper), "auto" (pallas where it
-    runs, else xla). Both multiply the same BF16 keys and queries with float32 sums; they
-    differ only in summation order.
+    q: bf16[B, T, H, 512] (RoPE applied to the last 64 dims)
+    sink: f32[H] the layer's attention-sink logits
+    kv: bf16[B, T, 512] the step's own tokens (what ``write_window`` stores; call before it)
+    idx: i32[B, T, k] the entries a CSA layer attends to (``index_topk``; -1: none;
+      entries a query may not see yet are skipped); None for SWA and HCA layers
+    scale: softmax scale (default ``512 ** -0.5``)
+    Returns bf16[B, T, H, 512]; rows past ``num_tokens`` are padding.
     """
-    _check_scores(state, step, layer, q, weights)
-    impl = _scores_impl(state, impl)
-    return on_devices(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
-                      axes=("batch",) * 3, out="batch")
+    kind = check_layer(state, layer)
+    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+    B, T = step.slot.shape[0], row(kv).shape[1]
+    if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != state.config.head_dim or q.dtype != jnp.bfloat16:
+        raise ValueError(f"q: expected bf16[{B}, {T}, H, {state.config.head_dim}], got {q.dtype}{list(q.shape)}")
+    H = q.shape[2]
+    sink = jnp.asarray(sink)
+    if sink.shape != (H,) or not jnp.issubdtype(sink.dtype, jnp.floating):
+        raise ValueError(f"sink: expected float[{H}] (one logit per head), got {sink.dtype}{list(sink.shape)}")
+    if kind == CSA:
+        if idx is None or jnp.ndim(idx) != 3 or jnp.shape(idx)[:2] != (B, T) or not jnp.issubdtype(
+                jnp.result_type(idx), jnp.integer):
+            raise ValueError(f"idx: a CSA layer expects int[{B}, {T}, k] entry indices (index_topk), got "
+                             f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}")
+    elif idx is not None:
+        raise ValueError(f"idx: layer {layer} is {kind.upper()}, which attends to no picked entries; pass idx=None")
+    impl = _backend.choose("hybrid.attention", impl, heads=H, block_size=state.config.block_size,
+                            window=state.config.window, storage=state.config.storage)
+    scale = float(state.config.head_dim**-0.5 if scale is None else scale)
+    sink = sink.astype(jnp.float32)
+    if impl == "xla":
+        fn = _xla
+    else:  # the kernel looked up now: tests swap pool_attention_pallas for its reference
+        kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
+        fn = functools.partial(_in_place, kernel=kernel)
+    args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
+    return on_requests(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
+                      state, *args, axes=("batch",) * len(args), out="batch")
 
 
-def _check_scores(state, step, layer, q, weights):
-    check_layer(state, layer, (CSA,))
-    c = state.config
-    B, T, H, D = q.shape
-    if (B, D) != (step.slot.shape[0], c.index_dim) or weights.shape != (B, T, H):
-        raise ValueError(f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
-                         f"got {tuple(q.shape)} and {tuple(weights.shape)}")
+def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
+    """``state`` ordered after the reads that produced ``outs`` (``attention``'s output):
+    pass the result to the writes that follow (``write_window``, the next ``compress``).
+
+    A decode step reads a layer's pools (``attention``, ``index_topk``) and then updates
+    the same stacked arrays in place. Nothing in the data orders the read before the write,
+    so XLA keeps the read's version alive by copying the whole stacked pool, layer after
+    layer (a long context then does not fit: docs/hybrid.md). Here each
+    pool rewrites one of its own bytes with itself at an index computed from ``outs``
+    (0 or 1: the sign bit of their sum), which XLA cannot know: the pools now depend on the
+    reads, and the writes after them stay in place. No value changes.
+    """
+
+    def local(st, *outs):
+        total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
+        i = (lax.bitcast_convert_type(total, jnp.uint32) >> 31).astype(jnp.int32)
+
+        def touch(pool):  # u8[L, ..., bytes]: byte (0, .., 0, i) rewritten with itself
+            if pool.size == 0:
+                return pool
+            start = (jnp.int32(0),) * (pool.ndim - 1) + (i,)
+            return lax.dynamic_update_slice(pool, lax.dynamic_slice(pool, start, (1,) * pool.ndim), start)
+
+        return st.replace(window=touch(st.window), entries=tuple(map(touch, st.entries)),
+                          index_keys=touch(st.index_keys))
+
+    return on_requests(local, state, *outs, axes=("batch",) * len(outs), out="state")
 
 
-def _index_scores(state, step, layer, q, weights, impl):
-    c = state.config
-    B, T, H, D = q.shape
-    ratio = c.compress_ratios[layer]
-    if impl == "pallas":
-        g, j = state.group(layer)
-        visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
-        s = score_kernel(q.reshape(B * T, H, D).astype(jnp.bfloat16), weights.reshape(B * T, H), state.index_keys,
-                         j, state.alloc[g].table[step.slot], visible.reshape(-1).astype(jnp.int32),
-                         storage=c.storage)
-        return s[:, :c.max_entries(ratio)].reshape(B, T, -1)
-    keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]: exact products in f32, f32 sums
-    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
-    s = jnp.sum(jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None], axis=2)
-    return jnp.where(causal_entry_mask(keys.shape[1], step, T, ratio), s, -jnp.inf)
-
-
-def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *,
-               impl: str = "auto"):
-    """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
-    best first. ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
-    _check_scores(state, step, layer, q, weights)
-    impl = _scores_impl(state, impl)
-
-    def local(st, step, q, w):
-        s = _index_scores(st, step, layer, q, w, impl)
-        val, idx = _top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
-        return jnp.where(jnp.isfinite(val), idx, -1)
-
-    return on_devices(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
-
-
-def _top_k(s, k: int, chunks: int = 4):
-    """``lax.top_k`` over the last axis, in two exact stages where the axis is long: the k best
-    of each of ``chunks`` slices, then the k best of those (the same values and indices, ties
-    to the lower index). XLA's top-k sorts, and four short sorts take less time than one long
-    one (``benchmarks/RESULTS.md``, the indexer)."""
-    n = s.shape[-1]
-    if n % chunks or n < 2 * chunks * k:
-        return jax.lax.top_k(s, k)
-    val, idx = jax.lax.top_k(s.reshape(*s.shape[:-1], chunks, n // chunks), k)
-    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * (n // chunks))[:, None]
-    val, pick = jax.lax.top_k(val.reshape(*s.shape[:-1], chunks * k), k)
-    return val, jnp.take_along_axis(idx.reshape(*s.shape[:-1], chunks * k), pick, axis=-1)
+# --- what a query sees, and the reference attention over it ---------------------------------------
+# Both paths (``_xla`` and ``_in_place``) and the indexer ask these; nothing else restates them.
+def window_first(step: Step, T: int, window: int):
+    """i32[B, T]: the oldest position in the window of each query row. A query at position p
+    sees the raw tokens at ``p - window < pos <= p``: ``window_first <= pos <= p``."""
+    return query_positions(step, T) - window + 1
 
 
 def window_mask(key_pos, step: Step, T: int, window: int):
     """bool[B, T, K]: query t sees key k iff ``p - window < key_pos <= p`` (p its position)."""
     p = query_positions(step, T)[..., None]
     kp = key_pos[:, None, :]
-    return (kp >= 0) & (kp <= p) & (kp > p - window)
+    return (kp >= 0) & (kp <= p) & (kp >= window_first(step, T, window)[..., None])
 
 
 def visible_entries(step: Step, T: int, ratio: int):
@@ -145,9 +130,15 @@ def visible_entries(step: Step, T: int, ratio: int):
     return (query_positions(step, T) + 1) // ratio
 
 
+def entry_visible(entry, step: Step, T: int, ratio: int):
+    """bool[B, T, k]: query t sees compressed entry ``entry[b, t, k]`` (-1: none) iff
+    ``0 <= entry < (p + 1) // ratio``."""
+    return (entry >= 0) & (entry < visible_entries(step, T, ratio)[..., None])
+
+
 def causal_entry_mask(num_entries: int, step: Step, T: int, ratio: int):
     """bool[B, T, N]: query at position p sees compressed entry s iff ``s < (p + 1) // ratio``."""
-    return jnp.arange(num_entries)[None, None, :] < visible_entries(step, T, ratio)[..., None]
+    return entry_visible(jnp.arange(num_entries)[None, None, :], step, T, ratio)
 
 
 def sparse_attention(q, parts, sink, scale: float):
@@ -177,3 +168,91 @@ def sparse_attention(q, parts, sink, scale: float):
         eq = "bthk,bkd->bthd" if kf.ndim == 3 else "bthk,btkd->bthd"
         out = out + jnp.einsum(eq, p, kf, precision=_HI)
     return out / denom[..., None]
+
+
+# --- the two paths -----------------------------------------------------------------------------
+def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
+    c = state.config
+    T = q.shape[1]
+    keys, pos = window_keys(state, step, layer, kv, impl="xla")
+    parts = [(keys, window_mask(pos, step, T, c.window))]
+    if kind == CSA:
+        ok = entry_visible(idx, step, T, c.compress_ratios[layer])
+        parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
+    elif kind == HCA:
+        entries, _ = all_entries(state, step, layer, impl="xla")
+        parts.append((entries, causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer])))
+    return sparse_attention(q, parts, sink, scale).astype(jnp.bfloat16)
+
+
+def _compact(ids, valid):
+    """Valid ids first (stable), padded to whole 64-row blocks with id 0: (i32[N, k'], count i32[N])."""
+    order = jnp.argsort(~valid, axis=-1, stable=True)
+    ids = jnp.where(jnp.take_along_axis(valid, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1), 0)
+    pad = -ids.shape[-1] % BLOCK
+    return jnp.pad(ids, ((0, 0), (0, pad))), jnp.sum(valid, axis=-1).astype(jnp.int32)
+
+
+def _block_counts(count, blocks: int):
+    """i32[N, blocks]: valid rows of each 64-row block of a list whose first ``count`` are valid."""
+    return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
+
+
+def _pool_rows(pool, layer, block, item, items: int):
+    """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]
+    (row ``block * items + item``), and the row of item ``item`` of block ``block`` of
+    layer ``layer`` in it (block clamped at 0)."""
+    L, NB, width = pool.shape
+    return pool.reshape(L * NB, width), (layer * NB + jnp.maximum(block, 0)) * items + item
+
+
+def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
+    """The kernel path: each part's row ids (through the block tables), then ``kernel``."""
+    c = state.config
+    B, T, H, D = q.shape
+    N = B * T
+    W = c.window
+    codec = c.storage_format.entry
+    parts = []  # (pool u8[P, bs * E], ids i32[N, k], count i32[N])
+
+    if kind != SWA:
+        ratio = c.compress_ratios[layer]
+        g, j = state.group(layer)
+        if kind == CSA:
+            e = idx
+        else:
+            e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
+        blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], e, c.block_size)
+        valid = entry_visible(e, step, T, ratio) & (blk >= 0)
+        pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
+        parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
+
+    # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
+    seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
+    pool, ring_ids = _pool_rows(state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W)
+    ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
+    parts.append((pool,) + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
+
+    # the step's own tokens in query t's window: t' from first to t (positions start + t'),
+    # encoded as write_window will store them
+    own = pack_items(codec.encode(row(kv).reshape(N, D)), OWN_BLOCK, codec.segments)
+    K = min(T, W)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]
+    own_ids = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * T + first[..., None]
+               + jnp.arange(K, dtype=jnp.int32)[None, None, :])  # [B, T, K]
+    own_count = (t - first + 1).reshape(N)
+    own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
+    parts.append((own, own_ids, own_count.astype(jnp.int32)))
+
+    pools = tuple(p for p, _, _ in parts)
+    part_blocks = tuple(ids.shape[1] // BLOCK for _, ids, _ in parts)
+    rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
+    nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
+    out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
+                 splits=pool_splits(N, H, rows.shape[1] // BLOCK))
+    return out.reshape(B, T, H, D)
+
+
+__all__ = ["after_reads", "attention", "causal_entry_mask", "entry_visible", "sparse_attention", "visible_entries",
+           "window_first", "window_mask"]

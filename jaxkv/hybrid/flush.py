@@ -1,12 +1,13 @@
 """The write half of a CSA / HCA flush, and the tail-state update after it.
 
-``cuda_flush_write`` (and ``ref_flush_write``) quantizes finished entries (RMSNorm and RoPE
-applied; for CSA also the rotated indexer keys) in the cache's storage family and scatters
-them into one layer of a paged pool through ``(block, slot)``. ``csa_rotate_state`` /
-``hca_reset_state`` move a request's tail on after its flush. Each has a jnp reference
-(``ref_…``; what ``hybrid.compress`` runs with ``impl="xla"``) and a CUDA kernel
+``flush_write`` quantizes finished entries (RMSNorm and RoPE applied; for CSA also the
+rotated indexer keys) in the cache's storage family and scatters them into one layer of a
+paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
+request's tail on after its flush. Each has a jnp reference, ``ref_<op>`` (what
+``hybrid.compress`` runs with ``impl="xla"``), and a CUDA kernel, ``<op>_cuda``
 (``jaxkv.kernels.flush_write``: ``cuda/flush_write.cu`` through ``jax.ffi``,
-``impl="cuda"``), buffers aliased in place; both give the same bytes.
+``impl="cuda"``), buffers aliased in place; both give the same bytes. ``WRITERS`` maps an
+``impl`` to its flush-write.
 
 Shapes (``L`` layers of the pool, ``NB`` blocks, ``bs`` entries per block, ``E`` / ``K``
 entry / key bytes of the storage family):
@@ -21,7 +22,6 @@ entry / key bytes of the storage family):
 """
 
 from __future__ import annotations
-
 
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +41,7 @@ def check_impl(impl: str) -> str:
 
 def default_impl() -> str:
     """"cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
-    layer; figures in ``benchmarks/RESULTS.md``), "xla" elsewhere; the same for both storage families."""
+    layer: docs/kernels/cache_writes.md), "xla" elsewhere; the same for both storage families."""
     return _backend.choose("hybrid.write", "auto")
 
 
@@ -93,7 +93,7 @@ def ref_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_poo
     return pool, write_items(index_pool, layer, block, slot, codec.encode(xi), codec.segments)
 
 
-def cuda_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
+def flush_write_cuda(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
     """The CUDA kernel (``jaxkv.kernels.flush_write``, one warp per entry), in place on
     ``pool`` / ``index_pool``; same arguments and result as ``ref_flush_write``. Needs a GPU
     and nvcc (first use builds)."""
@@ -101,8 +101,7 @@ def cuda_flush_write(pool, layer: int, x, block, slot, *, storage: str, index_po
     return flush_write_kernel(pool, layer, row(x), block, slot, storage=fmt.name, index_pool=index_pool, xi=xi)
 
 
-WRITERS = {"xla": ref_flush_write, "cuda": cuda_flush_write}
-
+WRITERS = {"xla": ref_flush_write, "cuda": flush_write_cuda}
 
 
 # --- tail state after a flush -------------------------------------------------------------------
@@ -126,17 +125,17 @@ def ref_hca_reset_state(tails, tail_slot):
     return tails.at[_skip(tail_slot, R)].set(empty_tail(tail_slot.shape, 1, w), mode="drop")
 
 
-def csa_rotate_state(tails, tail_slot):
+def csa_rotate_state_cuda(tails, tail_slot):
     """The CUDA kernel of ``ref_csa_rotate_state``, in place."""
     _check_tails(tails, tail_slot, 3)
     return tail_state(tails, tail_slot)
 
 
-def hca_reset_state(tails, tail_slot):
+def hca_reset_state_cuda(tails, tail_slot):
     """The CUDA kernel of ``ref_hca_reset_state``, in place."""
     _check_tails(tails, tail_slot, 1)
     return tail_state(tails, tail_slot)
 
 
-__all__ = ["WRITERS", "check_impl", "csa_rotate_state", "cuda_flush_write", "default_impl", "hca_reset_state",
+__all__ = ["WRITERS", "check_impl", "csa_rotate_state_cuda", "default_impl", "flush_write_cuda", "hca_reset_state_cuda",
            "ref_csa_rotate_state", "ref_flush_write", "ref_hca_reset_state"]

@@ -25,7 +25,7 @@ from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.math.rotation import rope_freqs
 from jaxkv.stacked import check_stacked, map_stack, row
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_devices
+from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.formats.storage import read_items
 
 
@@ -66,6 +66,31 @@ def freqs_of(config):
                       config.beta_fast, config.beta_slow)
 
 
+# --- where a position and an entry sit ----------------------------------------------------------
+def ring_item(pos, window: int):
+    """The item of a request's SWA ring (one block of ``window`` items, block ``slot`` of
+    the layer's ring pool) that holds position ``pos``."""
+    return pos % window
+
+
+def ring_positions(step: Step, window: int):
+    """i32[B, window]: the position ring item i holds before the step (the latest one
+    before ``start`` whose ``ring_item`` is i), -1 where empty."""
+    p = step.start[:, None]
+    pos = p - 1 - jnp.mod(p - 1 - jnp.arange(window)[None, :], window)
+    return jnp.where(pos >= 0, pos, -1)
+
+
+def entry_address(table, slot, entry, block_size: int):
+    """(block, item): where compressed entry ``entry`` of request ``slot`` sits in the pools
+    of its ratio: block ``table[slot, entry // block_size]`` (-1 where ``entry`` < 0 or no
+    block is allocated), item ``entry % block_size``. ``slot`` broadcasts against ``entry``
+    (i32[B, 1, ...] against i32[B, ...]); ``table``: the ratio's i32[R, max_blocks]."""
+    e = jnp.maximum(entry, 0)
+    blk = table[slot, jnp.clip(e // block_size, 0, table.shape[1] - 1)]
+    return jnp.where(entry >= 0, blk, -1), e % block_size
+
+
 # --- sliding window -----------------------------------------------------------------------
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("layer", "impl"))
 def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: str = "auto"):
@@ -83,7 +108,7 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     impl = check_impl(impl)
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_devices(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
+    return on_requests(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
                       axes=("batch", "batch"))
 
 
@@ -125,7 +150,7 @@ def _write_window(state, step, layer, kv, impl):
     n = step.num_tokens[:, None]
     valid = (t < n) & (t >= n - c.window)
     blk = jnp.where(valid, step.write_slot[:, None], c.max_requests).astype(jnp.int32)
-    item = ((step.start[:, None] + t) % c.window).astype(jnp.int32)
+    item = ring_item(query_positions(step, T), c.window).astype(jnp.int32)
     rows = map_stack(lambda a: a.reshape(a.shape[0], B * T, -1), kv)  # [B * T, head_dim]
     ring = WRITERS[impl](state.window, layer, rows, blk.reshape(-1), item.reshape(-1),
                          storage=c.storage)
@@ -195,10 +220,10 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
-        return on_devices(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
+        return on_requests(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
             st, step, layer, kv, score, p, (ikv, iscore, ip), impl), state, step, kv, score, params, ikv, iscore,
             iparams, axes=("batch", "batch", "batch", None, "batch", "batch", None))
-    return on_devices(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
+    return on_requests(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
                       state, step, kv, score, params, axes=("batch", "batch", "batch", None))
 
 
@@ -217,7 +242,7 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     kv, score, params = row(kv), row(score), _row_params(params)
     if csa:
         ikv, iscore, iparams = row(ikv), row(iscore), _row_params(iparams)
-    pos = step.start[:, None] + jnp.arange(T)[None, :]
+    pos = query_positions(step, T)
     kv_rows = _rows(kv, None, pos, ratio, csa, c.head_dim)
     z_rows = _rows(score, params.bias, pos, ratio, csa, c.head_dim)
     if csa:  # the indexer's compressor: the same math on 128 more channels
@@ -233,12 +258,11 @@ def _compress(state, step, layer, kv, score, params, index, impl):
 
     nw = pooled.shape[1]
     entry = step.start[:, None] // ratio + jnp.arange(nw)[None, :]  # i32[B, NW] logical entry index
-    bs = c.block_size
-    blk = al.table[step.slot[:, None], jnp.clip(entry // bs, 0, al.table.shape[1] - 1)]
+    blk, slot = entry_address(al.table, step.slot[:, None], entry, c.block_size)
     write = complete & step.active[:, None]
     missing = jnp.any(write & (blk < 0), axis=1)
     blk = jnp.where(write & (blk >= 0), blk, al.free.shape[0]).reshape(-1).astype(jnp.int32)
-    slot = (entry % bs).reshape(-1).astype(jnp.int32)
+    slot = slot.reshape(-1).astype(jnp.int32)
     freqs = freqs_of(c)
     x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
     write = WRITERS[impl]
@@ -297,16 +321,8 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     """
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_devices(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
+    return on_requests(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
                       axes=("batch", "batch"), out=("batch", "batch"))
-
-
-def ring_positions(step: Step, window: int):
-    """i32[B, window]: the position ring item i holds before the step (the latest one
-    before ``start`` that is i mod window), -1 where empty."""
-    p = step.start[:, None]
-    pos = p - 1 - jnp.mod(p - 1 - jnp.arange(window)[None, :], window)
-    return jnp.where(pos >= 0, pos, -1)
 
 
 def _window_keys(state, step, layer, kv, impl):
@@ -314,14 +330,13 @@ def _window_keys(state, step, layer, kv, impl):
     fmt = c.storage_format
     B, T, _ = kv.shape
     j = jnp.arange(c.window)[None, :]
-    p = step.start[:, None]
     ring_pos = ring_positions(step, c.window)
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
     ring = _read(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage,
                  _gather_impl(impl))
     own = fmt.entry.decode(fmt.entry.encode(row(kv)))
     t = jnp.arange(T)[None, :]
-    own_pos = jnp.where(t < step.num_tokens[:, None], p + t, -1)
+    own_pos = jnp.where(t < step.num_tokens[:, None], query_positions(step, T), -1)
     return jnp.concatenate([ring, own], axis=1), jnp.concatenate([ring_pos, own_pos], axis=1)
 
 
@@ -341,10 +356,8 @@ def _read(pool, j, blk, item, codec, storage, impl):
 
 
 def _gather(pool, j, table, slot, idx, codec, bs, storage, impl="xla"):
-    e = jnp.maximum(idx, 0)
-    sl = slot.reshape(slot.shape + (1,) * (idx.ndim - 1))
-    blk = table[sl, jnp.clip(e // bs, 0, table.shape[1] - 1)]
-    return _read(pool, j, jnp.where(idx >= 0, blk, -1), e % bs, codec, storage, impl)
+    blk, item = entry_address(table, slot.reshape(slot.shape + (1,) * (idx.ndim - 1)), idx, bs)
+    return _read(pool, j, blk, item, codec, storage, impl)
 
 
 def _gather_impl(impl: str) -> str:
@@ -368,7 +381,7 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
         return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
                        c.storage, impl)
 
-    return on_devices(local, state, step, idx, axes=("batch", "batch"), out="batch")
+    return on_requests(local, state, step, idx, axes=("batch", "batch"), out="batch")
 
 
 def all_entries(state: HybridCacheState, step: Step, layer: int, *, impl: str = "auto"):
@@ -396,8 +409,8 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
                        c.storage_format.index_key(c.index_dim), c.block_size, c.storage)
         return keys, cnt
 
-    return on_devices(local, state, step, axes=("batch",), out=("batch", "batch"))
+    return on_requests(local, state, step, axes=("batch",), out=("batch", "batch"))
 
 
-__all__ = ["CompressorParams", "all_entries", "compress", "entry_count", "gather_entries", "index_keys",
-           "window_keys", "write_window"]
+__all__ = ["CompressorParams", "all_entries", "compress", "entry_address", "entry_count", "gather_entries",
+           "index_keys", "ring_item", "ring_positions", "window_keys", "write_window"]

@@ -10,8 +10,8 @@ handful of buffers, not a few per layer. Per request slot (``R = config.max_requ
 * ``tails[g]: f32[Lg, R, streams, 3, width]`` the running-softmax tails of the ``Lg``
   layers of ratio ``config.ratios[g]`` (see ``compressor``): CSA 3 streams over
   ``head_dim + index_dim`` channels (the main and the indexer compressor side by side),
-  HCA 1 stream over ``head_dim``. Stacked, like the pools: every buffer of the state costs
-  the step's dispatch a few microseconds (``benchmarks/RESULTS.md``).
+  HCA 1 stream over ``head_dim``. Stacked, like the pools: every buffer of the state adds
+  to the step's dispatch time (docs/hybrid.md).
 
 Per ratio ``g``, paged pools ``entries[g]: u8[Lg, num_blocks, block_size * E]`` and, for the
 CSA ratio, ``index_keys: u8[Lg, num_blocks, block_size * K]``. Every layer of a ratio
@@ -101,6 +101,22 @@ class HybridCacheState:
 
     def allocator(self, layer: int) -> BlockAllocator:
         return self.alloc[self.group(layer)[0]]
+
+    # how the state splits on its layout (``jaxkv.sharding.on_devices``)
+    def partition_specs(self) -> HybridCacheState:
+        """The PartitionSpec of every array on ``layout``'s mesh (a state of specs)."""
+        return specs(self.config, self.layout)
+
+    def to_shard(self) -> HybridCacheState:
+        """This device's part as a state of its own: a ``local_config``, its own block ids
+        and ``num_free``, no layout."""
+        alloc = tuple(a.replace(num_free=a.num_free[0]) for a in self.alloc)
+        return self.replace(config=local_config(self.config, self.layout.shards("requests")), layout=None, alloc=alloc)
+
+    def from_shard(self, part: HybridCacheState) -> HybridCacheState:
+        """A device's ``part`` (``to_shard``, updated) as its piece of this whole state."""
+        alloc = tuple(a.replace(num_free=a.num_free[None]) for a in part.alloc)
+        return part.replace(config=self.config, layout=self.layout, alloc=alloc)
 
 
 def _layers_of(c: HybridConfig, ratio: int) -> int:

@@ -6,7 +6,7 @@ over requests) and returns a ``Step``; each layer then calls the layer operation
 that ``Step``. ``finish`` returns a request's blocks and empties its slot.
 
 On a state laid out on a mesh (``jaxkv.sharding``), every op runs per device on that
-device's request shard (``on_devices``). A batch is laid out like the slots: its rows are
+device's request shard (``on_requests``). A batch is laid out like the slots: its rows are
 split over the data axis in equal parts, and the rows of part ``s`` must be requests of
 shard ``s`` (slots ``s * R/S .. (s+1) * R/S - 1``); a row whose slot another shard owns
 is refused like an out-of-range slot. A ``Step``'s slots stay global slot ids.
@@ -18,12 +18,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
 from jaxkv.math.compressor import empty_tail
-from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, local_config, specs
-from jaxkv.sharding import per_device
+from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
+from jaxkv.sharding import on_devices
 from jaxkv.stacked import Stacked
 
 
@@ -54,10 +55,16 @@ class Step:
     active: jnp.ndarray
 
 
-def on_devices(fn, state: HybridCacheState, *args, axes=(), out="state"):
-    """``fn(state, *args)`` run by each device on its request shard (``jax.shard_map``), or
-    directly for a state on one device. Inside, the state is one shard's (a ``local_config``,
-    its own block ids) and a ``Step``'s slots are the shard's own.
+def query_positions(step: Step, T: int):
+    """i32[B, T] absolute position of each token row of the step, ``start + t`` (padding rows
+    continue the count): where a query sits, and where the row's token is written."""
+    return step.start[:, None] + jnp.arange(T)[None, :]
+
+
+def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
+    """``fn(state, *args)`` run by each device on its request shard (``jaxkv.sharding.on_devices``),
+    or directly for a state on one device. Inside, the state is one shard's (a
+    ``local_config``, its own block ids) and a ``Step``'s slots are the shard's own.
 
     axes: per arg, "batch" (leading axis: the batch rows, split like the requests; a
       ``Stacked`` array's second axis; every field of a ``Step``) or None (replicated).
@@ -66,41 +73,34 @@ def on_devices(fn, state: HybridCacheState, *args, axes=(), out="state"):
     lay = state.layout
     if lay is None:
         return fn(state, *args)
-    lay.check_placed(state)
-    c = state.config
-    n = lay.shards("requests")
-    local, R = local_config(c, n), c.max_requests
-    Rl = local.max_requests
+    R = state.config.max_requests
 
-    def convert(x, base, to_local):
-        if isinstance(x, HybridCacheState):
-            alloc = tuple(a.replace(num_free=a.num_free[0] if to_local else a.num_free[None]) for a in x.alloc)
-            return x.replace(config=local if to_local else c, layout=None if to_local else lay, alloc=alloc)
-        if isinstance(x, Step):
+    def is_step(x):
+        return isinstance(x, Step)
+
+    def steps(tree, base, Rl, to_local):  # a Step's slots: global ids <-> the shard's own
+        def convert(x):
+            if not is_step(x):
+                return x
             if to_local:
                 return x.replace(slot=x.slot - base, write_slot=jnp.where(x.write_slot >= R, Rl, x.write_slot - base))
             return x.replace(slot=x.slot + base, write_slot=jnp.where(x.write_slot >= Rl, R, x.write_slot + base))
-        return x
+        return jax.tree_util.tree_map(convert, tree, is_leaf=is_step)
 
-    def body(*a):
+    def on_shard(st, *a):
+        Rl = st.config.max_requests
         base = lay.index("requests") * Rl
-        node = lambda x: isinstance(x, (HybridCacheState, Step))  # noqa: E731
-        a = jax.tree_util.tree_map(lambda x: convert(x, base, True), a, is_leaf=node)
-        res = fn(*a)
-        return jax.tree_util.tree_map(lambda x: convert(x, base, False), res, is_leaf=node)
+        return steps(fn(st, *steps(a, base, Rl, True)), base, Rl, False)
 
-    def spec(kind, x=None):
-        if kind == "state":
-            return specs(c, lay)
-        if kind is None:
-            return lay.spec()
+    def logical(kind, x=None):  # "batch" as logical axes (jaxkv.sharding)
+        if kind in ("state", None):
+            return kind
         if isinstance(x, Stacked):
-            return Stacked(lay.spec(None, "requests"), x.index)
-        return lay.spec("requests")
+            return Stacked(PartitionSpec(None, "requests"), x.index)
+        return ("requests",)
 
-    in_specs = (spec("state"),) + tuple(spec(k, x) for k, x in zip(axes, args))
-    out_specs = tuple(map(spec, out)) if isinstance(out, tuple) else spec(out)
-    return per_device(lay, body, in_specs, out_specs)(state, *args)
+    return on_devices(on_shard, state, *args, axes=tuple(logical(k, x) for k, x in zip(axes, args)),
+                      out=[logical(k) for k in out] if isinstance(out, tuple) else logical(out))
 
 
 def _check_batch(state, B: int):
@@ -152,7 +152,7 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
         base = 0 if lay is None else lay.index("requests") * st.config.max_requests
         return _prepare(st, slots - base, positions, n, chunk=chunk)
 
-    return on_devices(local, state, slots, positions, n, axes=("batch",) * 3, out=("state", "batch"))
+    return on_requests(local, state, slots, positions, n, axes=("batch",) * 3, out=("state", "batch"))
 
 
 def _prepare(state, slots, positions, n, *, chunk):
@@ -235,7 +235,7 @@ def finish(state: HybridCacheState, slots):
         mine |= ((slots < 0) | (slots >= R)) & (shard == 0)
         return _finish(st, jnp.where(slots < 0, slots, slots - base), mine)
 
-    return on_devices(local, state, slots, axes=(None,))
+    return on_requests(local, state, slots, axes=(None,))
 
 
 def _finish(state, slots, mine):

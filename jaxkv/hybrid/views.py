@@ -1,6 +1,7 @@
 """Typed read views of one layer for one step: what an attention kernel is handed.
 
-The counterpart of the dsv4 seed's ``LayerCacheHandle`` read side (``SWAView``,
+The counterpart of the read side of the reference DeepSeek-V4 cache design's
+``LayerCacheHandle`` (``SWAView``,
 ``ClassicalView``, ``IndexerView``) as one immutable value: raw pools plus the step's
 block tables and counts, so a kernel (FlashMLA, DeepGEMM, a Pallas gather) reads the
 bytes in place, each request through its own block table.

@@ -20,9 +20,11 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   (``impl="pallas"``); ``prefix_attention_cuda``: the same in ``cuda/`` (``impl="cuda"``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
   formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
-* ``pool_attention``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place
-  (Mosaic GPU, Hopper; ``hybrid.attention(impl="pallas")``); ``pool_attention_cuda``: the
-  same contract in ``cuda/pool_attention.cu`` (``impl="cuda"``, auto on Hopper).
+* ``pool_attention_cuda``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place,
+  ``cuda/pool_attention.cu`` (``hybrid.attention(impl="cuda")``, auto on Hopper);
+  ``pool_attention_pallas``: the same contract in Mosaic GPU (Hopper, official storage;
+  ``impl="pallas"``); ``pool_attention_flashmla``: on FlashMLA's sm90 decode kernel, built
+  from ``$FLASHMLA_SRC`` (``impl="flashmla"``).
 * ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
   Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
 """
@@ -33,10 +35,12 @@ from jaxkv.kernels.flush_write import flush_write, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 from jaxkv.kernels.index_scores import index_scores, ref_index_scores
-from jaxkv.kernels.pool_attention import pool_attention, pool_attention_cuda, ref_pool_attention
+from jaxkv.kernels.pool_attention import (pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas,
+                                          ref_pool_attention)
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
 
-__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention", "pool_attention_cuda",
+__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention_cuda",
+           "pool_attention_flashmla", "pool_attention_pallas",
            "prefix_attention", "prefix_attention_cuda", "quantize_mxfp4", "quantize_nvfp4", "ref_dequant_gather",
            "ref_index_scores", "ref_pool_attention", "ref_prefix_attention", "ref_quantize_mxfp4", "ref_quantize_nvfp4",
            "ref_write_frame", "window_write", "write_frame"]

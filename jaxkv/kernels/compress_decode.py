@@ -16,7 +16,7 @@ The kernel is ``cuda/compress_decode.cu`` (one 128-thread CTA per request) reach
 data-dependent pool rows, with a UE8M0 byte per 64 codes, which Mosaic GPU on Hopper
 cannot express (no row scatter, no strided register slices:
 ``tests/kernels/test_mosaic_limits.py``); its byte encoders are the flush-write's
-(``cuda/write_entry.cuh``).
+(``cuda/write_entry.cuh``). Why one fused launch: docs/kernels/cache_writes.md.
 
 The math is ``jaxkv.math.compressor`` + ``jaxkv.formats.storage``, operation for operation
 in float32 without contractions; the reference is ``hybrid.compress(..., impl="xla")`` on

@@ -11,7 +11,8 @@ The kernel is ``cuda/dequant_gather.cu`` (one warp per item) reached through ``j
 not Pallas. Its reads are rows of a few hundred bytes at data-dependent addresses, plus a
 scale byte each. Mosaic GPU on Hopper has no row gather (TMA's gather4 is Blackwell's), and
 its register loads take no strided slices (the scale byte per 64 codes). The minimal
-kernels that show both are in ``tests/kernels/test_mosaic_limits.py``.
+kernels that show both are in ``tests/kernels/test_mosaic_limits.py``; the decisions and
+their measurements: docs/kernels/dequant_gather.md.
 
     pool: u8[L, NB, bs * E]   (E: ``jaxkv.formats.storage.entry_bytes(storage)``)
     block, slot: i32[M]   item m's block and entry slot; block outside [0, NB) -> zeros

@@ -11,8 +11,9 @@ formats' (``hybrid.flush.ref_flush_write``).
 The kernels are ``cuda/flush_write.cu`` (one warp per entry; the encoders in
 ``cuda/write_entry.cuh``, shared with the fused decode compressor) reached through
 ``jax.ffi``, not Pallas: a flush scatters a few hundred bytes per entry to data-dependent
-pool rows, and Mosaic GPU on Hopper has no row scatter (``tests/kernels/test_mosaic_limits.py``).
-Validation is the caller's (``hybrid.flush``); these take checked arguments.
+pool rows, and Mosaic GPU on Hopper has no row scatter (``tests/kernels/test_mosaic_limits.py``;
+docs/kernels/cache_writes.md). Validation is the caller's (``hybrid.flush``); these take
+checked arguments.
 
     pool: u8[L, NB, bs * E]        index_pool: u8[L, NB, bs * K] (CSA) or None   (E, K: storage.entry_bytes, key_bytes)
     x: bf16[N, 512]                xi: bf16[N, 128] (CSA) or None

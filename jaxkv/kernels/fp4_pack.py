@@ -9,7 +9,7 @@ long division ``div_rn`` computes the same quotients). The kernel is ``cuda/fp4_
 are ``cuda/codes.cuh``'s, which the flush-write's indexer keys use too) reached through
 ``jax.ffi``, not Pallas: each group packs its even and odd elements into one byte, a
 strided register slice Mosaic GPU does not lower, and its ``e2m1`` / ``e8m0`` types are
-Blackwell's (``tests/kernels/test_mosaic_limits.py``).
+Blackwell's (``tests/kernels/test_mosaic_limits.py``; docs/kernels/cache_writes.md).
 
     MXFP4: x float[N, d] (d % 32 == 0) -> packed u8[N, d/2], scales u8[N, d/32]
     NVFP4: x float[N, d] (d % 16 == 0), global_scale f32[] or f32[N]

@@ -3,7 +3,8 @@
 DeepSeek-V4's indexer scores every visible compressed entry ``s`` of a request for each
 query row: ``I[n, s] = sum_h w[n, h] * relu(q[n, h] . K[s])``. In XLA that means a BF16
 copy of every key and an f32 ``[N, H, entries]`` product written and read back, which
-makes it the largest part of a long-context decode step. This kernel reads each request's
+makes it the largest part of a long-context decode step (docs/kernels/index_scores.md:
+the measurements behind this kernel's choices). This kernel reads each request's
 pages of packed E2M1 codes (64 B per 128-dim key) straight from the pool into registers:
 a page's codes are one contiguous ``[block_size, 64]`` slab, so no row gather is needed.
 The loads are plain ones, the next tile in flight while one computes, not TMA: with its

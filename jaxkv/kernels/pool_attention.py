@@ -1,18 +1,19 @@
 """Pool attention: DeepSeek-V4 MQA (K = V, head_dim 512) over FP8 pool rows read in place,
-with an attention sink. Two lowerings of one contract (shapes below):
+with an attention sink. Three lowerings of one contract (shapes below); why each is built
+the way it is, with the measurements: docs/kernels/pool_attention.md.
 
 * ``pool_attention_cuda``: ``cuda/pool_attention.cu`` through ``jax.ffi`` (Hopper with nvcc;
   both storage families), warp-specialized: a producer warpgroup loads block j + 1's
   scattered rows and dequantizes them into a swizzled BF16 tile (integer ops and a bf16
   multiply, no conversion instructions) while two consumer warpgroups run block j's
-  ``S = Q K^T`` and ``P V`` on ``wgmma``. The faster of the two (``benchmarks/RESULTS.md``,
-  DeepSeek-V4 decode attention), and ``hybrid.attention``'s ``auto``. Where its time goes
-  there: gathering a block's 37 KB of scattered rows, not the math or the dequantization.
-* ``pool_attention``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
+  ``S = Q K^T`` and ``P V`` on ``wgmma``. The fastest, hence ``hybrid.attention``'s ``auto``;
+  its time goes to gathering the scattered rows, not to the math or the dequantization.
+* ``pool_attention_pallas``: Pallas, Mosaic GPU lowering (Hopper; official storage), below.
+* ``pool_attention_flashmla``: FlashMLA's sm90 sparse FP8 decode kernel (its docstring).
 
 A DeepSeek-V4 query attends to rows of up to three pools: a CSA / HCA layer's compressed
 entries (picked by ``index_topk``, or all visible), its SWA ring, and the step's own
-tokens. Both kernels read those rows where they are stored (FP8 codes, BF16 RoPE dims)
+tokens. The kernels read those rows where they are stored (FP8 codes, BF16 RoPE dims)
 and never write BF16 copies. In the Mosaic GPU kernel, per block of 64 rows a producer warpgroup issues one TMA
 per row segment (Hopper's TMA has no row gather; the rows of a block are scattered over
 the pool), the two compute warpgroups dequantize the block into one swizzled BF16 tile
@@ -20,19 +21,12 @@ in shared memory (each half the tiles), then each computes the full ``S = Q K^T`
 the program's 64 heads and ``P V`` for its half of the 512 output dims on the tensor
 cores (``wgmma``), with an online softmax in registers.
 
-Where the Mosaic GPU kernel's time goes (issue 21, ablations on an H100): the per-row copies dominate (five per
-row: four 128-byte code boxes and the rope), and they do not overlap the compute path. Fewer,
-wider copies per row are faster but were not correct on jax 0.11.2's Mosaic GPU. Each of the
-following read back wrong values, although the bytes always landed right:
-  * a 3-D SMEM ref indexed in its middle dimension (``ref.at[:, t, :]``) and loaded;
-  * ``plgpu.RefUnion`` views loaded;
-  * f8 columns >= 128 of a ``[64, 512]`` SMEM buffer, inside this kernel. A standalone
-    probe of the same pattern was right.
-A 448-byte row pitch faults with ``CUDA_ERROR_MISALIGNED_ADDRESS``. So the code stays in
-128-column buffers.
+The Mosaic GPU kernel copies a row as five TMA copies (four 128-byte code boxes and the
+rope) into 128-column buffers: the per-row copies are its cost, and the fewer, wider copies
+that would be cheaper read back wrong values on Mosaic GPU (docs/kernels/pool_attention.md).
 
 The Mosaic GPU kernel reads official (``ds_mla``) storage only: per_entry pools are refused
-(its GPU test failed; open). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
+(they fail its GPU test). Row scales (UE8M0 per 64-dim tile) are gathered beforehand (8 B per row, tile-major, by XLA): the kernel
 multiplies them in float32 as the reference decoder does, so its BF16 keys equal the
 reference's bit for bit. The sink only enters the denominator; it is applied with the
 merge of split partials (XLA), which also serves ``splits`` > 1: key blocks cut over
@@ -83,7 +77,7 @@ def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"
                          f"{q.dtype}{list(q.shape)}")
     N, H, _ = q.shape
     NB = sum(part_blocks)
-    if storage != "official" and lowering == "mosaic":  # per_entry rows fail the GPU test (wrong output): not found yet
+    if storage != "official" and lowering == "mosaic":  # per_entry rows fail the GPU test (wrong output)
         raise ValueError(f"storage: the kernel reads the official (ds_mla) family, got {storage!r}; "
                          "hybrid.attention runs per_entry caches on impl='xla'")
     if len(pools) != len(part_blocks):
@@ -387,9 +381,9 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """``pool_attention``'s contract on ``cuda/pool_attention.cu`` through ``jax.ffi``
-    (module docstring); both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90
-    GPU and nvcc (the first use builds ``cuda/``)."""
+    """The pool attention contract (module docstring) on ``cuda/pool_attention.cu`` through
+    ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90 GPU and
+    nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
@@ -410,7 +404,7 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """``pool_attention``'s contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
+    """The pool attention contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
     (``jaxkv.cuda.flashmla``: built from ``$FLASHMLA_SRC`` on first use; Hopper, official
     storage, 64 or 128 heads). FlashMLA reads two pools, its cache and its extra cache:
     parts 0 and 1, each row a pool-wide id with -1 past ``nvalid``, and with them the sink.
@@ -458,8 +452,8 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
-def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """The kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
+def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+    """The Mosaic GPU kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
@@ -469,5 +463,5 @@ def pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="offici
     return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
-__all__ = ["pool_attention", "pool_attention_cuda", "pool_attention_flashmla", "ref_partial",
-           "ref_pool_attention", "row_scales"]
+__all__ = ["pool_attention_cuda", "pool_attention_flashmla", "pool_attention_pallas", "ref_partial", "ref_pool_attention",
+           "row_scales"]

@@ -128,10 +128,10 @@ def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
 @pytest.mark.gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
-def test_cuda_flush_write_equals_jnp(rng, storage, csa):
+def test_flush_write_cuda_equals_jnp(rng, storage, csa):
     pool, args = _flush_case(rng, storage, csa)
     want = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
-    kernel = jax.jit(functools.partial(F.cuda_flush_write, layer=1, storage=storage), donate_argnums=0)
+    kernel = jax.jit(functools.partial(F.flush_write_cuda, layer=1, storage=storage), donate_argnums=0)
     got = kernel(jnp.array(pool), **{k: (jnp.array(v) if k == "index_pool" else v) for k, v in args.items()})
     for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
@@ -142,8 +142,8 @@ def test_cuda_flush_write_equals_jnp(rng, storage, csa):
 def test_cuda_tail_state_equals_jnp(rng):
     R = 64
     slots = jnp.asarray(np.concatenate([rng.permutation(R)[:20], [R, -3]]).astype(np.int32))
-    for streams, w, ref, kern in ((3, 640, F.ref_csa_rotate_state, F.csa_rotate_state),
-                                  (1, 512, F.ref_hca_reset_state, F.hca_reset_state)):
+    for streams, w, ref, kern in ((3, 640, F.ref_csa_rotate_state, F.csa_rotate_state_cuda),
+                                  (1, 512, F.ref_hca_reset_state, F.hca_reset_state_cuda)):
         tails = _tails(rng, R, streams, w)
         want = jax.jit(ref)(tails, slots)
         got = jax.jit(kern, donate_argnums=0)(jnp.array(tails), slots)

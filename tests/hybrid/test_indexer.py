@@ -4,7 +4,6 @@ reference, and the Mosaic GPU kernel (Hopper), on caches filled by prepare_forwa
 compress with random inputs, requests at different positions."""
 
 import dataclasses
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -14,14 +13,14 @@ import pytest
 import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
-from jaxkv.hybrid.attention import _top_k
+from jaxkv.hybrid import indexer
+from jaxkv.hybrid.indexer import _top_k
 from jaxkv.kernels.index_scores import ref_index_scores
 
 # index heads and block size as the kernel takes them (by 64); two pages of entries a request
 CFG = H.HybridConfig(compress_ratios=(0, 4), window=32, index_heads=64, top_k=24, block_size=64,
                      max_requests=4, max_context=512)
 LENGTHS = (300, 7, 130)
-indexer = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
 
 @pytest.fixture(scope="module", params=["official", pytest.param("per_entry", marks=pytest.mark.gpu)])  # CI time

@@ -15,7 +15,7 @@ from jaxkv._backend import POOL_ATTENTION_JAX
 from jaxkv.formats.storage import STORAGES
 from jaxkv.kernels.frame_append import write_frame
 from jaxkv.kernels.index_scores import index_scores
-from jaxkv.kernels.pool_attention import pool_attention
+from jaxkv.kernels.pool_attention import pool_attention_pallas
 from jaxkv.kernels.prefix_attention import prefix_attention
 
 S = jax.ShapeDtypeStruct
@@ -63,7 +63,7 @@ def test_pool_attention_lowers(heads, top_k, splits):
     part_blocks = (top_k // 64, window // 64)
     args = (S((B, heads, 512), bf16), (S((64, bs * E), u8), S((B, window * E), u8)),
             S((B, top_k + window), i32), S((B, sum(part_blocks)), i32), S((heads,), f32))
-    _lower(lambda q, pools, rows, nvalid, sink: pool_attention(q, pools, part_blocks, rows, nvalid, sink,
+    _lower(lambda q, pools, rows, nvalid, sink: pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink,
                                                                 splits=splits), *args)
 
 

@@ -1,4 +1,4 @@
-"""kernels.pool_attention (Mosaic GPU, Hopper) and pool_attention_cuda (cuda/) against their float32
+"""kernels.pool_attention_pallas (Mosaic GPU, Hopper) and pool_attention_cuda (cuda/) against their float32
 reference on fresh random pools."""
 
 import jax
@@ -8,8 +8,8 @@ import pytest
 
 from jaxkv._backend import _flashmla_missing, _pool_cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention, pool_attention_cuda,
-                                          pool_attention_flashmla, ref_partial, ref_pool_attention, row_scales)
+from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention_cuda, pool_attention_flashmla,
+                                          pool_attention_pallas, ref_partial, ref_pool_attention, row_scales)
 from jaxkv.math import merge_partials
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
@@ -79,19 +79,19 @@ def test_partials_merge_into_the_reference(rng):
 def test_bad_inputs(rng):
     q, pools, pb, rows, nvalid, sink = _case(rng, "official", 2, 64, [(4, 64, 1)])
     with pytest.raises(ValueError, match="q: expected bf16"):
-        pool_attention(q.astype(jnp.float32), pools, pb, rows, nvalid, sink)
+        pool_attention_pallas(q.astype(jnp.float32), pools, pb, rows, nvalid, sink)
     with pytest.raises(ValueError, match="q: expected bf16"):
-        pool_attention(q[:, :48], pools, pb, rows, nvalid, sink[:48])
+        pool_attention_pallas(q[:, :48], pools, pb, rows, nvalid, sink[:48])
     with pytest.raises(ValueError, match="rows: expected int32"):
-        pool_attention(q, pools, pb, rows[:, :32], nvalid, sink)
+        pool_attention_pallas(q, pools, pb, rows[:, :32], nvalid, sink)
     with pytest.raises(ValueError, match="nvalid: expected int32"):
-        pool_attention(q, pools, pb, rows, nvalid[:, :0], sink)
+        pool_attention_pallas(q, pools, pb, rows, nvalid[:, :0], sink)
     with pytest.raises(ValueError, match="sink: expected"):
-        pool_attention(q, pools, pb, rows, nvalid, sink[:8])
+        pool_attention_pallas(q, pools, pb, rows, nvalid, sink[:8])
     with pytest.raises(ValueError, match=r"pools\[0\]: expected u8"):
-        pool_attention(q, (pools[0][:, :100],), pb, rows, nvalid, sink)
+        pool_attention_pallas(q, (pools[0][:, :100],), pb, rows, nvalid, sink)
     with pytest.raises(ValueError, match="storage: the kernel reads the official"):
-        pool_attention(q, pools, pb, rows, nvalid, sink, storage="per_entry")
+        pool_attention_pallas(q, pools, pb, rows, nvalid, sink, storage="per_entry")
     # the cuda/ kernel's checks run before it looks for a GPU
     with pytest.raises(ValueError, match="q: expected bf16"):
         pool_attention_cuda(q.astype(jnp.float32), pools, pb, rows, nvalid, sink)
@@ -115,10 +115,10 @@ def test_kernel_matches_reference(rng, H, splits):
     # three parts as a V4 layer has them: compressed entries (64-slot blocks), a ring, own tokens
     q, pools, pb, rows, nvalid, sink = _case(rng, storage, 5, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
     ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
-    out = pool_attention(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    out = pool_attention_pallas(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref)))
     assert err <= 2e-2 * float(jnp.max(jnp.abs(ref))) + 1e-3, err
-    again = pool_attention(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
+    again = pool_attention_pallas(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
 
 

@@ -3,6 +3,7 @@ float32 reference) and the kernels (Mosaic GPU on Hopper, cuda/), on caches fill
 compress / write_window with random inputs, requests at different positions."""
 
 import dataclasses
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +13,10 @@ import pytest
 import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
-from jaxkv.hybrid import attend
+from jaxkv.hybrid.ops import entry_address, ring_item, ring_positions
 from jaxkv.kernels.pool_attention import ref_pool_attention
+
+attention = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
 HEADS = 64 if is_hopper() else 2  # the kernel takes heads by 64; the CPU tests run its reference
 CFG = H.HybridConfig(compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k=24, block_size=32,
@@ -76,15 +79,15 @@ def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
     def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
         return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
-    monkeypatch.setattr(attend, "pool_attention", ref)
-    choose = attend._backend.choose
-    monkeypatch.setattr(attend._backend, "choose",
+    monkeypatch.setattr(attention, "pool_attention_pallas", ref)
+    choose = attention._backend.choose
+    monkeypatch.setattr(attention._backend, "choose",
                         lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw))
 
 
 def _missing(impl):
     """Why the kernel ``impl`` cannot run here for this module's caches, or None."""
-    return attend._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
+    return attention._backend.OPERATIONS["hybrid.attention"].missing[impl](heads=HEADS)
 
 
 def _valid_rows(out, step):
@@ -229,3 +232,49 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     assert float(jnp.max(jnp.abs(outs.astype(jnp.float32)))) > 0.01
     for a, b in zip(jax.tree.leaves(ordered_state), jax.tree.leaves(plain_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_ring_and_entry_addresses(rng):
+    """ring_item / ring_positions / entry_address against a numpy transcription: the ring
+    before a step holds, at item i, the latest position before start that is i mod window;
+    entry e sits at item e % bs of block table[slot, e // bs] (-1: none)."""
+    W = 8
+    start = rng.integers(0, 40, size=6).astype(np.int32)
+    step = H.Step(slot=jnp.zeros(6, jnp.int32), write_slot=jnp.zeros(6, jnp.int32), start=jnp.asarray(start),
+                  num_tokens=jnp.ones(6, jnp.int32), active=jnp.ones(6, bool))
+    pos = np.asarray(ring_positions(step, W))
+    for b, s in enumerate(start):
+        want = [max([p for p in range(s) if p % W == i], default=-1) for i in range(W)]
+        assert pos[b].tolist() == want, (s, pos[b], want)
+    held = pos >= 0
+    assert (np.asarray(ring_item(jnp.asarray(pos), W))[held] == np.nonzero(held)[1]).all()
+
+    bs, R, MB = 4, 3, 5
+    table = rng.integers(-1, 50, size=(R, MB)).astype(np.int32)
+    slot = rng.integers(0, R, size=(R, 1)).astype(np.int32)
+    entry = rng.integers(-1, MB * bs, size=(R, 7)).astype(np.int32)
+    blk, item = (np.asarray(a) for a in entry_address(jnp.asarray(table), jnp.asarray(slot), jnp.asarray(entry), bs))
+    for r in range(R):
+        for k in range(7):
+            e = entry[r, k]
+            assert blk[r, k] == (table[slot[r, 0], e // bs] if e >= 0 else -1)
+            assert e < 0 or item[r, k] == e % bs
+
+
+def test_visibility_rules(rng):
+    """window_mask / window_first and entry_visible / causal_entry_mask against their
+    definitions: ``p - window < pos <= p``; ``0 <= s < (p + 1) // ratio``."""
+    B, T, W, ratio = 3, 5, 6, 4
+    start = rng.integers(0, 30, size=B).astype(np.int32)
+    step = H.Step(slot=jnp.zeros(B, jnp.int32), write_slot=jnp.zeros(B, jnp.int32), start=jnp.asarray(start),
+                  num_tokens=jnp.full(B, T, jnp.int32), active=jnp.ones(B, bool))
+    p = start[:, None] + np.arange(T)[None, :]
+    key_pos = rng.integers(-1, 40, size=(B, 9)).astype(np.int32)
+    want = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] > p[..., None] - W) & (key_pos[:, None, :] <= p[..., None])
+    np.testing.assert_array_equal(np.asarray(H.window_mask(jnp.asarray(key_pos), step, T, W)), want)
+    np.testing.assert_array_equal(np.asarray(attention.window_first(step, T, W)), p - W + 1)
+    e = rng.integers(-1, 12, size=(B, T, 7)).astype(np.int32)
+    want = (e >= 0) & (e < ((p + 1) // ratio)[..., None])
+    np.testing.assert_array_equal(np.asarray(attention.entry_visible(jnp.asarray(e), step, T, ratio)), want)
+    np.testing.assert_array_equal(np.asarray(H.causal_entry_mask(12, step, T, ratio)),
+                                  np.arange(12)[None, None, :] < ((p + 1) // ratio)[..., None])

@@ -1,0 +1,131 @@
+"""The lightning indexer: its queries (``index_query``), scores (``index_scores``) and the
+top-k entries a CSA layer attends to (``index_topk``).
+
+The XLA path is the meaning the kernels are tested against; ``index_scores(impl="pallas")``
+runs ``kernels.index_scores`` (Hopper).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxkv import _backend
+from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
+from jaxkv.kernels.index_scores import index_scores as score_kernel
+from jaxkv.formats import nvfp4_global_scale
+from jaxkv.hybrid.attention import causal_entry_mask, visible_entries
+from jaxkv.hybrid.config import CSA
+from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
+from jaxkv.math.rotation import hadamard
+from jaxkv.hybrid.state import HybridCacheState
+from jaxkv.hybrid.step import Step, on_requests
+from jaxkv.formats.storage import as_bytes
+
+
+def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
+    """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
+    cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
+    impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "cuda" (the
+    ``kernels.fp4_pack`` kernels; same bytes), "auto" (cuda on a GPU, else xla)."""
+    impl = _backend.choose("hybrid.index_query", impl)
+    if state.layout is None:
+        return _index_query(state, q, impl)
+    state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
+    return on_requests(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
+
+
+def _index_query(state, q, impl):
+    c = state.config
+    codec = c.storage_format.index_key(c.index_dim)
+    x = hadamard(q).astype(jnp.bfloat16)
+    if impl == "xla":
+        return codec.decode(codec.encode(x))
+    rows = x.reshape(-1, x.shape[-1])  # bf16: the kernel reads it as it is
+    if c.storage == "official":
+        parts = quantize_mxfp4(rows)
+    else:  # per_entry keys: one global scale per key
+        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows))
+        parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
+    return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))
+
+
+def _scores_impl(state, impl):
+    c = state.config
+    return _backend.choose("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
+                            block_size=c.block_size)
+
+
+def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *, impl: str = "auto"):
+    """Lightning-indexer scores ``I[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s])``.
+
+    q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
+    scales them by ``index_dim**-0.5 * H**-0.5``).
+    Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
+    are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "pallas"
+    (``kernels.index_scores``: the FP4 keys read in place, Hopper), "auto" (pallas where it
+    runs, else xla). Both multiply the same BF16 keys and queries with float32 sums; they
+    differ only in summation order.
+    """
+    _check_scores(state, step, layer, q, weights)
+    impl = _scores_impl(state, impl)
+    return on_requests(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
+                      axes=("batch",) * 3, out="batch")
+
+
+def _check_scores(state, step, layer, q, weights):
+    check_layer(state, layer, (CSA,))
+    c = state.config
+    B, T, H, D = q.shape
+    if (B, D) != (step.slot.shape[0], c.index_dim) or weights.shape != (B, T, H):
+        raise ValueError(f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
+                         f"got {tuple(q.shape)} and {tuple(weights.shape)}")
+
+
+def _index_scores(state, step, layer, q, weights, impl):
+    c = state.config
+    B, T, H, D = q.shape
+    ratio = c.compress_ratios[layer]
+    if impl == "pallas":
+        g, j = state.group(layer)
+        visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
+        s = score_kernel(q.reshape(B * T, H, D).astype(jnp.bfloat16), weights.reshape(B * T, H), state.index_keys,
+                         j, state.alloc[g].table[step.slot], visible.reshape(-1).astype(jnp.int32),
+                         storage=c.storage)
+        return s[:, :c.max_entries(ratio)].reshape(B, T, -1)
+    keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]: exact products in f32, f32 sums
+    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
+    s = jnp.sum(jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None], axis=2)
+    return jnp.where(causal_entry_mask(keys.shape[1], step, T, ratio), s, -jnp.inf)
+
+
+def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *,
+               impl: str = "auto"):
+    """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
+    best first. ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
+    _check_scores(state, step, layer, q, weights)
+    impl = _scores_impl(state, impl)
+
+    def local(st, step, q, w):
+        s = _index_scores(st, step, layer, q, w, impl)
+        val, idx = _top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
+        return jnp.where(jnp.isfinite(val), idx, -1)
+
+    return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
+
+
+def _top_k(s, k: int, chunks: int = 4):
+    """``lax.top_k`` over the last axis, in two exact stages where the axis is long: the k best
+    of each of ``chunks`` slices, then the k best of those (the same values and indices, ties
+    to the lower index). XLA's top-k sorts, and four short sorts take less time than one long
+    one (docs/kernels/index_scores.md)."""
+    n = s.shape[-1]
+    if n % chunks or n < 2 * chunks * k:
+        return jax.lax.top_k(s, k)
+    val, idx = jax.lax.top_k(s.reshape(*s.shape[:-1], chunks, n // chunks), k)
+    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * (n // chunks))[:, None]
+    val, pick = jax.lax.top_k(val.reshape(*s.shape[:-1], chunks * k), k)
+    return val, jnp.take_along_axis(idx.reshape(*s.shape[:-1], chunks * k), pick, axis=-1)
+
+
+__all__ = ["index_query", "index_scores", "index_topk"]
