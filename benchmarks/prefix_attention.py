@@ -4,7 +4,7 @@ The shapes of lingbot-map's global attention with 72 frames visible (16 heads, h
 bf16): 518x378 (1005 queries over 72,648 keys) and 224x224 (262 over 19,152). Contenders,
 in one process on the same random data:
 
-* ``cuda (block_kv, stages)``: ``cuda/prefix_attention.cu`` launched from torch
+* ``cuda (block_kv, stages)``: ``jaxkv/cuda/prefix_attention.cu`` launched from torch
   (``torch_bridge.kernels.prefix_attention``, what the drop-in's ``backend="cuda"`` runs),
   every launch shape it builds, with ``launch.prefix_cuda_splits``' key splits;
 * ``flashinfer fa2 / fa3``: ``flashinfer.single_prefill_with_kv_cache`` over the same prefix
@@ -81,7 +81,7 @@ def main(argv=None):
     p.add_argument("--no-jax", action="store_true")
     args = p.parse_args(argv)
     if not kernels.prefix_attention_available("cuda"):
-        sys.exit("needs an sm_90 GPU and nvcc (cuda/prefix_attention.cu)")
+        sys.exit("needs an sm_90 GPU and nvcc (jaxkv/cuda/prefix_attention.cu)")
     try:
         import flashinfer
     except ImportError:

@@ -17,7 +17,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
-| ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
+| ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
 | ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer, else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 and head_dim 64 |
 """
 
@@ -122,7 +122,7 @@ def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", 
 
 # The torch drop-in's attention backends (``torch_bridge.FlashInferKVCacheManager(backend=)``).
 # Context, from the torch side: device (str, "cpu" or "cuda:0"), flashinfer (importable),
-# cuda_kernel (``cuda/prefix_attention.cu`` runs on that device), dtype (the storage's, str),
+# cuda_kernel (``jaxkv/cuda/prefix_attention.cu`` runs on that device), dtype (the storage's, str),
 # head_dim, force_fp32, fa3, tokens_per_frame. "auto" on CUDA without fa3: the first row whose
 # token bound the frame reaches and whose backend can run (docs/torch.md has the measurements).
 TORCH_AUTO_CUDA = ((0, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2"))
@@ -136,7 +136,7 @@ def _torch_missing(name: str, *, device: str = "cpu", flashinfer: bool = False, 
     if name.startswith("flashinfer") and not flashinfer:
         return "flashinfer is not importable"
     if name == "cuda" and not cuda_kernel:
-        return "jaxkv's cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
+        return "jaxkv/cuda/prefix_attention.cu needs an sm_90 GPU and nvcc"
     if name == "cuda" and force_fp32:
         return "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
     if name.startswith("flashinfer") and force_fp32:

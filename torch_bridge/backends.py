@@ -10,7 +10,7 @@ the host mirror (``Pages.visible_rows``):
   ``v[:n]`` (no copy; torch picks its kernel). CPU and CUDA, any dtype; with ``force_fp32``
   it runs in float32, as lingbot-map's FlashInferKVCacheManager's fp32 path (a gather and
   an fp32 SDPA) does.
-* ``CudaPrefix``: jaxkv's ``cuda/prefix_attention.cu`` (the kernel of
+* ``CudaPrefix``: jaxkv's ``jaxkv/cuda/prefix_attention.cu`` (the kernel of
   ``frame.attention(impl="cuda")``) over rows ``[0, n)``, launched by ctypes on torch's
   stream: no page table, no JAX dispatch; planned once per frame step (n, key splits), one
   launch per block. sm_90, bf16, head_dim 64.

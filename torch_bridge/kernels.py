@@ -133,7 +133,7 @@ def hca_reset_state(tails, tail_slot) -> None:
     _tail_state(tails, tail_slot, 1)
 
 
-_APPEND_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # cuda/frame_append.cu's codes
+_APPEND_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # jaxkv/cuda/frame_append.cu's codes
 APPEND_SCRATCH = 256  # i32 words frame_append's scratch holds
 
 
@@ -182,7 +182,7 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
     _ok(code, "frame_append")
 
 
-PREFIX_HEAD_DIM = 64  # cuda/prefix_attention.cu
+PREFIX_HEAD_DIM = 64  # jaxkv/cuda/prefix_attention.cu
 
 
 def prefix_attention_available(device) -> bool:
@@ -209,7 +209,7 @@ def _prefix_launch(device: torch.device) -> tuple[int, int]:
 
 
 def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=None, launch=None):
-    """Attention of ``q`` over the keys ``[0, kv_len)`` of ``k`` / ``v`` (``cuda/prefix_attention.cu``,
+    """Attention of ``q`` over the keys ``[0, kv_len)`` of ``k`` / ``v`` (``jaxkv/cuda/prefix_attention.cu``,
     on torch's current stream; ``jaxkv.kernels.prefix_attention_cuda``'s kernel). bf16,
     head_dim 64, sm_90.
 
@@ -256,7 +256,7 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
 
 
 def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, launch):
-    """One launch of ``cuda/prefix_attention.cu`` (arguments checked by the caller); a key-split
+    """One launch of ``jaxkv/cuda/prefix_attention.cu`` (arguments checked by the caller); a key-split
     launch gets its f32 partials and log-sum-exps from torch's allocator, on this stream."""
     part = lse = None
     if splits > 1:
@@ -269,7 +269,7 @@ def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, k
     if code == 801:
         raise ValueError(f"prefix_attention: expected an sm_90 GPU, got {torch.cuda.get_device_name(dev)}")
     if code == 1:
-        raise ValueError(f"launch: expected a shape cuda/prefix_attention.cu builds, got {(block_kv, stages)}")
+        raise ValueError(f"launch: expected a shape jaxkv/cuda/prefix_attention.cu builds, got {(block_kv, stages)}")
     _ok(code, "prefix_attention")
 
 

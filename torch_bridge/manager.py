@@ -9,7 +9,7 @@ upstream's model). Underneath:
   in batches (``pages.ReplayQueue``), or when ``state`` is read.
 * torch writes the K/V through zero-copy views of every buffer, taken once for the
   buffers' lifetime (``_take_views``): on CUDA each ``append_frame`` is one call of
-  ``cuda/frame_append.cu`` (finiteness check + scatter, two launches; torch ops where it
+  ``jaxkv/cuda/frame_append.cu`` (finiteness check + scatter, two launches; torch ops where it
   cannot be built), layout row moves are slice copies. The rows come from a host mirror of
   the page structure (``pages.Pages``, jaxkv's ``frame.plan`` rules on Python ints; a test
   holds it equal to the device's), so nothing is read from the device and JAX never writes K/V.
@@ -129,7 +129,7 @@ class FlashInferKVCacheManager:
         self._arange_ps = torch.arange(spec.page_size, device=self.device)
         self.frame_count: List[int] = [0] * num_blocks
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # sticky: a NaN / Inf frame came
-        # CUDA: cuda/frame_append.cu writes a frame (finiteness check + scatter: 2 launches);
+        # CUDA: jaxkv/cuda/frame_append.cu writes a frame (finiteness check + scatter: 2 launches);
         # else (CPU, or no nvcc to build it) the same rule in torch ops
         self._append_scratch = (torch.empty(kernels.APPEND_SCRATCH, dtype=torch.int32, device=self.device)
                                 if kernels.frame_append_available(self.device) else None)

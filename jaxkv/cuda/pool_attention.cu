@@ -275,7 +275,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #ifdef JAXKV_POOL_SM90
   constexpr bool kCluster = kPairs * kSplits > 1;
   constexpr int kOwn = kChunks / kSplits;  // 8-dim output chunks a split owns in the merge
-  static_assert(kPairs * kSplits <= 2, "one CTA per SM: clusters of 4 or 8 ran in two waves (RESULTS.md)");
+  static_assert(kPairs * kSplits <= 2, "one CTA per SM: clusters of 4 or 8 run in two waves (docs/kernels/pool_attention.md)");
   static_assert(kSplits == 1 || kOwn == 32, "two splits: each owns one warpgroup's output dims");
   static_assert(kOwn * 128 * 16 <= kStages * kTileBytes, "the peer's partial fits the K stages");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -657,7 +657,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
     return ffi::Error::InvalidArgument("rows, nvalid: expected i32[N, blocks * 64] and i32[N, blocks]");
   // a 2-CTA cluster per query row's head groups 2 g, 2 g + 1 when they pair up, else per its
   // two splits when it has two (merged in the kernel: one partial left). More splits merge in
-  // XLA (docs/kernels/pool_attention.md). jaxkv.kernels.pool_attention.cuda_parts
+  // XLA (docs/kernels/pool_attention.md); jaxkv.kernels.launch.pool_cuda_parts
   const bool pairs = (H / kBlock) % 2 == 0, split_pairs = !pairs && splits == 2;
   const int64_t parts = split_pairs ? 1 : splits;
   if (splits < 1) return ffi::Error::InvalidArgument("splits: expected >= 1");

@@ -38,7 +38,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kQBytes = kBQ * kD * 2;  // one warpgroup's Q tile
 
 // The launch shapes built: (keys per stage, stages in flight); the caller picks one by its
-// tuning table (jaxkv.kernels.tuning, "prefix_attention_cuda").
+// tuning table (jaxkv.kernels.launch, "prefix_attention_cuda").
 template <int kBlockKV, int kStages>
 constexpr int smem_bytes() {
   return 1024 + 2 * kQBytes + 2 * kStages * kBlockKV * kD * 2 + 4 * kStages * 8;

@@ -180,7 +180,7 @@ def segment_offsets(segments, block_size: int) -> tuple[int, ...]:
 
 
 def cuda_defines() -> list[str]:
-    """The layout as nvcc ``-D`` flags for ``cuda/flush_write.cu``: per family its code,
+    """The layout as nvcc ``-D`` flags for ``jaxkv/cuda/flush_write.cu``: per family its code,
     item bytes and each segment's bytes (``JAXKV_OFFICIAL_ENTRY_SEG0=576``, ...). Scalars
     only: nvcc splits option values at commas."""
     flags = [f"-DJAXKV_HEAD_DIM={HEAD_DIM}", f"-DJAXKV_NOPE={NOPE}", f"-DJAXKV_TILE={TILE}",

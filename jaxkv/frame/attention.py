@@ -20,7 +20,7 @@ backend gathers anything:
   equal key chunks run by separate programs and merged by their log-sum-exp
   (``jaxkv.kernels.launch.prefix_splits``; FlashInfer's split-KV).
 * ``cuda``: ``jaxkv.kernels.prefix_attention_cuda``, the same design in CUDA
-  (``cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
+  (``jaxkv/cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
   launches on the same buffers.
 
 ``auto`` is ``pallas`` on a Hopper GPU, ``cudnn`` on other NVIDIA GPUs, ``xla`` elsewhere.

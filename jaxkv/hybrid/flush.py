@@ -5,7 +5,7 @@ rotated indexer keys) in the cache's storage family and scatters them into one l
 paged pool through ``(block, slot)``. ``csa_rotate_state`` / ``hca_reset_state`` move a
 request's tail on after its flush. Each has a jnp reference, ``ref_<op>`` (what
 ``hybrid.compress`` runs with ``impl="xla"``), and a CUDA kernel, ``<op>_cuda``
-(``jaxkv.kernels.flush_write``: ``cuda/flush_write.cu`` through ``jax.ffi``,
+(``jaxkv.kernels.flush_write``: ``jaxkv/cuda/flush_write.cu`` through ``jax.ffi``,
 ``impl="cuda"``), buffers aliased in place; both give the same bytes. ``WRITERS`` maps an
 ``impl`` to its flush-write.
 

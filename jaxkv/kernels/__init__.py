@@ -6,22 +6,22 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
   (Mosaic GPU bulk copies, Hopper).
 * ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
-  (``hybrid.gather_entries(impl="cuda")``; ``cuda/dequant_gather.cu`` through jax.ffi).
+  (``hybrid.gather_entries(impl="cuda")``; ``jaxkv/cuda/dequant_gather.cu`` through jax.ffi).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
   (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
-  ``hybrid.compress(impl="cuda")``; ``cuda/flush_write.cu``); ``window_write``: a decode
+  ``hybrid.compress(impl="cuda")``; ``jaxkv/cuda/flush_write.cu``); ``window_write``: a decode
   step's tokens into their SWA rings, NaN / Inf checked in the kernel
   (``hybrid.write_window(impl="cuda")`` with one token per request).
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
-  (``hybrid.compress(impl="cuda")`` with one token per request; ``cuda/compress_decode.cu``).
+  (``hybrid.compress(impl="cuda")`` with one token per request; ``jaxkv/cuda/compress_decode.cu``).
 * ``prefix_attention``: attention over the key prefix ``[0, kv_len)`` of a buffer, a
   FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
   (``impl="pallas"``); ``prefix_attention_cuda``: the same in ``cuda/`` (``impl="cuda"``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
-  formats' bytes (``hybrid.index_query(impl="cuda")``; ``cuda/fp4_pack.cu``).
+  formats' bytes (``hybrid.index_query(impl="cuda")``; ``jaxkv/cuda/fp4_pack.cu``).
 * ``pool_attention_cuda``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place,
-  ``cuda/pool_attention.cu`` (``hybrid.attention(impl="cuda")``, auto on Hopper);
+  ``jaxkv/cuda/pool_attention.cu`` (``hybrid.attention(impl="cuda")``, auto on Hopper);
   ``pool_attention_pallas``: the same contract in Mosaic GPU (Hopper, official storage;
   ``impl="pallas"``); ``pool_attention_flashmla``: on FlashMLA's sm90 decode kernel, built
   from ``$FLASHMLA_SRC`` (``impl="flashmla"``).

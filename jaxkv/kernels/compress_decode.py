@@ -11,12 +11,12 @@ updated in place; a request whose flush finds no block gets ``Fault.POOL_EXHAUST
 its error word, and a token with a NaN or Inf in kv, score (or the indexer's) changes
 nothing and gets ``Fault.NONFINITE_KV`` (``hybrid.compress``'s rule, checked in the kernel).
 
-The kernel is ``cuda/compress_decode.cu`` (one 128-thread CTA per request) reached through
+The kernel is ``jaxkv/cuda/compress_decode.cu`` (one 128-thread CTA per request) reached through
 ``jax.ffi``, not Pallas: its flush is a scatter of one entry and one key per request to
 data-dependent pool rows, with a UE8M0 byte per 64 codes, which Mosaic GPU on Hopper
 cannot express (no row scatter, no strided register slices:
 ``tests/kernels/test_mosaic_limits.py``); its byte encoders are the flush-write's
-(``cuda/write_entry.cuh``). Why one fused launch: docs/kernels/cache_writes.md.
+(``jaxkv/cuda/write_entry.cuh``). Why one fused launch: docs/kernels/cache_writes.md.
 
 The math is ``jaxkv.math.compressor`` + ``jaxkv.formats.storage``, operation for operation
 in float32 without contractions; the reference is ``hybrid.compress(..., impl="xla")`` on

@@ -7,7 +7,7 @@ item's 448 FP8 dims times its scale (UE8M0 per 64-dim tile in the official ``ds_
 block, one float32 per entry in the per_entry family's), and its 64 BF16 RoPE dims as stored;
 K = V, so one gather serves both.
 
-The kernel is ``cuda/dequant_gather.cu`` (one warp per item) reached through ``jax.ffi``,
+The kernel is ``jaxkv/cuda/dequant_gather.cu`` (one warp per item) reached through ``jax.ffi``,
 not Pallas. Its reads are rows of a few hundred bytes at data-dependent addresses, plus a
 scale byte each. Mosaic GPU on Hopper has no row gather (TMA's gather4 is Blackwell's), and
 its register loads take no strided slices (the scale byte per 64 codes). The minimal
@@ -42,7 +42,7 @@ def ref_dequant_gather(pool, layer: int, block, slot, storage: str = "official")
 
 @functools.partial(jax.jit, static_argnames=("layer", "storage"))
 def dequant_gather(pool, layer: int, block, slot, *, storage: str = "official"):
-    """The kernel (``cuda/dequant_gather.cu`` through ``jax.ffi``; built with nvcc on first
+    """The kernel (``jaxkv/cuda/dequant_gather.cu`` through ``jax.ffi``; built with nvcc on first
     use): bf16[M, 512], bytes-exact with ``ref_dequant_gather``."""
     storage = storage_name(storage)
     L, nb, w = pool.shape

@@ -8,8 +8,8 @@ official family stores per entry 448 FP8 dims with one UE8M0 scale per 64-elemen
 bytes; the per_entry family one float32 scale per entry and NVFP4 keys. The bytes are the
 formats' (``hybrid.flush.ref_flush_write``).
 
-The kernels are ``cuda/flush_write.cu`` (one warp per entry; the encoders in
-``cuda/write_entry.cuh``, shared with the fused decode compressor) reached through
+The kernels are ``jaxkv/cuda/flush_write.cu`` (one warp per entry; the encoders in
+``jaxkv/cuda/write_entry.cuh``, shared with the fused decode compressor) reached through
 ``jax.ffi``, not Pallas: a flush scatters a few hundred bytes per entry to data-dependent
 pool rows, and Mosaic GPU on Hopper has no row scatter (``tests/kernels/test_mosaic_limits.py``;
 docs/kernels/cache_writes.md). Validation is the caller's (``hybrid.flush``); these take

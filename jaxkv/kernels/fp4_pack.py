@@ -4,9 +4,9 @@ E4M3 per 16 and a float32 global scale), by one CUDA kernel.
 The math is ``jaxkv.formats.quantize_mxfp4`` / ``quantize_nvfp4``'s and so are the bytes:
 dividing by MXFP4's power-of-two group scale is a multiply by its exact inverse, by
 NVFP4's float32 scales the GPU's correctly rounded ``div.rn.f32`` (the reference's integer
-long division ``div_rn`` computes the same quotients). The kernel is ``cuda/fp4_pack.cu``
+long division ``div_rn`` computes the same quotients). The kernel is ``jaxkv/cuda/fp4_pack.cu``
 (four elements per thread, a group's lanes sharing its maximum by shuffles; the encoders
-are ``cuda/codes.cuh``'s, which the flush-write's indexer keys use too) reached through
+are ``jaxkv/cuda/codes.cuh``'s, which the flush-write's indexer keys use too) reached through
 ``jax.ffi``, not Pallas: each group packs its even and odd elements into one byte, a
 strided register slice Mosaic GPU does not lower, and its ``e2m1`` / ``e8m0`` types are
 Blackwell's (``tests/kernels/test_mosaic_limits.py``; docs/kernels/cache_writes.md).

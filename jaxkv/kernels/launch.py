@@ -13,7 +13,7 @@ table entry is in docs/kernels/launch.md.
   ``flashmla_sm_parts``: the SM partitions of FlashMLA's split-KV schedule.
 * ``TABLES`` / ``launch(kernel, device)``: ``rows`` / ``slots`` (frame append: rows per bulk
   copy, copies per program); ``block_kv`` / ``stages`` (prefix attention: keys per block,
-  blocks in flight; ``prefix_attention_cuda``: one of the shapes ``cuda/prefix_attention.cu``
+  blocks in flight; ``prefix_attention_cuda``: one of the shapes ``jaxkv/cuda/prefix_attention.cu``
   builds); ``tiles`` (64-key tiles per indexer-scores program). A device without its own
   table uses ``DEFAULT``'s, the device the sweeps ran on; add a table for another GPU by its
   ``device_kind``. (The other ``cuda/`` kernels' launch shapes are constants in their sources.)
@@ -58,7 +58,7 @@ PREFIX_CUDA_MIN_CHUNK = 4096  # keys per split at least: a split's fixed cost (Q
 
 
 def prefix_cuda_splits(q_len: int, heads: int, keys: int, sms: int | None = None) -> int:
-    """Key splits of ``cuda/prefix_attention.cu`` over ``keys`` visible rows (the torch
+    """Key splits of ``jaxkv/cuda/prefix_attention.cu`` over ``keys`` visible rows (the torch
     drop-in's ``backend="cuda"``): ``wave_splits`` over 1, 2, 4, 8 with chunks of at least
     ``PREFIX_CUDA_MIN_CHUNK`` keys. ``sms``: None = ``sm_count()``."""
     sms = sm_count() if sms is None else sms
@@ -80,7 +80,7 @@ def pool_splits(rows: int, heads: int, blocks: int, sms: int | None = None) -> i
 
 
 def pool_cuda_parts(heads: int, splits: int) -> int:
-    """Partials per query row ``cuda/pool_attention.cu`` leaves for the XLA merge: two splits
+    """Partials per query row ``jaxkv/cuda/pool_attention.cu`` leaves for the XLA merge: two splits
     at 64 heads (an odd number of 64-head groups) run as a 2-CTA cluster and merge inside the
     kernel, leaving one; otherwise one per split."""
     return 1 if splits == 2 and (heads // POOL_BLOCK) % 2 == 1 else splits
@@ -99,7 +99,7 @@ TABLES = {
     "NVIDIA H100 80GB HBM3": {
         "frame_append": dict(rows=8, slots=2),
         "prefix_attention": dict(block_kv=256, stages=2),
-        "prefix_attention_cuda": dict(block_kv=192, stages=2),  # one of the shapes cuda/prefix_attention.cu builds
+        "prefix_attention_cuda": dict(block_kv=192, stages=2),  # one of the shapes jaxkv/cuda/prefix_attention.cu builds
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
     },
 }

@@ -2,7 +2,7 @@
 with an attention sink. Three lowerings of one contract (shapes below); why each is built
 the way it is, with the measurements: docs/kernels/pool_attention.md.
 
-* ``pool_attention_cuda``: ``cuda/pool_attention.cu`` through ``jax.ffi`` (Hopper with nvcc;
+* ``pool_attention_cuda``: ``jaxkv/cuda/pool_attention.cu`` through ``jax.ffi`` (Hopper with nvcc;
   both storage families), warp-specialized: a producer warpgroup loads block j + 1's
   scattered rows and dequantizes them into a swizzled BF16 tile (integer ops and a bf16
   multiply, no conversion instructions) while two consumer warpgroups run block j's
@@ -381,7 +381,7 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
-    """The pool attention contract (module docstring) on ``cuda/pool_attention.cu`` through
+    """The pool attention contract (module docstring) on ``jaxkv/cuda/pool_attention.cu`` through
     ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90 GPU and
     nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)

@@ -23,7 +23,7 @@ merges them by their log-sum-exp.
 ``ref_prefix_attention`` is the float32 reference with the same contract. Mosaic GPU only
 (no interpret mode): the tests run it on a GPU.
 
-``prefix_attention_cuda`` is the same contract on ``cuda/prefix_attention.cu`` through
+``prefix_attention_cuda`` is the same contract on ``jaxkv/cuda/prefix_attention.cu`` through
 ``jax.ffi`` (bf16, head_dim 64, sm_90): the same warp-specialized design written in CUDA,
 which is also what PyTorch callers launch on torch's stream (``torch_bridge.kernels``).
 """
@@ -233,12 +233,12 @@ def prefix_attention(q, k, v, kv_len, *, scale=None, splits: int = 1):
     return out[:, :Tq] if pad else out
 
 
-CUDA_HEAD_DIM = 64  # cuda/prefix_attention.cu: one 128-byte swizzle row per key
+CUDA_HEAD_DIM = 64  # jaxkv/cuda/prefix_attention.cu: one 128-byte swizzle row per key
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits"))
 def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
-    """``prefix_attention``'s contract on ``cuda/prefix_attention.cu`` (module docstring); bf16
+    """``prefix_attention``'s contract on ``jaxkv/cuda/prefix_attention.cu`` (module docstring); bf16
     and head_dim 64 only; the kernel merges the splits itself. Needs an sm_90 GPU and nvcc
     (the first use builds ``cuda/``)."""
     _check(q, k, v, kv_len, splits)

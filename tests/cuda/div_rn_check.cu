@@ -1,4 +1,4 @@
-// Exhaustive check of cuda/div_rn.cuh's SharedDivisor against div.rn.f32 over every quotient
+// Exhaustive check of jaxkv/cuda/div_rn.cuh's SharedDivisor against div.rn.f32 over every quotient
 // the per_entry-family flush forms from bf16 inputs (tests/cuda/test_cuda.py builds and runs it).
 // Prints one line per domain; exits 1 if any quotient differs.
 #include <cstdint>

@@ -207,7 +207,7 @@ def test_torch_flush_write_on_jax_buffers(rng, storage):
 @pytest.mark.parametrize("dtype, heads, dim", [("bfloat16", 16, 64), ("float16", 1, 6), ("float32", 3, 5)])
 @pytest.mark.parametrize("poison", [None, "nan", "+inf", "-inf"])
 def test_torch_frame_append_equals_torch_ops(dtype, heads, dim, poison):
-    """cuda/frame_append.cu: a clean frame lands at its rows, every other row untouched; a
+    """jaxkv/cuda/frame_append.cu: a clean frame lands at its rows, every other row untouched; a
     frame with one NaN / Inf anywhere (here the last element of V, or a random element of
     K) lands wholly at the trash row, the rows keep what they held, the sticky flag is set.
     Row sizes 2048 B (16-byte copies), 12 B and 60 B (4-byte copies)."""

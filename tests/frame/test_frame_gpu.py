@@ -124,7 +124,7 @@ def test_prefix_kernel_matches_reference(rng, splits, lengths, dtype, heads):
 @pytest.mark.parametrize("heads", [(4, 4), (16, 16), (8, 2)])
 @pytest.mark.skipif(not _is_hopper(), reason="the cuda prefix kernel needs a Hopper GPU")
 def test_prefix_cuda_kernel_matches_reference(rng, splits, lengths, heads):
-    """``cuda/prefix_attention.cu`` on the Mosaic kernel's contract: lengths on and off
+    """``jaxkv/cuda/prefix_attention.cu`` on the Mosaic kernel's contract: lengths on and off
     block and chunk edges, an empty stream (zeros), GQA, 262 queries (not a multiple of the
     128-query tile); bit-identical when run twice."""
     from jaxkv.kernels import prefix_attention_cuda, ref_prefix_attention

@@ -1,4 +1,4 @@
-"""kernels.dequant_gather (cuda/dequant_gather.cu) and the hybrid reads through it, against the jnp
+"""kernels.dequant_gather (jaxkv/cuda/dequant_gather.cu) and the hybrid reads through it, against the jnp
 reads natively on a GPU."""
 
 import jax

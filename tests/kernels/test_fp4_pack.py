@@ -1,4 +1,4 @@
-"""kernels.fp4_pack (cuda/fp4_pack.cu) against the formats' MXFP4 / NVFP4 codecs natively on a GPU;
+"""kernels.fp4_pack (jaxkv/cuda/fp4_pack.cu) against the formats' MXFP4 / NVFP4 codecs natively on a GPU;
 its validators everywhere."""
 
 import jax

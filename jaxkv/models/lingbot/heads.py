@@ -215,11 +215,9 @@ class DPTHead(nnx.Module):
     scales, fuse coarse to fine, upsample to the image and activate (value, confidence).
 
     Convolutions compute in the config's dtype; the token norm and the final activation
-    run in float32. Upstream runs its heads in float32 (autocast off). In bf16 the port's
-    convolutions add rounding of their own to the depth (H100, released config: 6.5e-4
-    relative, upstream-bf16's own 9.1e-5; ``tests/test_lingbot_parity.py`` bounds it). Float32
-    convolutions (TF32) ran as fast, but XLA's autotuning of them took up to 16 GiB of scratch
-    while compiling, raising the process's peak from 12.6 to 26.9 GiB."""
+    run in float32. Upstream runs its heads in float32 (autocast off); the port keeps bf16
+    convolutions, whose extra depth rounding ``tests/test_lingbot_parity.py`` bounds, because
+    float32 ones cost as much time and far more compile-time memory (docs/models.md)."""
 
     def __init__(self, config: LingbotConfig, out_dim: int, activation: str, rngs: nnx.Rngs,
                  features: int = 256, out_channels=(256, 512, 1024, 1024)):
