@@ -40,8 +40,14 @@ def kernel_ms_per_step(fn, steps: int, top: int = 0):
             return None
         with gzip.open(files[0]) as f:
             tr = json.load(f)
-        gpu_pids = {e["pid"] for e in tr.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "process_name"
-                    and "GPU" in str(e.get("args", {}).get("name", "")) and "host" not in str(e["args"]["name"]).lower()}
+        gpu_pids = {
+            e["pid"]
+            for e in tr.get("traceEvents", [])
+            if e.get("ph") == "M"
+            and e.get("name") == "process_name"
+            and "GPU" in str(e.get("args", {}).get("name", ""))
+            and "host" not in str(e["args"]["name"]).lower()
+        }
         events = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu_pids]
         dur = sum(e.get("dur", 0) for e in events)
         if top:

@@ -17,8 +17,8 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-
 from _timing import times_ms
+
 from jaxkv import frame
 
 L, H, D, P, NS = 24, 16, 64, 999, 6

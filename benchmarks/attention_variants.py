@@ -21,8 +21,8 @@ import statistics
 
 import jax
 import jax.numpy as jnp
-
 from _timing import kernel_ms_per_step, times_ms
+
 from jaxkv.frame.attention import cudnn_attention
 from jaxkv.kernels import prefix_attention
 from jaxkv.kernels.launch import prefix_splits
@@ -46,8 +46,15 @@ def split_kv(q, k, v, splits, lens=None):
     if lens is not None:
         starts = jnp.arange(n, dtype=jnp.int32) * C
         kw["key_value_seq_lengths"] = jnp.clip(lens[:, None] - starts[None], 1, C).reshape(-1)
-    out, lse = jax.nn.dot_product_attention(qc, k.reshape(B * n, C, *k.shape[2:]), v.reshape(B * n, C, *v.shape[2:]),
-                                            scale=D**-0.5, implementation="cudnn", return_residual=True, **kw)
+    out, lse = jax.nn.dot_product_attention(
+        qc,
+        k.reshape(B * n, C, *k.shape[2:]),
+        v.reshape(B * n, C, *v.shape[2:]),
+        scale=D**-0.5,
+        implementation="cudnn",
+        return_residual=True,
+        **kw,
+    )
     out = out.reshape(B, n, Tq, Hq, D).astype(jnp.float32)
     lse = lse.reshape(B, n, Tq, Hq).astype(jnp.float32)
     if lens is not None:
@@ -79,8 +86,9 @@ def main():
     dense = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, implementation="cudnn"))
     rows.append(("dense exact length, no mask", bench(dense, q, ke, ve)))
     rows.append(("dense 128-multiple, no mask", bench(dense, q, ke128, ve128)))
-    padded = jax.jit(lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l,
-                                                                     implementation="cudnn"))
+    padded = jax.jit(
+        lambda q, k, v, l: jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=l, implementation="cudnn")
+    )
     rows.append(("capacity + key length", bench(padded, q, k, v, lens)))
     rows.append(("jaxkv cudnn_attention", bench(jax.jit(cudnn_attention), q, k, v, lens)))
     for s in (2, 4, 8, 16):
@@ -102,8 +110,10 @@ def main():
             print(f"split-KV x{s} no mask (bf16 log-sum-exp) vs dense over the same keys: max |diff| {err:.1e}")
     exact = dense(q, ke, ve).astype(jnp.float32)
     got = prefix_attention(q, k, v, lens, splits=auto).astype(jnp.float32)
-    print(f"pallas prefix kernel x{auto} vs dense over the {n} visible keys: max |diff| "
-          f"{float(jnp.max(jnp.abs(got - exact))):.1e}")
+    print(
+        f"pallas prefix kernel x{auto} vs dense over the {n} visible keys: max |diff| "
+        f"{float(jnp.max(jnp.abs(got - exact))):.1e}"
+    )
     flops = 4 * Tq * n * H * D
     print(f"\none layer: {Tq} queries x {n} keys, H={H}, D={D}, bf16 — {jax.devices()[0].device_kind}")
     print(f"{'variant':<36} {'ms/layer':>9} {'ms x' + str(a.layers):>9} {'kernel ms':>10} {'TFLOP/s':>8}")

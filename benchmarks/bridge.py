@@ -52,8 +52,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import torch  # noqa: E402
-
 from _timing import times_ms  # noqa: E402
+
 from torch_bridge import FlashInferKVCacheManager  # noqa: E402
 from torch_bridge import backends as M  # noqa: E402
 
@@ -81,8 +81,17 @@ def sync(device):
 
 def make_manager(cls, tpf, layers, device, backend=None):
     extra = {} if backend is None else {"backend": backend}  # the seed takes no backend
-    return cls(num_blocks=layers, max_num_frames=88, tokens_per_frame=tpf, num_heads=16, head_dim=64,
-               dtype=torch.bfloat16, device=device, max_total_frames=256, **extra)
+    return cls(
+        num_blocks=layers,
+        max_num_frames=88,
+        tokens_per_frame=tpf,
+        num_heads=16,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=device,
+        max_total_frames=256,
+        **extra,
+    )
 
 
 def frame_step(mgr, layers, frame, out):
@@ -125,14 +134,16 @@ def profile(args):
 
 
 def kernel_breakdown(args, seed_cls):
-    from torch.profiler import ProfilerActivity, profile as tprofile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
 
     dev = args.device
     for res in args.resolutions:
         tpf = RESOLUTIONS[res]
         frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))]
-        entries = ([("seed", seed_cls, None)] if seed_cls else []) + \
-            [(f"drop-in {b}", FlashInferKVCacheManager, b) for b in args.backends]
+        entries = ([("seed", seed_cls, None)] if seed_cls else []) + [
+            (f"drop-in {b}", FlashInferKVCacheManager, b) for b in args.backends
+        ]
         for name, cls, backend in entries:
             mgr, out = make_manager(cls, tpf, args.layers, dev, backend), {}
             for _ in range(args.warm):
@@ -173,10 +184,15 @@ def manager_table(args, seed_cls):
     for res in args.resolutions:
         tpf = RESOLUTIONS[res]
         g = torch.Generator(device=dev).manual_seed(0)
-        frames = [tuple(torch.randn(args.layers, tpf, 16, 64, device=dev, dtype=torch.bfloat16, generator=g)
-                        for _ in range(3)) for _ in range(2)]
-        entries = ([(SEED, seed_cls, None)] if seed_cls else []) + \
-            [(f"jaxkv drop-in ({b})", FlashInferKVCacheManager, b) for b in args.backends]
+        frames = [
+            tuple(
+                torch.randn(args.layers, tpf, 16, 64, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(3)
+            )
+            for _ in range(2)
+        ]
+        entries = ([(SEED, seed_cls, None)] if seed_cls else []) + [
+            (f"jaxkv drop-in ({b})", FlashInferKVCacheManager, b) for b in args.backends
+        ]
         outs, times = {}, {}
         for name, cls, backend in entries + entries[::-1]:  # A-B-..-B-A: clock or thermal drift hits all alike
             t, outs[name] = bench(cls, tpf, args.layers, args.warm, args.iters, frames, dev, backend)
@@ -188,15 +204,17 @@ def manager_table(args, seed_cls):
         for name, _, _ in entries:
             row = dict(resolution=res, manager=name, ms_per_frame=statistics.median(times[name]))
             if name != entries[0][0]:
-                row["max_abs_diff"] = max(float((outs[name][l].float() - ref[l].float()).abs().max())
-                                          for l in range(args.layers))
+                row["max_abs_diff"] = max(
+                    float((outs[name][l].float() - ref[l].float()).abs().max()) for l in range(args.layers)
+                )
             rows.append(row)
     print(f"\n{'resolution':<10} {'manager':<36} {'ms/frame':>9} {'vs first':>8}")
     for r in rows:
         base = next(x["ms_per_frame"] for x in rows if x["resolution"] == r["resolution"])
         extra = f"   max |out - first out| {r['max_abs_diff']:.1e}" if "max_abs_diff" in r else ""
-        print(f"{r['resolution']:<10} {r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:8.2f}"
-              f"{extra}")
+        print(
+            f"{r['resolution']:<10} {r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:8.2f}{extra}"
+        )
     return rows
 
 
@@ -214,20 +232,27 @@ def stream_in_turn(entries, images, scale_frames, warm, interval, trace=None):
     stepped after each frame of every entry."""
     S = images.shape[1]
     times, outs, hosts = {}, {}, {}
-    with torch.no_grad(), torch.amp.autocast(images.device.type, dtype=torch.bfloat16), \
-            (trace or contextlib.nullcontext()):
+    with (
+        torch.no_grad(),
+        torch.amp.autocast(images.device.type, dtype=torch.bfloat16),
+        trace or contextlib.nullcontext(),
+    ):
         for name, model, install in entries:
             with install():
                 model.aggregator.kv_cache_manager = None
                 model.clean_kv_cache()
                 torch.compiler.cudagraph_mark_step_begin()
-                model.forward(images[:, :scale_frames], num_frame_for_scale=scale_frames,
-                              num_frame_per_block=scale_frames, causal_inference=True)
+                model.forward(
+                    images[:, :scale_frames],
+                    num_frame_for_scale=scale_frames,
+                    num_frame_per_block=scale_frames,
+                    causal_inference=True,
+                )
             sync(images.device)
             times[name], hosts[name] = [], _time_manager_calls(model.aggregator.kv_cache_manager)
         for i in range(scale_frames, S):
             key = interval <= 1 or (i - scale_frames) % interval == 0
-            for name, model, install in (entries if (i - scale_frames) % 2 == 0 else entries[::-1]):
+            for name, model, install in entries if (i - scale_frames) % 2 == 0 else entries[::-1]:
                 if i - scale_frames == warm:
                     hosts[name].clear()
                 with install():
@@ -235,8 +260,12 @@ def stream_in_turn(entries, images, scale_frames, warm, interval, trace=None):
                         model._set_skip_append(True)
                     t0 = time.perf_counter()
                     torch.compiler.cudagraph_mark_step_begin()
-                    out = model.forward(images[:, i:i + 1], num_frame_for_scale=scale_frames,
-                                        num_frame_per_block=1, causal_inference=True)
+                    out = model.forward(
+                        images[:, i : i + 1],
+                        num_frame_for_scale=scale_frames,
+                        num_frame_per_block=1,
+                        causal_inference=True,
+                    )
                     sync(images.device)
                     times[name].append((time.perf_counter() - t0) * 1e3)
                     if not key:
@@ -253,8 +282,13 @@ def stream_in_turn(entries, images, scale_frames, warm, interval, trace=None):
     return runs
 
 
-MANAGER_CALLS = ("append_frame", "evict_frames", "compute_attention", "execute_deferred_eviction",
-                 "rollback_last_frame")
+MANAGER_CALLS = (
+    "append_frame",
+    "evict_frames",
+    "compute_attention",
+    "execute_deferred_eviction",
+    "rollback_last_frame",
+)
 
 
 def _time_manager_calls(mgr):
@@ -269,6 +303,7 @@ def _time_manager_calls(mgr):
                 return fn(*a, **kw)
             finally:
                 host[name] = host.get(name, 0.0) + (time.perf_counter() - t0) * 1e3
+
         return call
 
     for name in MANAGER_CALLS:
@@ -288,13 +323,16 @@ def model_table(args):
         sys.exit("--model needs CUDA and FlashInfer (upstream's own manager, run A, is FlashInfer's)")
     sf = args.scale_frames
     n = sf + args.model_warm + args.model_iters
-    config = LingbotConfig().replace(height=378, width=518, max_frame_num=n + 16, num_scale_frames=sf,
-                                     kv_cache_scale_frames=sf)
+    config = LingbotConfig().replace(
+        height=378, width=518, max_frame_num=n + 16, num_scale_frames=sf, kv_cache_scale_frames=sf
+    )
     g = torch.Generator(device="cuda").manual_seed(0)
     images = torch.rand(1, n, 3, config.height, config.width, device="cuda", generator=g).to(torch.bfloat16)
     names = ["upstream manager"] + [f"jaxkv drop-in ({b})" for b in args.model_backends]
-    installs = {name: (contextlib.nullcontext if i == 0 else functools.partial(use_in_lingbot_map, b))
-                for i, (name, b) in enumerate(zip(names, [None, *args.model_backends]))}
+    installs = {
+        name: (contextlib.nullcontext if i == 0 else functools.partial(use_in_lingbot_map, b))
+        for i, (name, b) in enumerate(zip(names, [None, *args.model_backends]))
+    }
     models = {}
     for name in names:  # one model per manager, the same weights (the same seed)
         with installs[name]():
@@ -304,54 +342,74 @@ def model_table(args):
             # inside a reduce-overhead graph, the cached table is CUDA-graph memory that the next
             # replay overwrites ("accessing tensor output of CUDAGraphs that has been
             # overwritten"): a few eager frames first, as upstream's demo effectively does.
-            stream_in_turn([(name, models[name], installs[name])], images[:, :sf + 2], sf, 0, 1)
+            stream_in_turn([(name, models[name], installs[name])], images[:, : sf + 2], sf, 0, 1)
             upstream.compile_like_gct_profile(models[name])
-    runs = stream_in_turn([(name, models[name], installs[name]) for name in names], images, sf, args.model_warm,
-                          args.keyframe_interval)
+    runs = stream_in_turn(
+        [(name, models[name], installs[name]) for name in names], images, sf, args.model_warm, args.keyframe_interval
+    )
     rows = []
     for name in names:
         t, out, mgr, h = runs[name]
         kind = f"{type(mgr).__module__}.{type(mgr).__name__}" + (f" [{mgr.backend}]" if name != names[0] else "")
-        row = dict(manager=name, kind=kind, ms_per_frame=statistics.median(t), manager_host_ms=h,
-                   ms_per_frame_halves=[statistics.median(t[: len(t) // 2]), statistics.median(t[len(t) // 2:])])
+        row = dict(
+            manager=name,
+            kind=kind,
+            ms_per_frame=statistics.median(t),
+            manager_host_ms=h,
+            ms_per_frame_halves=[statistics.median(t[: len(t) // 2]), statistics.median(t[len(t) // 2 :])],
+        )
         if name != names[0]:
             for k in MODEL_KEYS:
                 a, b = runs[names[0]][1][k], out[k]
                 row[f"rel_err_{k}"] = float((b - a).abs().max() / a.abs().max())
         rows.append(row)
-        print(f"  {name} ({kind}): {row['ms_per_frame']:.2f} ms/frame (halves {row['ms_per_frame_halves'][0]:.2f}, "
-              f"{row['ms_per_frame_halves'][1]:.2f}), {h:.2f} ms of it in manager calls (host)", flush=True)
+        print(
+            f"  {name} ({kind}): {row['ms_per_frame']:.2f} ms/frame (halves {row['ms_per_frame_halves'][0]:.2f}, "
+            f"{row['ms_per_frame_halves'][1]:.2f}), {h:.2f} ms of it in manager calls (host)",
+            flush=True,
+        )
     if args.kernels:  # after the timed runs: the profiler slows the host
         for name, row in zip(names, rows):
             row["gpu_ms"] = model_kernels(name, models[name], installs[name], images, sf, args.keyframe_interval)
-    print(f"\nGCTStream 518x378 bf16, {sf} scale frames, {args.model_warm} warm + {args.model_iters} timed frames, "
-          f"keyframe_interval {args.keyframe_interval}{', compiled' if args.compile else ''}")
-    print(f"{'manager':<36} {'ms/frame':>9} {'vs A':>6} {'manager host ms':>15} {'GPU ms':>7}  "
-          "last frame vs A (max rel err)")
+    print(
+        f"\nGCTStream 518x378 bf16, {sf} scale frames, {args.model_warm} warm + {args.model_iters} timed frames, "
+        f"keyframe_interval {args.keyframe_interval}{', compiled' if args.compile else ''}"
+    )
+    print(
+        f"{'manager':<36} {'ms/frame':>9} {'vs A':>6} {'manager host ms':>15} {'GPU ms':>7}  "
+        "last frame vs A (max rel err)"
+    )
     base = rows[0]["ms_per_frame"]
     for r in rows:
         errs = "  ".join(f"{k} {r['rel_err_' + k]:.1e}" for k in MODEL_KEYS if "rel_err_" + k in r)
         gpu = f"{r['gpu_ms']:7.2f}" if "gpu_ms" in r else f"{'-':>7}"
-        print(f"{r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:6.2f} "
-              f"{r['manager_host_ms']:15.2f} {gpu}  {errs}")
+        print(
+            f"{r['manager']:<36} {r['ms_per_frame']:9.2f} {r['ms_per_frame'] / base:6.2f} "
+            f"{r['manager_host_ms']:15.2f} {gpu}  {errs}"
+        )
     return rows
 
 
 def model_kernels(name, model, install, images, sf, interval, frames=5):
     """GPU kernel time of the last ``frames`` streamed frames, by kernel, against their wall
     time: where wall > kernels, the host (Python, launches) is what the frame waits for."""
-    from torch.profiler import ProfilerActivity, profile as tprofile, schedule
+    from torch.profiler import ProfilerActivity, schedule
+    from torch.profiler import profile as tprofile
 
     done = []
     steps = images.shape[1] - sf
-    prof = tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                    schedule=schedule(wait=steps - frames - 1, warmup=1, active=frames),
-                    on_trace_ready=lambda p: done.append(p.key_averages()))
+    prof = tprofile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=steps - frames - 1, warmup=1, active=frames),
+        on_trace_ready=lambda p: done.append(p.key_averages()),
+    )
     t = stream_in_turn([(name, model, install)], images, sf, steps - frames, interval, trace=prof)[name][0]
     torch.cuda.empty_cache()
     ka = done[-1]
-    gpu = sorted((e for e in ka if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")),
-                 key=lambda e: -e.device_time_total)
+    gpu = sorted(
+        (e for e in ka if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")),
+        key=lambda e: -e.device_time_total,
+    )
     total = sum(e.device_time_total for e in gpu) / frames / 1e3
     print(f"\n{name}: {statistics.mean(t):.2f} ms/frame wall under the profiler, {total:.2f} ms of GPU kernels")
     for e in gpu[:8]:
@@ -367,18 +425,30 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seed-file", default=".seeds/lingbot_map_flashinfer_cache.py")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--backends", nargs="+", default=None, choices=[b for b in M.BACKENDS if b != "auto"],
-                   help="drop-in backends to time (default: every one that can run on --device)")
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        default=None,
+        choices=[b for b in M.BACKENDS if b != "auto"],
+        help="drop-in backends to time (default: every one that can run on --device)",
+    )
     p.add_argument("--resolutions", nargs="+", default=["224x224", "518x378"], choices=list(RESOLUTIONS))
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--warm", type=int, default=80)
     p.add_argument("--iters", type=int, default=40)
-    p.add_argument("--small", action="store_true", help="smoke run: 'small' frames (38 tokens), 2 layers, "
-                   "10 warm-up + 5 timed frames")
+    p.add_argument(
+        "--small",
+        action="store_true",
+        help="smoke run: 'small' frames (38 tokens), 2 layers, 10 warm-up + 5 timed frames",
+    )
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="cProfile the drop-in's host side over --iters frames")
-    p.add_argument("--kernels", action="store_true", help="torch-profile 5 frames of each manager: GPU time by kernel "
-                   "(with --model: after the table, host time too)")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="torch-profile 5 frames of each manager: GPU time by kernel "
+        "(with --model: after the table, host time too)",
+    )
     g = p.add_argument_group("--model: upstream's GCTStream with its own manager vs the drop-in")
     g.add_argument("--model", action="store_true")
     g.add_argument("--model-backends", nargs="+", default=["auto"], choices=list(M.BACKENDS))
@@ -394,8 +464,11 @@ def main(argv=None):
     if args.backends is None:
         args.backends = default_backends(args.device)
     dev = torch.cuda.get_device_name() if args.device.type == "cuda" else "cpu"
-    print(f"device: {dev}  torch {torch.__version__}  jax {jax.__version__}  "
-          f"flashinfer {'yes' if M.FLASHINFER_AVAILABLE else 'no'}", flush=True)
+    print(
+        f"device: {dev}  torch {torch.__version__}  jax {jax.__version__}  "
+        f"flashinfer {'yes' if M.FLASHINFER_AVAILABLE else 'no'}",
+        flush=True,
+    )
     if args.model:
         rows = model_table(args)
     else:

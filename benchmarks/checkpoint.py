@@ -38,8 +38,16 @@ def main():
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--patches", type=int, default=999)
     args = ap.parse_args()
-    spec = frame.FrameSpec(num_layers=args.layers, num_heads=16, head_dim=64, patches_per_frame=args.patches,
-                           num_special=6, scale_frames=8, sliding_window=64, max_frames=72)
+    spec = frame.FrameSpec(
+        num_layers=args.layers,
+        num_heads=16,
+        head_dim=64,
+        patches_per_frame=args.patches,
+        num_special=6,
+        scale_frames=8,
+        sliding_window=64,
+        max_frames=72,
+    )
     state = filled_state(spec)
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -60,8 +68,10 @@ def main():
             saves.append(t1 - t0)
             restores.append(t2 - t1)
     dev = jax.devices()[0]
-    print(f"\ndevice: {getattr(dev, 'device_kind', dev.platform)}  jax {jax.__version__}  "
-          f"cache {nbytes / 1e9:.2f} GB ({spec.num_layers} layers, {spec.capacity} rows)  dir {root}")
+    print(
+        f"\ndevice: {getattr(dev, 'device_kind', dev.platform)}  jax {jax.__version__}  "
+        f"cache {nbytes / 1e9:.2f} GB ({spec.num_layers} layers, {spec.capacity} rows)  dir {root}"
+    )
     print(f"{'operation':<10} {'median s':>9} {'GB/s':>7}")
     for name, ts in (("save", saves), ("restore", restores)):
         t = statistics.median(ts)

@@ -32,12 +32,17 @@ import time
 
 import jax
 import jax.numpy as jnp
-
 from _timing import kernel_ms_per_step  # benchmarks/, the script's directory
+
 from jaxkv.formats.storage import STORAGES, pack_items
 from jaxkv.kernels.launch import pool_splits
-from jaxkv.kernels.pool_attention import (BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas,
-                                          ref_pool_attention)
+from jaxkv.kernels.pool_attention import (
+    BLOCK,
+    pool_attention_cuda,
+    pool_attention_flashmla,
+    pool_attention_pallas,
+    ref_pool_attention,
+)
 
 SHAPES = {"V4-Flash": (64, 512), "V4-Pro": (128, 1024)}  # heads, top-k
 WINDOW, BS = 128, 64
@@ -105,6 +110,7 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
         return None, "FLASHMLA_SRC not set"
     try:
         import torch
+
         from torch_bridge import flashmla
     except ImportError as e:
         return None, f"no torch / torch_bridge.flashmla ({e})"
@@ -120,8 +126,9 @@ def flashmla_contender(q, pools, rows, sink, B, H, K):
     sched = flashmla.Schedule()
 
     def run():
-        return flashmla.sparse_decode(tq, pool, idx, block_size=BS, sink=tsink, scale=512 ** -0.5, window=ring,
-                                      window_indices=widx, schedule=sched)[0]
+        return flashmla.sparse_decode(
+            tq, pool, idx, block_size=BS, sink=tsink, scale=512**-0.5, window=ring, window_indices=widx, schedule=sched
+        )[0]
 
     def timed(reps, inner=20):
         run()
@@ -169,13 +176,17 @@ def main():
                 cuda=jax.jit(lambda q, p, r, n, s: pool_attention_cuda(q, p, pb, r, n, s, splits=S)),
                 pallas=jax.jit(lambda q, p, r, n, s: pool_attention_pallas(q, p, pb, r, n, s, splits=S)),
                 flashmla=jax.jit(lambda q, p, r, n, s: pool_attention_flashmla(q, p, pb, r, n, s)),
-                xla=jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16)))
+                xla=jax.jit(lambda q, p, r, n, s: ref_pool_attention(q, p, pb, r, n, s).astype(jnp.bfloat16)),
+            )
             res = {}
             for cname in a.contenders.split(","):
                 fn = fns[cname]
                 ms, out = time_jax(lambda: fn(q, pools, rows, nvalid, sink), a.reps)
-                gpu = kernel_ms_per_step(lambda i: jax.block_until_ready(fn(q, pools, rows, nvalid, sink)), 10,
-                                         top=3 if cname == "cuda" else 0)
+                gpu = kernel_ms_per_step(
+                    lambda i: jax.block_until_ready(fn(q, pools, rows, nvalid, sink)),
+                    10,
+                    top=3 if cname == "cuda" else 0,
+                )
                 res[cname] = (ms, gpu, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
                 print(f"{name} B={B} {cname}: {ms:.4f} ms wall, {gpu} ms kernels", flush=True)
             timed, why = flashmla_contender(q, pools, rows, sink, B, H, K)
@@ -184,33 +195,70 @@ def main():
                 res["flashmla-torch"] = (ms, ms, float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))))
             for cname, (ms, gpu, err) in res.items():
                 k = gpu or ms
-                rows_out.append(dict(shape=name, batch=B, heads=H, topk=K, impl=cname, ms=ms, kernel_ms=gpu,
-                                     tflops=flops / k / 1e9, gbs=bytes_ / k / 1e6, max_err=err, splits=S))
+                rows_out.append(
+                    dict(
+                        shape=name,
+                        batch=B,
+                        heads=H,
+                        topk=K,
+                        impl=cname,
+                        ms=ms,
+                        kernel_ms=gpu,
+                        tflops=flops / k / 1e9,
+                        gbs=bytes_ / k / 1e6,
+                        max_err=err,
+                        splits=S,
+                    )
+                )
             if why:
                 print(f"flashmla-torch skipped: {why}")
-    print(f"\n{dev}, jax {jax.__version__}; decode, top-k + {WINDOW}-item window, official storage, "
-          f"pools of >= {a.pool_mib} MiB")
-    print("wall: per call over back-to-back calls (JAX: host dispatch included); kernel: GPU time per call from a "
-          "profiler trace (flashmla-torch: CUDA events around back-to-back calls); TFLOP/s and GB/s from kernel time")
-    print(f"copy bandwidth {copy_gbs or 0:.0f} GB/s, dense BF16 peak {PEAK_TFLOPS:.0f} TFLOP/s; of peak / of copy: "
-          "the kernel's TFLOP/s and GB/s against them; copy ms: a copy kernel of the call's bytes")
-    print(f"{'shape':9} {'B':>4} {'impl':14} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'of peak':>7} {'GB/s':>7} "
-          f"{'of copy':>7} {'max err':>8} {'vs fm-torch':>11}")
+    print(
+        f"\n{dev}, jax {jax.__version__}; decode, top-k + {WINDOW}-item window, official storage, "
+        f"pools of >= {a.pool_mib} MiB"
+    )
+    print(
+        "wall: per call over back-to-back calls (JAX: host dispatch included); kernel: GPU time per call from a "
+        "profiler trace (flashmla-torch: CUDA events around back-to-back calls); TFLOP/s and GB/s from kernel time"
+    )
+    print(
+        f"copy bandwidth {copy_gbs or 0:.0f} GB/s, dense BF16 peak {PEAK_TFLOPS:.0f} TFLOP/s; of peak / of copy: "
+        "the kernel's TFLOP/s and GB/s against them; copy ms: a copy kernel of the call's bytes"
+    )
+    print(
+        f"{'shape':9} {'B':>4} {'impl':14} {'wall ms':>8} {'kernel ms':>9} {'TFLOP/s':>8} {'of peak':>7} {'GB/s':>7} "
+        f"{'of copy':>7} {'max err':>8} {'vs fm-torch':>11}"
+    )
     for r in rows_out:
-        fm = [x for x in rows_out if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla-torch"]
+        fm = [
+            x
+            for x in rows_out
+            if x["shape"] == r["shape"] and x["batch"] == r["batch"] and x["impl"] == "flashmla-torch"
+        ]
         k = r["kernel_ms"] or r["ms"]
         rel = f"{k / fm[0]['ms']:.2f}x" if fm else "-"
         kern = f"{r['kernel_ms']:9.4f}" if r["kernel_ms"] else f"{'-':>9}"
         of_copy = f"{r['gbs'] / copy_gbs:7.2f}" if copy_gbs else f"{'-':>7}"
-        print(f"{r['shape']:9} {r['batch']:4d} {r['impl']:14} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} "
-              f"{r['tflops'] / PEAK_TFLOPS:7.2f} {r['gbs']:7.0f} {of_copy} {r['max_err']:8.4f} {rel:>11}")
+        print(
+            f"{r['shape']:9} {r['batch']:4d} {r['impl']:14} {r['ms']:8.4f} {kern} {r['tflops']:8.1f} "
+            f"{r['tflops'] / PEAK_TFLOPS:7.2f} {r['gbs']:7.0f} {of_copy} {r['max_err']:8.4f} {rel:>11}"
+        )
     print(f"\n{'shape':9} {'B':>4} {'copy ms':>8} {'floor ms':>8}")
     for (name, B), (small, floor) in floors.items():
         print(f"{name:9} {B:4d} {small or 0:8.4f} {floor:8.4f}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(dict(device=dev, jax=jax.__version__, copy_gbs=copy_gbs, peak_tflops=PEAK_TFLOPS,
-                           floors={f"{n} {b}": v for (n, b), v in floors.items()}, rows=rows_out), f, indent=1)
+            json.dump(
+                dict(
+                    device=dev,
+                    jax=jax.__version__,
+                    copy_gbs=copy_gbs,
+                    peak_tflops=PEAK_TFLOPS,
+                    floors={f"{n} {b}": v for (n, b), v in floors.items()},
+                    rows=rows_out,
+                ),
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from _timing import times_ms
 from dsv4_step import fill_random
+
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
 
@@ -64,8 +64,9 @@ def run_case(B, context, iters, gbps):
     state, _ = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=int(start.max()))
     state = fill_random(state, jax.random.fold_in(key, 7))
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
-    q = H.index_query(state, jax.random.normal(jax.random.fold_in(key, 1), (B, 1, cfg.index_heads, cfg.index_dim),
-                                               jnp.bfloat16))
+    q = H.index_query(
+        state, jax.random.normal(jax.random.fold_in(key, 1), (B, 1, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
+    )
     w = jax.random.normal(jax.random.fold_in(key, 2), (B, 1, cfg.index_heads), jnp.float32)
     k = min(cfg.top_k, cfg.max_entries(4))
     fns = {
@@ -93,8 +94,11 @@ def run_case(B, context, iters, gbps):
     byts = visible * cfg.storage_format.index_key_bytes(cfg.index_dim)
     flops = visible * 2 * cfg.index_heads * cfg.index_dim
     floor_ms = max(byts / gbps / 1e6, flops / PEAK_TFLOPS / 1e9)
-    print(f"  {B} requests, context {context}: kernel vs xla scores max rel err {err:.2e}, "
-          f"top-k positions equal {same:.4f}, floor {floor_ms:.4f} ms", flush=True)
+    print(
+        f"  {B} requests, context {context}: kernel vs xla scores max rel err {err:.2e}, "
+        f"top-k positions equal {same:.4f}, floor {floor_ms:.4f} ms",
+        flush=True,
+    )
     return [(B, context, name, ms, byts / ms / 1e6, flops / ms / 1e9, floor_ms) for name, ms in rows]
 
 

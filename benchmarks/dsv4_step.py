@@ -45,10 +45,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-
 from _timing import kernel_ms_per_step, times_ms
 from hybrid_step import make_inputs, make_params
+from jax import lax
+
 from jaxkv import hybrid as H
 from jaxkv.formats.storage import pack_items
 
@@ -69,8 +69,10 @@ def make_extra(cfg, B, key):
     out = {}
     for layer in range(cfg.num_layers):
         ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
-        e = {"q": jax.random.normal(ks[0], (B, 1, HEADS, cfg.head_dim), jnp.bfloat16),
-             "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32)}
+        e = {
+            "q": jax.random.normal(ks[0], (B, 1, HEADS, cfg.head_dim), jnp.bfloat16),
+            "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32),
+        }
         if cfg.kind(layer) == H.CSA:
             e["iq"] = jax.random.normal(ks[2], (B, 1, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
             e["iw"] = jax.random.normal(ks[3], (B, 1, cfg.index_heads), jnp.float32)
@@ -110,8 +112,7 @@ def fill_random(state, key):
     return state.replace(window=window, entries=entries, index_keys=index_keys)
 
 
-def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str,
-                index_impl: str = "auto"):
+def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto"):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write. Returns (state, f32 sum over layers of a slice of the last read's result:
     keeps the reads live)."""
@@ -130,8 +131,9 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
             out = idx[..., 0]
         if attend:  # a model's output projection reads every element: the barrier has the step write the
             # whole output (and any split merge) instead of letting XLA compute only the slice summed below
-            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx,
-                                                       impl=impl))[..., 0]
+            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl))[
+                ..., 0
+            ]
         if out is not None:
             acc = acc + out.astype(jnp.float32).sum()
             state = H.after_reads(state, out)
@@ -147,7 +149,9 @@ def run_case(B, context, args):
     params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key), make_extra(cfg, B, key)
     slots = jnp.arange(B, dtype=jnp.int32)
     rng = np.random.default_rng(0)
-    margin = 8 + len(args.contenders) * (args.iters + 6)  # steps this run takes after the prefill positions (each contender:
+    margin = 8 + len(args.contenders) * (
+        args.iters + 6
+    )  # steps this run takes after the prefill positions (each contender:
     # compile, 2 warm-up, iters timed, 3 profiled)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
     state = H.init(cfg)
@@ -167,15 +171,20 @@ def run_case(B, context, args):
 
         t0 = time.perf_counter()
         run(0)
-        print(f"  {B} requests, context {context}: {name}: first call (compile + run) "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        print(
+            f"  {B} requests, context {context}: {name}: first call (compile + run) {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run, args.iters, warmup=2))
         top = args.top if kw["attend"] else 0
         kern = kernel_ms_per_step(run, 3, top=top) if jax.default_backend() == "gpu" else None
         rows.append((name, ms, kern))
-        print(f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
-              + ("" if kern is None else f" ({kern:.3f} ms of kernels)"), flush=True)
+        print(
+            f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
+            + ("" if kern is None else f" ({kern:.3f} ms of kernels)"),
+            flush=True,
+        )
     import jaxkv
 
     jaxkv.check(box["s"])
@@ -187,8 +196,11 @@ def main():
     ap.add_argument("--requests", default="64,256")
     ap.add_argument("--contexts", default="8192,65536")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--contenders", default="step,indexer,bookkeeping",
-                    help=f"comma-separated, in order, from {', '.join(CONTENDERS)}")
+    ap.add_argument(
+        "--contenders",
+        default="step,indexer,bookkeeping",
+        help=f"comma-separated, in order, from {', '.join(CONTENDERS)}",
+    )
     ap.add_argument("--top", type=int, default=0, help="list the whole step's N costliest kernels")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
     ap.add_argument("--json")
@@ -214,8 +226,11 @@ def main():
             table += [(B, context, gib, name, ms, kern) for name, ms, kern in rows]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([dict(zip(("requests", "context", "cache_gib", "contender", "ms", "kernel_ms"), r))
-                       for r in table], f, indent=1)
+            json.dump(
+                [dict(zip(("requests", "context", "cache_gib", "contender", "ms", "kernel_ms"), r)) for r in table],
+                f,
+                indent=1,
+            )
     print("\n| requests | context | cache GiB | contender | wall ms | kernel ms |")
     print("| ---: | ---: | ---: | --- | ---: | ---: |")
     for B, context, gib, name, ms, kern in table:

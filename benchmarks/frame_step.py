@@ -31,8 +31,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
+
 from jaxkv import frame  # noqa: E402
 
 RES = {"224x224": 256, "518x378": 999}
@@ -42,8 +42,16 @@ H, D, NS, S, W = 16, 64, 6, 8, 64
 
 # ----------------------------------------------------------------------------- jaxkv
 def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto"):
-    spec = frame.FrameSpec(num_layers=L, num_heads=H, head_dim=D, patches_per_frame=P, num_special=NS,
-                           scale_frames=S, sliding_window=W, max_frames=warm + iters + 8)
+    spec = frame.FrameSpec(
+        num_layers=L,
+        num_heads=H,
+        head_dim=D,
+        patches_per_frame=P,
+        num_special=NS,
+        scale_frames=S,
+        sliding_window=W,
+        max_frames=warm + iters + 8,
+    )
     key = jax.random.key(0)
     sets = []
     for i in range(3):
@@ -88,8 +96,12 @@ def bench_bare_cudnn(P, L, visible, iters):
 
     @jax.jit
     def step(q, ks, vs, n):
-        return jnp.stack([jax.nn.dot_product_attention(q[l], ks[l], vs[l], key_value_seq_lengths=n,
-                                                       implementation="cudnn") for l in range(L)])
+        return jnp.stack(
+            [
+                jax.nn.dot_product_attention(q[l], ks[l], vs[l], key_value_seq_lengths=n, implementation="cudnn")
+                for l in range(L)
+            ]
+        )
 
     for _ in range(3):
         step(q, ks, vs, n).block_until_ready()
@@ -115,8 +127,9 @@ class SeedStylePagedCache:
         self.free_special = [list(range(self.n_patch, n_pages)) for _ in range(L)]
         self.n_special = [0] * L
         self.ws = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.ws, kv_layout="NHD",
-                                                                      backend="fa3" if fa3 else "fa2")
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.ws, kv_layout="NHD", backend="fa3" if fa3 else "fa2"
+        )
         self.qo_indptr = torch.tensor([0, P + NS], dtype=torch.int32, device=dev)
 
     def append(self, l, k, v):
@@ -149,8 +162,13 @@ class SeedStylePagedCache:
                 torch.tensor([0, len(pages)], dtype=torch.int32, device="cuda"),
                 torch.tensor(pages, dtype=torch.int32, device="cuda"),
                 torch.tensor([last], dtype=torch.int32, device="cuda"),
-                num_qo_heads=H, num_kv_heads=H, head_dim_qk=D, page_size=self.ps,
-                causal=False, pos_encoding_mode="NONE", q_data_type=torch.bfloat16,
+                num_qo_heads=H,
+                num_kv_heads=H,
+                head_dim_qk=D,
+                page_size=self.ps,
+                causal=False,
+                pos_encoding_mode="NONE",
+                q_data_type=torch.bfloat16,
             )
         return self.wrapper.run(q, self.pools[l])
 
@@ -161,8 +179,10 @@ def bench_flashinfer(P, L, fa3, warm, iters):
 
     cache = SeedStylePagedCache(torch, flashinfer, L, P, warm + iters + 8, fa3)
     g = torch.Generator(device="cuda").manual_seed(0)
-    sets = [tuple(torch.randn(L, P + NS, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-            for _ in range(3)]
+    sets = [
+        tuple(torch.randn(L, P + NS, H, D, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(3)
+    ]
 
     def one(i):
         k, v, q = sets[i % 3]
@@ -192,10 +212,20 @@ def main(argv=None):
     rows = []
 
     def record(res, name, ms, visible):
-        row = dict(resolution=res, contender=name, median_ms=statistics.median(ms),
-                   p10_ms=float(np.percentile(ms, 10)), p90_ms=float(np.percentile(ms, 90)), visible_keys=visible, n=len(ms))
+        row = dict(
+            resolution=res,
+            contender=name,
+            median_ms=statistics.median(ms),
+            p10_ms=float(np.percentile(ms, 10)),
+            p90_ms=float(np.percentile(ms, 90)),
+            visible_keys=visible,
+            n=len(ms),
+        )
         rows.append(row)
-        print(f"  {res} {name:<20} {row['median_ms']:8.2f} ms/frame  (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})", flush=True)
+        print(
+            f"  {res} {name:<20} {row['median_ms']:8.2f} ms/frame  (p10 {row['p10_ms']:.2f}, p90 {row['p90_ms']:.2f})",
+            flush=True,
+        )
 
     for res in args.resolutions.split(","):
         P = RES[res]
@@ -223,14 +253,18 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - report and go on with the others
                 print(f"  {res} {name}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
-    print(f"\nframe step, {args.layers} layers, H={H}, D={D}, S={S}, W={W}, bf16 — {dev.device_kind}, "
-          f"median of {args.iters} frames after {args.warm}")
+    print(
+        f"\nframe step, {args.layers} layers, H={H}, D={D}, S={S}, W={W}, bf16 — {dev.device_kind}, "
+        f"median of {args.iters} frames after {args.warm}"
+    )
     print(f"{'resolution':<10} {'contender':<20} {'ms/frame':>9} {'vs fa2':>7} {'vs fa3':>7} {'keys':>7}")
     for r in rows:
         base = {c: x["median_ms"] for x in rows if x["resolution"] == r["resolution"] for c in [x["contender"]]}
         fa2, fa3 = base.get("flashinfer/fa2"), base.get("flashinfer/fa3")
         f = lambda b: f"{r['median_ms'] / b:7.2f}" if b else "      -"  # noqa: E731
-        print(f"{r['resolution']:<10} {r['contender']:<20} {r['median_ms']:9.2f} {f(fa2)} {f(fa3)} {r['visible_keys']:>7}")
+        print(
+            f"{r['resolution']:<10} {r['contender']:<20} {r['median_ms']:9.2f} {f(fa2)} {f(fa3)} {r['visible_keys']:>7}"
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, rows=rows), fh, indent=1)

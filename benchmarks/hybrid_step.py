@@ -35,8 +35,8 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from _timing import kernel_ms_per_step, times_ms
+
 from jaxkv import hybrid as H
 from jaxkv.hybrid import ops
 
@@ -61,9 +61,15 @@ def make_params(cfg, key):
         r = cfg.compress_ratios[layer]
         coff = 2 if cfg.kind(layer) == H.CSA else 1
         k1, k2, key = jax.random.split(key, 3)
-        p = {"main": H.CompressorParams(jax.random.normal(k1, (r, coff * cfg.head_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.head_dim,)))}
+        p = {
+            "main": H.CompressorParams(
+                jax.random.normal(k1, (r, coff * cfg.head_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.head_dim,))
+            )
+        }
         if coff == 2:
-            p["index"] = H.CompressorParams(jax.random.normal(k1, (r, 2 * cfg.index_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.index_dim,)))
+            p["index"] = H.CompressorParams(
+                jax.random.normal(k1, (r, 2 * cfg.index_dim)), 1 + 0.1 * jax.random.normal(k2, (cfg.index_dim,))
+            )
         out[layer] = p
     return out
 
@@ -103,12 +109,15 @@ def stack_layers(cfg, inputs, params):
     """The per-layer inputs and parameters as a few stacked arrays (one per kind of
     layer and tensor): what a model hands the bookkeeping when they come from its own
     stacked activations and weights, not from ~300 separate arguments."""
+
     def stack(tree, layers):
         return jax.tree.map(lambda *xs: jnp.stack(xs), *[tree[l] for l in layers]) if layers else None
 
     kinds = {k: [l for l in cfg.compressed_layers if cfg.kind(l) == k] for k in (H.CSA, H.HCA)}
-    return (jnp.stack([inputs[l]["kv"] for l in range(cfg.num_layers)]),
-            {k: (stack(inputs, ls), stack(params, ls)) for k, ls in kinds.items()})
+    return (
+        jnp.stack([inputs[l]["kv"] for l in range(cfg.num_layers)]),
+        {k: (stack(inputs, ls), stack(params, ls)) for k, ls in kinds.items()},
+    )
 
 
 def bookkeeping_stacked(state, slots, stacked, impl="cuda"):
@@ -166,8 +175,12 @@ def main():
     ap.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time")
     ap.add_argument("--hlo", action="store_true", help="print the step's whole-buffer copies and slices")
     ap.add_argument("--json")
-    ap.add_argument("--triton", default=None, help="a directory holding the pre-port fused kernel (compress_decode.py "
-                    "of 2e0b118 with its helpers; see benchmarks/kernels.py --triton): run it beside the cuda/ one")
+    ap.add_argument(
+        "--triton",
+        default=None,
+        help="a directory holding the pre-port fused kernel (compress_decode.py "
+        "of 2e0b118 with its helpers; see benchmarks/kernels.py --triton): run it beside the cuda/ one",
+    )
     args = ap.parse_args()
 
     B = args.requests
@@ -184,7 +197,9 @@ def main():
     state, step = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=T)
     for layer in range(cfg.num_layers):  # SWA rings only: prefill content does not matter here
         state = H.write_window(state, step, layer, jnp.ones((B, T, cfg.head_dim), jnp.bfloat16))
-    print(f"cache: {H.nbytes(state) / 2**30:.2f} GiB, {cfg.num_layers} layers, {B} requests, device {jax.devices()[0].device_kind}")
+    print(
+        f"cache: {H.nbytes(state) / 2**30:.2f} GiB, {cfg.num_layers} layers, {B} requests, device {jax.devices()[0].device_kind}"
+    )
 
     step_fn = jax.jit(bookkeeping, donate_argnums=0)
     prep_fn = jax.jit(prepare_only, donate_argnums=0)
@@ -202,10 +217,13 @@ def main():
         import re
 
         text = step_fn.lower(box["s"], slots, inputs, params).compile().as_text()
-        entry = text[text.rindex("ENTRY"):]
+        entry = text[text.rindex("ENTRY") :]
         names = set()
         if args.top:
-            names = {"%" + n for n in ("loop_slice_fusion.1", "loop_slice_fusion", "loop_convert_fusion", "loop_divide_fusion")}
+            names = {
+                "%" + n
+                for n in ("loop_slice_fusion.1", "loop_slice_fusion", "loop_convert_fusion", "loop_divide_fusion")
+            }
         for line in entry.splitlines():
             if line.strip().split(" = ")[0].replace("ROOT ", "") in names:
                 print("HLO top:", line.strip()[:400])
@@ -215,7 +233,9 @@ def main():
             if not m or m.group(1) not in size:
                 continue
             n = size[m.group(1)] * int(np.prod([int(d) for d in m.group(2).split(",") if d] or [1]))
-            if n >= (1 << 24) and re.search(r" (copy|copy-start|dynamic-slice|slice)\(|%[\w.-]*(copy|slice)[\w.-]* = ", line):
+            if n >= (1 << 24) and re.search(
+                r" (copy|copy-start|dynamic-slice|slice)\(|%[\w.-]*(copy|slice)[\w.-]* = ", line
+            ):
                 print(f"HLO {n / 2**20:8.1f} MiB:", line.strip()[:260])
     rows = []
     for _ in range(3):
@@ -231,10 +251,15 @@ def main():
     for what, kernel in fused if jax.default_backend() == "gpu" else ():
         ops.compress_decode = kernel or FUSED
         jax.clear_caches()  # hybrid.compress is jitted: trace it again with this kernel in place
-        for how, fn, fn_args in (("", jax.jit(functools.partial(bookkeeping, impl="cuda"), donate_argnums=0),
-                                  (inputs, params)),
-                                 (f", inputs as {len(jax.tree.leaves(stacked))} stacked arrays",
-                                  jax.jit(bookkeeping_stacked, donate_argnums=0), (stacked,))):
+        for how, fn, fn_args in (
+            ("", jax.jit(functools.partial(bookkeeping, impl="cuda"), donate_argnums=0), (inputs, params)),
+            (
+                f", inputs as {len(jax.tree.leaves(stacked))} stacked arrays",
+                jax.jit(bookkeeping_stacked, donate_argnums=0),
+                (stacked,),
+            ),
+        ):
+
             def run_impl(i, fn=fn, fn_args=fn_args):
                 box["s"] = fn(box["s"], slots, *fn_args)
                 box["s"].position.block_until_ready()
@@ -243,14 +268,16 @@ def main():
                 run_impl(0)
             with jax.transfer_guard("disallow"):
                 ms = statistics.median(times_ms(run_impl, args.iters, warmup=5))
-            rows.append((f"jaxkv step, fused {what} decode kernels{how}", ms,
-                         kernel_ms_per_step(run_impl, 10, top=args.top)))
+            rows.append(
+                (f"jaxkv step, fused {what} decode kernels{how}", ms, kernel_ms_per_step(run_impl, 10, top=args.top))
+            )
     ops.compress_decode = FUSED
     floor_fn = jax.jit(dispatch_floor, donate_argnums=0, keep_unused=True)
     floors = [("", (inputs, params))]
     if jax.default_backend() == "gpu":
         floors.append((", stacked", (stacked,)))
     for what, floor_args in floors:
+
         def run_floor(i, floor_args=floor_args):
             box["s"] = floor_fn(box["s"], slots, *floor_args)
             box["s"].position.block_until_ready()
@@ -258,8 +285,13 @@ def main():
         for _ in range(3):
             run_floor(0)
         n_args = len(jax.tree.leaves((box["s"], slots, floor_args)))
-        rows.append((f"dispatch floor: a no-op jit call with the step's {n_args} arguments{what}",
-                     statistics.median(times_ms(run_floor, args.iters, warmup=5)), kernel_ms_per_step(run_floor, 10)))
+        rows.append(
+            (
+                f"dispatch floor: a no-op jit call with the step's {n_args} arguments{what}",
+                statistics.median(times_ms(run_floor, args.iters, warmup=5)),
+                kernel_ms_per_step(run_floor, 10),
+            )
+        )
     prep_ms = statistics.median(times_ms(run_prep, args.iters, warmup=5))
     rows.append(("jaxkv prepare_forward alone", prep_ms, kernel_ms_per_step(run_prep, 10)))
     pos = box["s"].position[slots]
@@ -276,8 +308,16 @@ def main():
         print(f"{name:58s} {ms:9.3f} {ks} {share}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "requests": B, "context": args.context,
-                       "rows": [dict(name=n, wall_ms=m, kernel_ms=k) for n, m, k in rows]}, f, indent=1)
+            json.dump(
+                {
+                    "device": jax.devices()[0].device_kind,
+                    "requests": B,
+                    "context": args.context,
+                    "rows": [dict(name=n, wall_ms=m, kernel_ms=k) for n, m, k in rows],
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

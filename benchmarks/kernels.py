@@ -30,15 +30,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
-from jaxkv import frame  # noqa: E402
-from jaxkv.hybrid import flush as F  # noqa: E402
-from jaxkv.formats.storage import STORAGES  # noqa: E402
-from jaxkv.kernels.dequant_gather import dequant_gather as _dg  # noqa: E402
-from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
-from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
+from jaxkv import frame  # noqa: E402
+from jaxkv.formats.storage import STORAGES  # noqa: E402
+from jaxkv.hybrid import flush as F  # noqa: E402
+from jaxkv.kernels import fp4_pack, frame_append  # noqa: E402
+from jaxkv.kernels.dequant_gather import dequant_gather as _dg  # noqa: E402
+from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
 KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
 TRITON_DIR = None  # --triton: a directory of the pre-port kernel modules
@@ -67,8 +66,16 @@ def triton_kernels(name):
 
 
 def bench_frame_append(P, L, iters):
-    spec = frame.FrameSpec(num_layers=L, num_heads=16, head_dim=64, patches_per_frame=P, num_special=6,
-                           scale_frames=8, sliding_window=64, max_frames=128)
+    spec = frame.FrameSpec(
+        num_layers=L,
+        num_heads=16,
+        head_dim=64,
+        patches_per_frame=P,
+        num_special=6,
+        scale_frames=8,
+        sliding_window=64,
+        max_frames=128,
+    )
     hd = spec.num_heads * spec.head_dim
     key = jax.random.key(0)
     k = jax.random.normal(key, (L, 1, spec.tokens_per_frame, hd), jnp.bfloat16)
@@ -96,7 +103,7 @@ def bench_frame_append(P, L, iters):
         rows.append((op, name, moved, statistics.median(times_ms(one, iters))))
         if jax.default_backend() == "gpu":
             KERNEL_MS[op, name] = kernel_ms_per_step(one, 10)
-        outs[name] = jax.device_get(box["b"][0][0][0, :int(pr[0]) + spec.page_size])
+        outs[name] = jax.device_get(box["b"][0][0][0, : int(pr[0]) + spec.page_size])
         box.clear()
     for name in outs:  # every writer leaves the same bytes
         assert (outs[name] == outs["xla"]).all(), f"frame append: {name} differs from xla"
@@ -188,25 +195,36 @@ def bench_fused_flush(n, ratio, iters, storage="official"):
     from jaxkv.hybrid import ops
 
     csa = ratio == 4
-    cfg = H.HybridConfig(compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64,
-                         storage=storage)
+    cfg = H.HybridConfig(
+        compress_ratios=(ratio,), max_requests=n, max_context=2 * ratio, block_size=64, storage=storage
+    )
     fmt = STORAGES[storage]
     key = jax.random.key(5)
     ks = jax.random.split(key, 8)
     coff = 2 if csa else 1
     kv = jax.random.normal(ks[0], (n, 1, coff * 512))
     score = jax.random.normal(ks[1], (n, 1, coff * 512))
-    params = H.CompressorParams(jax.random.normal(ks[2], (ratio, coff * 512)), 1 + 0.1 * jax.random.normal(ks[3], (512,)))
+    params = H.CompressorParams(
+        jax.random.normal(ks[2], (ratio, coff * 512)), 1 + 0.1 * jax.random.normal(ks[3], (512,))
+    )
     index = None
     if csa:
-        index = (jax.random.normal(ks[4], (n, 1, 256)), jax.random.normal(ks[5], (n, 1, 256)),
-                 H.CompressorParams(jax.random.normal(ks[6], (ratio, 256)), 1 + 0.1 * jax.random.normal(ks[7], (128,))))
+        index = (
+            jax.random.normal(ks[4], (n, 1, 256)),
+            jax.random.normal(ks[5], (n, 1, 256)),
+            H.CompressorParams(jax.random.normal(ks[6], (ratio, 256)), 1 + 0.1 * jax.random.normal(ks[7], (128,))),
+        )
     slots = jnp.arange(n, dtype=jnp.int32)
     pos = jnp.full((n,), ratio - 1, jnp.int32)  # every request completes window 0
     streams, width = (3, 640) if csa else (1, 512)
     # f32 inputs; tails read and written (CSA: 3 streams); entry (+ key) written
-    moved = n * (4 * (kv.shape[-1] + score.shape[-1]) + (2 * 256 * 4 if csa else 0) + 2 * streams * 3 * width * 4
-                 + fmt.entry_bytes + (fmt.index_key_bytes(128) if csa else 0))
+    moved = n * (
+        4 * (kv.shape[-1] + score.shape[-1])
+        + (2 * 256 * 4 if csa else 0)
+        + 2 * streams * 3 * width * 4
+        + fmt.entry_bytes
+        + (fmt.index_key_bytes(128) if csa else 0)
+    )
     rows, entries = [], {}
     op = f"{'CSA' if csa else 'HCA'} decode append+flush {n} {storage}"
     fused = ops.compress_decode
@@ -216,8 +234,7 @@ def bench_fused_flush(n, ratio, iters, storage="official"):
         jax.clear_caches()  # hybrid.compress is jitted: trace it again with the kernel in place
         state = H.init(cfg)
         state, step = H.prepare_forward(state.replace(position=pos + 0), slots, pos, chunk=1)
-        f = jax.jit(functools.partial(H.compress, layer=0, impl="xla" if name == "xla" else "cuda"),
-                    donate_argnums=0)
+        f = jax.jit(functools.partial(H.compress, layer=0, impl="xla" if name == "xla" else "cuda"), donate_argnums=0)
         box = {"s": state}
 
         def one(i):
@@ -269,13 +286,20 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--json", default=None)
-    p.add_argument("--only", default="", help="run only the kernels whose name contains this (append, mxfp4, nvfp4, "
-                   "dequant, flush, fused)")
-    p.add_argument("--triton", default=None, help="a directory holding the kernels' pre-port modules (Pallas Triton "
-                   "lowering: git show 32ce0a0:jaxkv/kernels/NAME.py for frame_append and dequant_gather, "
-                   "2e0b118 for fp4_pack, flush_write, compress_decode and their codes.py and division.py, "
-                   "imports of jaxkv.kernels.{codes,division,tuning} pointed at those files beside them, the "
-                   "tuning table as triton_tuning.py), run as the 'triton' contender")
+    p.add_argument(
+        "--only",
+        default="",
+        help="run only the kernels whose name contains this (append, mxfp4, nvfp4, dequant, flush, fused)",
+    )
+    p.add_argument(
+        "--triton",
+        default=None,
+        help="a directory holding the kernels' pre-port modules (Pallas Triton "
+        "lowering: git show 32ce0a0:jaxkv/kernels/NAME.py for frame_append and dequant_gather, "
+        "2e0b118 for fp4_pack, flush_write, compress_decode and their codes.py and division.py, "
+        "imports of jaxkv.kernels.{codes,division,tuning} pointed at those files beside them, the "
+        "tuning table as triton_tuning.py), run as the 'triton' contender",
+    )
     args = p.parse_args(argv)
     global TRITON_DIR
     TRITON_DIR = args.triton
@@ -312,8 +336,10 @@ def main(argv=None):
         out.append(dict(operation=op, impl=impl, bytes=nbytes, ms=ms, gbps=gbps, of_copy=gbps / copy))
         print(f"{op:<36} {impl:<7} {nbytes / 1e6:9.1f} {ms:8.3f} {gbps:8.0f} {gbps / copy:8.2f} {xla / ms:7.2f}")
     if KERNEL_MS:
-        print(f"\nGPU kernel time only (profiler, 10 calls), same bytes:\n{'operation':<36} {'impl':<7} {'ms':>8} "
-              f"{'GB/s':>8} {'of copy':>8}")
+        print(
+            f"\nGPU kernel time only (profiler, 10 calls), same bytes:\n{'operation':<36} {'impl':<7} {'ms':>8} "
+            f"{'GB/s':>8} {'of copy':>8}"
+        )
         for (op, impl), ms in KERNEL_MS.items():
             nbytes = next(b for o, i, b, _ in rows if o == op and i == impl)
             if ms:

@@ -66,8 +66,11 @@ def run_port(config, frames, warm, sd=None, n=None, every=None):
     t = time.perf_counter()
     model = LingbotMap(config, rngs=nnx.Rngs(0)) if sd is None else from_state_dict(config, sd)[0]
     used, peak = _jax_mem()
-    print(f"port: built and loaded in {time.perf_counter() - t:.1f} s; in use {used / 2**30:.3f} GiB, "
-          f"peak {peak / 2**30:.3f} GiB", flush=True)
+    print(
+        f"port: built and loaded in {time.perf_counter() - t:.1f} s; in use {used / 2**30:.3f} GiB, "
+        f"peak {peak / 2**30:.3f} GiB",
+        flush=True,
+    )
     stream = LingbotStream(model)
     n = len(frames) if n is None else n
     if every is not None:
@@ -117,7 +120,7 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
         _torch_sync()
         t0 = time.perf_counter()
         for i in range(s, n):
-            x = imgs[:, i % imgs.shape[1]:i % imgs.shape[1] + 1].to(dev)
+            x = imgs[:, i % imgs.shape[1] : i % imgs.shape[1] + 1].to(dev)
             if every is None:
                 t0 = time.perf_counter()
             torch.compiler.cudagraph_mark_step_begin()
@@ -140,19 +143,24 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
 def _print_step_buffers(stream, frames):
     """XLA's buffers of both phases (temporaries are what a step adds to the memory in use)."""
     c = stream.config
-    for phase, x in (("scale", frames[:c.num_scale_frames]), ("stream", frames[:1])):
+    for phase, x in (("scale", frames[: c.num_scale_frames]), ("stream", frames[:1])):
         args = (jnp.asarray(x[None]),) + ((jnp.asarray(True),) if phase == "stream" else ())
         m = stream.step.lower(*args, phase=phase).compile().memory_analysis()
-        print(f"port: {phase} step temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, arguments "
-              f"{m.argument_size_in_bytes / 2**30:.3f} GiB (caches donated: {m.alias_size_in_bytes / 2**30:.3f})",
-              flush=True)
+        print(
+            f"port: {phase} step temporaries {m.temp_size_in_bytes / 2**30:.3f} GiB, arguments "
+            f"{m.argument_size_in_bytes / 2**30:.3f} GiB (caches donated: {m.alias_size_in_bytes / 2**30:.3f})",
+            flush=True,
+        )
 
 
 def _print_mark(name, mark, seconds_per_frame):
     """A memory mark as soon as it is taken (a run cut off by a time limit keeps them)."""
     f, used, peak = mark
-    print(f"{name}: frame {f}, in use {used / 2**30:.3f} GiB, peak {peak / 2**30:.3f} GiB, "
-          f"{seconds_per_frame * 1e3:.2f} ms/frame", flush=True)
+    print(
+        f"{name}: frame {f}, in use {used / 2**30:.3f} GiB, peak {peak / 2**30:.3f} GiB, "
+        f"{seconds_per_frame * 1e3:.2f} ms/frame",
+        flush=True,
+    )
 
 
 def _growth(marks):
@@ -172,6 +180,7 @@ def _upstream(config):
 
     try:
         import flashinfer  # noqa: F401
+
         backend = "flashinfer" if torch.cuda.is_available() else "sdpa"
     except ImportError as e:  # the offline machine without its wheel: upstream's SDPA backend instead
         print(f"flashinfer not importable ({e}); upstream runs its SDPA backend")
@@ -195,8 +204,7 @@ def main():
     n = args.warm + args.frames
     total = max(n, args.long, args.long_upstream)
     base = LingbotConfig.small() if args.small else LingbotConfig()
-    config = base.replace(height=h, width=w, max_frame_num=total + 100,
-                          dtype="float32" if args.small else "bfloat16")
+    config = base.replace(height=h, width=w, max_frame_num=total + 100, dtype="float32" if args.small else "bfloat16")
     frames = np.random.default_rng(0).random((min(n, 160), h, w, 3), np.float32)
     device = jax.devices()[0].device_kind
     if args.long or args.long_upstream:
@@ -205,8 +213,9 @@ def main():
             rows["port (jaxkv)"] = run_port(config, frames, 0, None, n=args.long, every=args.every)
         if args.long_upstream:
             ref, backend = _upstream(config)
-            rows[f"upstream {backend}"] = run_upstream(ref, frames, 0, config.num_scale_frames, n=args.long_upstream,
-                                                       every=args.every)
+            rows[f"upstream {backend}"] = run_upstream(
+                ref, frames, 0, config.num_scale_frames, n=args.long_upstream, every=args.every
+            )
         _print_long_table(w, h, config, device, args.every, rows)
         return
     ref, backend = _upstream(config)
@@ -221,14 +230,23 @@ def main():
         print(f"upstream compiled: {time.perf_counter() - t:.1f} s with its torch.compile builds", flush=True)
     ref_ms = np.median(rows[f"upstream {backend}"][0])
     port_last = rows["port (jaxkv)"][2]
-    print(f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, "
-          f"median of {args.frames} frames after {args.warm}")
+    print(
+        f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, median of {args.frames} frames after {args.warm}"
+    )
     print(f"{'contender':<22}{'ms/frame':>10}{'p90':>8}{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}")
     for name, (t, peak, last, _) in rows.items():
-        err = max(float(np.abs(port_last[k][0] - last[k]).max() / np.abs(last[k]).max())
-                  for k in ("pose_enc", "depth_conf")) if name != "port (jaxkv)" else 0.0
-        print(f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
-              f"{peak / 2**30:>10.2f}{err:>20.3g}")
+        err = (
+            max(
+                float(np.abs(port_last[k][0] - last[k]).max() / np.abs(last[k]).max())
+                for k in ("pose_enc", "depth_conf")
+            )
+            if name != "port (jaxkv)"
+            else 0.0
+        )
+        print(
+            f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
+            f"{peak / 2**30:>10.2f}{err:>20.3g}"
+        )
 
 
 def _print_long_table(w, h, config, device, every, rows):
@@ -238,15 +256,18 @@ def _print_long_table(w, h, config, device, every, rows):
         for (f, used, peak), ms in zip(marks, t):
             print(f"{name:<22}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
     for name, (_, peak, _, marks) in rows.items():
-        print(f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
-              f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames")
+        print(
+            f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
+            f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames"
+        )
 
 
 def _print_row(name, row):
     """One contender's figures as soon as it is done (a run cut off by a time limit keeps them)."""
     t, peak = row[0], row[1]
-    print(f"{name}: {np.median(t):.2f} ms/frame (p90 {np.percentile(t, 90):.2f}), peak {peak / 2**30:.2f} GiB",
-          flush=True)
+    print(
+        f"{name}: {np.median(t):.2f} ms/frame (p90 {np.percentile(t, 90):.2f}), peak {peak / 2**30:.2f} GiB", flush=True
+    )
 
 
 if __name__ == "__main__":

@@ -34,10 +34,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
+from flax import nnx  # noqa: E402
 from frame_step import bench_jaxkv  # noqa: E402
+
 from jaxkv.flax import CachedStep  # noqa: E402
 from jaxkv.models import LINGBOT_518, StreamingReconstructor, synthetic_video  # noqa: E402
 
@@ -52,8 +52,10 @@ def _model(layers, frames, dtype):
 def bench_global_layers(layers, warm, iters, dtype, top=0):
     cfg, model = _model(layers, warm + iters, dtype)
     key = jax.random.key(0)
-    xs = [jax.random.normal(jax.random.fold_in(key, i), (1, cfg.tokens_per_frame, cfg.dim), jnp.dtype(dtype))
-          for i in range(3)]
+    xs = [
+        jax.random.normal(jax.random.fold_in(key, i), (1, cfg.tokens_per_frame, cfg.dim), jnp.dtype(dtype))
+        for i in range(3)
+    ]
 
     def layers(m, x, t):
         cos, sin = m.rope(t)
@@ -113,8 +115,12 @@ def main(argv=None):
     p.add_argument("--warm", type=int, default=80, help="frames before timing (fills scale + window)")
     p.add_argument("--iters", type=int, default=40, help="timed frames per contender")
     p.add_argument("--dtype", default="bfloat16", help="model compute and parameter dtype (the cache is bf16)")
-    p.add_argument("--top", type=int, default=0, help="print the N kernels that take the most time "
-                   "(cache/bare and model/global-layers)")
+    p.add_argument(
+        "--top",
+        type=int,
+        default=0,
+        help="print the N kernels that take the most time (cache/bare and model/global-layers)",
+    )
     p.add_argument("--only-layers", action="store_true", help="time cache/bare and model/global-layers only")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -123,8 +129,12 @@ def main(argv=None):
     rows = {}
 
     def record(name, ms):
-        rows[name] = dict(median_ms=statistics.median(ms), p10_ms=float(np.percentile(ms, 10)),
-                          p90_ms=float(np.percentile(ms, 90)), n=len(ms))
+        rows[name] = dict(
+            median_ms=statistics.median(ms),
+            p10_ms=float(np.percentile(ms, 10)),
+            p90_ms=float(np.percentile(ms, 90)),
+            n=len(ms),
+        )
         print(f"  {name:<22} {rows[name]['median_ms']:8.2f} ms/frame", flush=True)
 
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"  # the model's "auto" picks the same
@@ -142,20 +152,34 @@ def main(argv=None):
         b += times_ms(lambda _: nog(i), 1)
     record("model/step", a)
     record("model/step-no-global", b)
-    record("model/step-nnx.jit", times_ms(model_step(args.layers, args.warm, args.iters, args.dtype, "nnx.jit"),
-                                          args.iters))
+    record(
+        "model/step-nnx.jit",
+        times_ms(model_step(args.layers, args.warm, args.iters, args.dtype, "nnx.jit"), args.iters),
+    )
     bare = rows["cache/bare"]["median_ms"]
     share = statistics.median(x - y for x, y in zip(a, b))
-    print(f"\nmodel frame step at 518x378, {args.layers} global layers, 16 heads x 64, {args.dtype} — "
-          f"{dev.device_kind}, median of {args.iters} frames after {args.warm}; {visible} visible keys per layer")
+    print(
+        f"\nmodel frame step at 518x378, {args.layers} global layers, 16 heads x 64, {args.dtype} — "
+        f"{dev.device_kind}, median of {args.iters} frames after {args.warm}; {visible} visible keys per layer"
+    )
     print(f"{'contender':<40} {'ms/frame':>9} {'vs cache/bare':>14}")
     for name, r in rows.items():
         print(f"{name:<40} {r['median_ms']:9.2f} {r['median_ms'] / bare:14.2f}")
     print(f"{'global share (median step - no-global)':<40} {share:9.2f} {share / bare:14.2f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(dict(device=dev.device_kind, jax=jax.__version__, layers=args.layers, rows=rows,
-                           global_share_ms=share, visible_keys=visible), fh, indent=1)
+            json.dump(
+                dict(
+                    device=dev.device_kind,
+                    jax=jax.__version__,
+                    layers=args.layers,
+                    rows=rows,
+                    global_share_ms=share,
+                    visible_keys=visible,
+                ),
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

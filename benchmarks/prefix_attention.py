@@ -29,8 +29,8 @@ import sys
 import numpy as np
 import torch
 
-from torch_bridge import kernels
 from jaxkv.kernels.launch import prefix_cuda_splits
+from torch_bridge import kernels
 
 SHAPES = {"518x378": (1005, 72648), "224x224": (262, 19152)}
 H, D = 16, 64
@@ -57,10 +57,10 @@ def event_ms(fn, iters: int, warm: int = 5, calls: int = 20) -> float:
 def jax_rows(q, k, v, n):
     import jax
     import jax.numpy as jnp
-
     from _timing import kernel_ms_per_step
-    from jaxkv.kernels.launch import prefix_splits
+
     from jaxkv.kernels import prefix_attention, prefix_attention_cuda
+    from jaxkv.kernels.launch import prefix_splits
 
     qj, kj, vj = (jnp.asarray(x.float().cpu().numpy(), jnp.bfloat16)[None] for x in (q, k, v))
     nj = jnp.asarray([n], jnp.int32)
@@ -87,8 +87,11 @@ def main(argv=None):
     except ImportError:
         flashinfer = None
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"device: {torch.cuda.get_device_name(0)}  torch {torch.__version__}  flashinfer "
-          f"{'yes' if flashinfer else 'no'}", flush=True)
+    print(
+        f"device: {torch.cuda.get_device_name(0)}  torch {torch.__version__}  flashinfer "
+        f"{'yes' if flashinfer else 'no'}",
+        flush=True,
+    )
     rows = []
     for shape in args.shapes:
         Tq, n = SHAPES[shape]
@@ -106,8 +109,11 @@ def main(argv=None):
             found[name] = (event_ms(fn, args.iters), fn())
         if flashinfer is not None:
             for backend in ("fa2", "fa3"):
-                fn = lambda backend=backend: flashinfer.single_prefill_with_kv_cache(  # noqa: E731
-                    q, k[:n], v[:n], causal=False, kv_layout="NHD", backend=backend)
+                fn = (
+                    lambda backend=backend: flashinfer.single_prefill_with_kv_cache(  # noqa: E731
+                        q, k[:n], v[:n], causal=False, kv_layout="NHD", backend=backend
+                    )
+                )
                 found[f"flashinfer {backend}"] = (event_ms(fn, args.iters), fn())
         if not args.no_jax:
             found.update(jax_rows(q, k, v, n))

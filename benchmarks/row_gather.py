@@ -66,18 +66,25 @@ LOADERS = [
 LOADS = {0: "producer's ld", 1: "plain ld", 2: "ld no L1"}  # row_gather.cu's ld_variant
 DUTY = {0: "idle", 1: "busy", 2: "part", 3: "busy, A in registers"}
 BESIDE = [("by thread", 2, 2, 256, 1, 0, busy) for busy in (0, 1, 2)] + [
-    ("by thread", 2, 1, 256, 1, 0, 0), ("by thread", 2, 1, 256, 1, 0, 1),
-    ("by thread", 2, 2, 256, 1, 1, 0), ("by thread", 2, 2, 256, 1, 1, 1),
-    ("by thread", 2, 2, 256, 1, 2, 0), ("by thread", 2, 2, 256, 1, 2, 1),
-    ("bulk copy", 3, 64, 256, 1, 0, 0), ("bulk copy", 3, 64, 256, 1, 0, 1), ("bulk copy", 3, 64, 256, 1, 0, 2),
-    ("by thread", 2, 2, 256, 1, 0, 3), ("bulk copy", 3, 64, 256, 1, 0, 3),
+    ("by thread", 2, 1, 256, 1, 0, 0),
+    ("by thread", 2, 1, 256, 1, 0, 1),
+    ("by thread", 2, 2, 256, 1, 1, 0),
+    ("by thread", 2, 2, 256, 1, 1, 1),
+    ("by thread", 2, 2, 256, 1, 2, 0),
+    ("by thread", 2, 2, 256, 1, 2, 1),
+    ("bulk copy", 3, 64, 256, 1, 0, 0),
+    ("bulk copy", 3, 64, 256, 1, 0, 1),
+    ("bulk copy", 3, 64, 256, 1, 0, 2),
+    ("by thread", 2, 2, 256, 1, 0, 3),
+    ("bulk copy", 3, 64, 256, 1, 0, 3),
 ]
 
 
 def library() -> str:
     """row_gather.cu (it includes jaxkv's ptx.cuh) built by jaxkv.cuda.build into its cache."""
-    return str(shared_library("bench", "row_gather.so", [SOURCE], kernel_flags("90a"),
-                              headers=[source_dir() / "ptx.cuh"]))
+    return str(
+        shared_library("bench", "row_gather.so", [SOURCE], kernel_flags("90a"), headers=[source_dir() / "ptx.cuh"])
+    )
 
 
 def row_ids(B: int, M: int, K: int = 512, W: int = 128):
@@ -111,18 +118,31 @@ def main():
         ids = row_ids(B, M)
         n = ids.shape[0]
         read = n * (ROW + SCALE)
-        for label, mode, rows, threads, per_sm, ld, busy in (
-                (*x, 0, 0)[:7] for x in (BESIDE if a.beside else LOADERS)):
+        for label, mode, rows, threads, per_sm, ld, busy in ((*x, 0, 0)[:7] for x in (BESIDE if a.beside else LOADERS)):
             ctas = SMS * per_sm
-            f = jax.jit(lambda c, s, i, mode=mode, rows=rows, threads=threads, ctas=ctas, ld=ld, busy=busy: jax.ffi.ffi_call(
-                "row_gather", jax.ShapeDtypeStruct((ctas * threads * 4,), jnp.uint32))(
-                i, c, s, mode=np.int32(mode), rows=np.int32(rows), threads=np.int32(threads), ctas=np.int32(ctas),
-                ld=np.int32(ld), busy=np.int32(busy)))
+            f = jax.jit(
+                lambda c, s, i, mode=mode, rows=rows, threads=threads, ctas=ctas, ld=ld, busy=busy: jax.ffi.ffi_call(
+                    "row_gather", jax.ShapeDtypeStruct((ctas * threads * 4,), jnp.uint32)
+                )(
+                    i,
+                    c,
+                    s,
+                    mode=np.int32(mode),
+                    rows=np.int32(rows),
+                    threads=np.int32(threads),
+                    ctas=np.int32(ctas),
+                    ld=np.int32(ld),
+                    busy=np.int32(busy),
+                )
+            )
             ms = median_kernel_ms(lambda: f(codes, scales, ids))
             loaders = threads if mode < 2 else 128
             in_flight = (rows * loaders // 4 if mode in (0, 2) else 2 * rows) * per_sm  # rows per SM, at most
-            what = f"{per_sm} x {loaders // 32} warps/SM, {rows} row{'s' if rows > 1 else ''}/thread" if mode in (0, 2) \
+            what = (
+                f"{per_sm} x {loaders // 32} warps/SM, {rows} row{'s' if rows > 1 else ''}/thread"
+                if mode in (0, 2)
                 else f"{per_sm} CTA/SM, 2 x {rows} rows"
+            )
             if mode >= 2:
                 what = f"{what}, {LOADS[ld] + ', ' if mode == 2 else ''}{DUTY[busy]}"
             rows_out.append((B, label, what, in_flight * (ROW + SCALE) / 1024, ms, read / ms / 1e6))
@@ -130,7 +150,9 @@ def main():
         ms = median_kernel_ms(lambda: take(codes, scales, ids))
         rows_out.append((B, "xla take", "gather + write", float("nan"), ms, read / ms / 1e6))
     print(f"\n{jax.devices()[0].device_kind}; copy bandwidth {copy_gbs:.0f} GB/s (x + 0 over 1 GiB, read + write)")
-    print(f"{'B':>4} {'loader':10} {'shape':50} {'KiB/SM in flight':>16} {'kernel ms':>9} {'GB/s read':>9} {'of copy':>7}")
+    print(
+        f"{'B':>4} {'loader':10} {'shape':50} {'KiB/SM in flight':>16} {'kernel ms':>9} {'GB/s read':>9} {'of copy':>7}"
+    )
     for B, label, what, kib, ms, gbs in rows_out:
         print(f"{B:4d} {label:10} {what:50} {kib:16.1f} {ms:9.4f} {gbs:9.0f} {gbs / copy_gbs:7.2f}")
 

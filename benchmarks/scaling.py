@@ -34,11 +34,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
-
 from _timing import times_ms  # noqa: E402
 from hybrid_step import make_inputs, make_params, stack_layers  # noqa: E402
-from jaxkv import frame, hybrid as H  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
+
+from jaxkv import frame  # noqa: E402
+from jaxkv import hybrid as H
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
 
@@ -81,8 +83,9 @@ def hybrid_case(cfg, mesh, impl):
     slots = put(jnp.arange(B, dtype=jnp.int32), mesh, rows)
     start = np.random.default_rng(0).integers(cfg.max_context // 8, cfg.max_context // 2, size=B).astype(np.int32)
     T = int(start.max())
-    state, step = H.prepare_forward(state, slots, put(jnp.zeros(B, jnp.int32), mesh, rows),
-                                    put(jnp.asarray(start), mesh, rows), chunk=T)
+    state, step = H.prepare_forward(
+        state, slots, put(jnp.zeros(B, jnp.int32), mesh, rows), put(jnp.asarray(start), mesh, rows), chunk=T
+    )
     ones = put(jnp.ones((B, T, cfg.head_dim), jnp.bfloat16), mesh, rows)
     for layer in range(cfg.num_layers):  # SWA rings only: prefill content does not matter here
         state = H.write_window(state, step, layer, ones)
@@ -99,10 +102,17 @@ def hybrid_case(cfg, mesh, impl):
 
 # ----------------------------------------------------------------------------- frame
 def frame_spec(args, streams):
-    return frame.FrameSpec(num_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
-                           patches_per_frame=args.patches, num_special=6, scale_frames=args.scale_frames,
-                           sliding_window=args.window, max_frames=args.warm_frames + 4 * args.iters + 16,
-                           num_streams=streams)
+    return frame.FrameSpec(
+        num_layers=args.layers,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        patches_per_frame=args.patches,
+        num_special=6,
+        scale_frames=args.scale_frames,
+        sliding_window=args.window,
+        max_frames=args.warm_frames + 4 * args.iters + 16,
+        num_streams=streams,
+    )
 
 
 def frame_step(state, k, v, q):
@@ -159,7 +169,9 @@ def main():
     ap.add_argument("--warm-frames", type=int, default=80, help="frames before timing (fills scale + window)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--skip", default="", help="hybrid and/or frame")
-    ap.add_argument("--quick", action="store_true", help="CPU-sized: 4 layers of V4-Flash, 4 requests, a small frame cache")
+    ap.add_argument(
+        "--quick", action="store_true", help="CPU-sized: 4 layers of V4-Flash, 4 requests, a small frame cache"
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     hybrid_cfg = dataclasses.replace(H.V4_FLASH, max_context=args.context)
@@ -168,8 +180,11 @@ def main():
         args.scale_frames, args.window, args.warm_frames, args.iters = 2, 4, 8, 10
         hybrid_cfg = dataclasses.replace(H.V4_FLASH, compress_ratios=H.V4_FLASH.compress_ratios[:4], max_context=512)
     devices = jax.devices()
-    counts = ([int(n) for n in args.devices.split(",")] if args.devices
-              else [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= len(devices)])
+    counts = (
+        [int(n) for n in args.devices.split(",")]
+        if args.devices
+        else [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= len(devices)]
+    )
     impl = "auto"
     rows, skip = [], set(args.skip.split(","))
     print(f"{len(devices)} x {devices[0].device_kind}, jax {jax.__version__}")
@@ -191,8 +206,13 @@ def main():
             runners = [Runner(case) for _, case in variants]
             warm = args.warm_frames if name == "frame" else 5
             ms = interleaved(runners, warm, args.iters)
-            row = dict(cache=name, devices=n, ms=ms[0], collectives=hlo,
-                       work=f"{args.requests * n} requests" if name == "hybrid" else f"{n} streams")
+            row = dict(
+                cache=name,
+                devices=n,
+                ms=ms[0],
+                collectives=hlo,
+                work=f"{args.requests * n} requests" if name == "hybrid" else f"{n} streams",
+            )
             if len(ms) > 1:
                 row.update(unsharded_ms=ms[1], overhead=ms[0] / ms[1] - 1)
             rows.append(row)
@@ -205,13 +225,17 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=devices[0].device_kind, jax=jax.__version__, args=vars(args), rows=rows), f, indent=1)
-    print("\n| cache | devices | work | ms/step (sharded) | ms/step (unsharded) | sharded overhead | weak-scaling eff. | collectives |")
+    print(
+        "\n| cache | devices | work | ms/step (sharded) | ms/step (unsharded) | sharded overhead | weak-scaling eff. | collectives |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         un = f"{r['unsharded_ms']:.3f}" if "unsharded_ms" in r else ""
         ov = f"{100 * r['overhead']:+.1f}%" if "overhead" in r else ""
         eff = f"{r['efficiency']:.2f}" if "efficiency" in r else ""
-        print(f"| {r['cache']} | {r['devices']} | {r['work']} | {r['ms']:.3f} | {un} | {ov} | {eff} | {r['collectives']} |")
+        print(
+            f"| {r['cache']} | {r['devices']} | {r['work']} | {r['ms']:.3f} | {un} | {ov} | {eff} | {r['collectives']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,10 @@ def render(cam_x: float) -> np.ndarray:
     return (np.clip(img, 0, 1) * 255 + 0.5).astype(np.uint8)
 
 
-def main(out=pathlib.Path(__file__).resolve().parent / "frames") -> None:
+FRAMES_DIR = pathlib.Path(__file__).resolve().parent / "frames"
+
+
+def main(out=FRAMES_DIR) -> None:
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     for i in range(FRAMES):

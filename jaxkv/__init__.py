@@ -12,5 +12,16 @@ from jaxkv.checkpoint import CheckpointError, restore, save
 from jaxkv.errors import CacheError, Fault, check, clear_errors
 
 __version__ = "0.1.0"
-__all__ = ["CacheError", "CheckpointError", "Fault", "check", "clear_errors", "formats", "frame", "hybrid", "restore", "save",
-           "__version__"]
+__all__ = [
+    "CacheError",
+    "CheckpointError",
+    "Fault",
+    "check",
+    "clear_errors",
+    "formats",
+    "frame",
+    "hybrid",
+    "restore",
+    "save",
+    "__version__",
+]

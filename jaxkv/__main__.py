@@ -35,28 +35,51 @@ def _prog() -> str:
 def parser() -> tuple[argparse.ArgumentParser, dict]:
     """The command line's parser and its subcommands' parsers ({name: parser})."""
     p = argparse.ArgumentParser(
-        prog=_prog(), description="jaxkv command line: KV caches for JAX, tried from the shell.", epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog=_prog(),
+        description="jaxkv command line: KV caches for JAX, tried from the shell.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"jaxkv {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
-    d = sub.add_parser("demo", help="stream frames through a frame cache (random K/V, --model, --lingbot)",
-                       description=demo.__doc__, epilog="Docs: docs/cli.md.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = sub.add_parser(
+        "demo",
+        help="stream frames through a frame cache (random K/V, --model, --lingbot)",
+        description=demo.__doc__,
+        epilog="Docs: docs/cli.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     demo.add_arguments(d)
-    c = sub.add_parser("convert-lingbot", help="lingbot-map weights -> a torch-free .safetensors file",
-                       description="Read upstream lingbot-map weights (a torch .pt checkpoint, needs torch, or a "
-                                   ".safetensors file) and write them with their config as safetensors, which "
-                                   "load_lingbot_checkpoint and `demo --lingbot --checkpoint` read without torch. "
-                                   'Needs the lingbot extra: pip install "jaxkv[lingbot]".',
-                       epilog="Docs: docs/cli.md.")
+    c = sub.add_parser(
+        "convert-lingbot",
+        help="lingbot-map weights -> a torch-free .safetensors file",
+        description="Read upstream lingbot-map weights (a torch .pt checkpoint, needs torch, or a "
+        ".safetensors file) and write them with their config as safetensors, which "
+        "load_lingbot_checkpoint and `demo --lingbot --checkpoint` read without torch. "
+        'Needs the lingbot extra: pip install "jaxkv[lingbot]".',
+        epilog="Docs: docs/cli.md.",
+    )
     c.add_argument("checkpoint", help="upstream's checkpoint (.pt / .pth / .bin, or .safetensors)")
     c.add_argument("out", help="the .safetensors file to write (its folder must exist; an existing file is replaced)")
-    c.add_argument("--height", type=int, default=None,
-                   help="frame height in pixels saved in the config (default: the checkpoint's image size)")
-    c.add_argument("--width", type=int, default=None,
-                   help="frame width in pixels saved in the config (default: the checkpoint's image size)")
-    c.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="another LingbotConfig field (JSON value), e.g. --set selected_idx=[0,1,2,3]; repeatable")
+    c.add_argument(
+        "--height",
+        type=int,
+        default=None,
+        help="frame height in pixels saved in the config (default: the checkpoint's image size)",
+    )
+    c.add_argument(
+        "--width",
+        type=int,
+        default=None,
+        help="frame width in pixels saved in the config (default: the checkpoint's image size)",
+    )
+    c.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="another LingbotConfig field (JSON value), e.g. --set selected_idx=[0,1,2,3]; repeatable",
+    )
     return p, {"demo": d, "convert-lingbot": c}
 
 

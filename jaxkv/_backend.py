@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 
@@ -53,8 +53,10 @@ def _hopper_and(what: str = "", ok: bool = True, got: str = "") -> str | None:
     """None on a Hopper GPU where ``ok``; else why not: "expected ... (``what``), got ... (``got``)"."""
     if is_hopper() and ok:
         return None
-    return (f"expected an NVIDIA Hopper GPU (sm_90){', ' + what if what else ''}, got "
-            f"{jax.devices()[0].device_kind}{', ' + got if got else ''}")
+    return (
+        f"expected an NVIDIA Hopper GPU (sm_90){', ' + what if what else ''}, got "
+        f"{jax.devices()[0].device_kind}{', ' + got if got else ''}"
+    )
 
 
 def _sm90_missing(**_) -> str | None:
@@ -68,27 +70,35 @@ def _hopper_missing(*, head_dim: int = 64, **_) -> str | None:
 POOL_ATTENTION_JAX = (0, 11)  # older Mosaic GPU refuses its row copies (under 128 bytes: tests/kernels)
 
 
-def _heads_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
-                   **_) -> str | None:
+def _heads_missing(
+    *, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official", **_
+) -> str | None:
     jax_ok = jax.__version_info__[:2] >= POOL_ATTENTION_JAX
-    return _hopper_and(f"jax >= {'.'.join(map(str, POOL_ATTENTION_JAX))}, heads a multiple of 64, block_size and "
-                       "window multiples of 32 and official storage",
-                       jax_ok and heads % 64 == 0 and block_size % 32 == 0 and window % 32 == 0 and storage == "official",
-                       f"jax {jax.__version__}, {heads} heads, block_size {block_size}, window {window}, {storage} storage")
+    return _hopper_and(
+        f"jax >= {'.'.join(map(str, POOL_ATTENTION_JAX))}, heads a multiple of 64, block_size and "
+        "window multiples of 32 and official storage",
+        jax_ok and heads % 64 == 0 and block_size % 32 == 0 and window % 32 == 0 and storage == "official",
+        f"jax {jax.__version__}, {heads} heads, block_size {block_size}, window {window}, {storage} storage",
+    )
 
 
 def _pool_cuda_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, **_) -> str | None:
-    why = _hopper_and("heads a multiple of 64, block_size and window multiples of 32",
-                      heads % 64 == block_size % 32 == window % 32 == 0,
-                      f"{heads} heads, block_size {block_size}, window {window}")
+    why = _hopper_and(
+        "heads a multiple of 64, block_size and window multiples of 32",
+        heads % 64 == block_size % 32 == window % 32 == 0,
+        f"{heads} heads, block_size {block_size}, window {window}",
+    )
     return why or _cuda_missing()
 
 
-def _flashmla_missing(*, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official",
-                      **_) -> str | None:
-    why = _hopper_and("64 or 128 heads, block_size and window multiples of 32 and official storage",
-                      heads in flashmla.HEADS and block_size % 32 == window % 32 == 0 and storage == "official",
-                      f"{heads} heads, block_size {block_size}, window {window}, {storage} storage")
+def _flashmla_missing(
+    *, heads: int = 64, block_size: int = 64, window: int = 128, storage: str = "official", **_
+) -> str | None:
+    why = _hopper_and(
+        "64 or 128 heads, block_size and window multiples of 32 and official storage",
+        heads in flashmla.HEADS and block_size % 32 == window % 32 == 0 and storage == "official",
+        f"{heads} heads, block_size {block_size}, window {window}, {storage} storage",
+    )
     return why or flashmla.missing()
 
 
@@ -97,14 +107,17 @@ def _attention_auto(**ctx) -> str:
 
 
 def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: int = 64, **_) -> str | None:
-    return _hopper_and("index heads a multiple of 64, index_dim 128 and block_size a multiple of 64",
-                       index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0,
-                       f"{index_heads} heads, index_dim {index_dim}, block_size {block_size}")
+    return _hopper_and(
+        "index heads a multiple of 64, index_dim 128 and block_size a multiple of 64",
+        index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0,
+        f"{index_heads} heads, index_dim {index_dim}, block_size {block_size}",
+    )
 
 
 def _prefix_cuda_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str | None:
-    why = _hopper_and("bfloat16 and head_dim 64", dtype == "bfloat16" and head_dim == 64,
-                      f"{dtype}, head_dim {head_dim}")
+    why = _hopper_and(
+        "bfloat16 and head_dim 64", dtype == "bfloat16" and head_dim == 64, f"{dtype}, head_dim {head_dim}"
+    )
     return why or _cuda_missing()
 
 
@@ -129,8 +142,17 @@ TORCH_AUTO_CUDA = ((0, "cuda"), (512, "flashinfer"), (0, "flashinfer-paged-fa2")
 TORCH_CUDA_ONLY = ("cuda", "flashinfer", "flashinfer-paged-fa2", "flashinfer-paged-fa3")
 
 
-def _torch_missing(name: str, *, device: str = "cpu", flashinfer: bool = False, cuda_kernel: bool = False,
-                   dtype: str = "bfloat16", head_dim: int = 64, force_fp32: bool = False, **_) -> str | None:
+def _torch_missing(
+    name: str,
+    *,
+    device: str = "cpu",
+    flashinfer: bool = False,
+    cuda_kernel: bool = False,
+    dtype: str = "bfloat16",
+    head_dim: int = 64,
+    force_fp32: bool = False,
+    **_,
+) -> str | None:
     if name in TORCH_CUDA_ONLY and str(device).split(":")[0] != "cuda":
         return f"it needs a CUDA device, and device is {device}"
     if name.startswith("flashinfer") and not flashinfer:
@@ -181,22 +203,43 @@ def _cuda_op(name: str, names: tuple[str, ...] = ("xla", "cuda")) -> Operation:
     return Operation(name, names, lambda **_: "xla" if _cuda_missing() else "cuda", {"cuda": _cuda_missing})
 
 
-OPERATIONS = {op.name: op for op in (
-    Operation("frame.attention", ("reference", "xla", "cudnn", "pallas", "cuda"), _frame_attention_auto,
-              {"cudnn": _cudnn_missing, "pallas": _hopper_missing, "cuda": _prefix_cuda_missing}),
-    Operation("frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla",
-              {"pallas": _sm90_missing}),
-    _cuda_op("hybrid.write"),
-    _cuda_op("hybrid.gather"),
-    _cuda_op("hybrid.index_query"),
-    Operation("hybrid.index_scores", ("xla", "pallas"),
-              lambda **ctx: "xla" if _index_missing(**ctx) else "pallas", {"pallas": _index_missing}),
-    Operation("hybrid.attention", ("xla", "pallas", "cuda", "flashmla"), _attention_auto,
-              {"pallas": _heads_missing, "cuda": _pool_cuda_missing, "flashmla": _flashmla_missing}),
-    Operation("torch.attention", ("sdpa",) + TORCH_CUDA_ONLY, _torch_auto,
-              {n: functools.partial(_torch_missing, n) for n in TORCH_CUDA_ONLY}, arg="backend",
-              refusal="{arg}: expected one of {choices} that can run here, got {impl!r}: {why}"),
-)}
+OPERATIONS = {
+    op.name: op
+    for op in (
+        Operation(
+            "frame.attention",
+            ("reference", "xla", "cudnn", "pallas", "cuda"),
+            _frame_attention_auto,
+            {"cudnn": _cudnn_missing, "pallas": _hopper_missing, "cuda": _prefix_cuda_missing},
+        ),
+        Operation(
+            "frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla", {"pallas": _sm90_missing}
+        ),
+        _cuda_op("hybrid.write"),
+        _cuda_op("hybrid.gather"),
+        _cuda_op("hybrid.index_query"),
+        Operation(
+            "hybrid.index_scores",
+            ("xla", "pallas"),
+            lambda **ctx: "xla" if _index_missing(**ctx) else "pallas",
+            {"pallas": _index_missing},
+        ),
+        Operation(
+            "hybrid.attention",
+            ("xla", "pallas", "cuda", "flashmla"),
+            _attention_auto,
+            {"pallas": _heads_missing, "cuda": _pool_cuda_missing, "flashmla": _flashmla_missing},
+        ),
+        Operation(
+            "torch.attention",
+            ("sdpa",) + TORCH_CUDA_ONLY,
+            _torch_auto,
+            {n: functools.partial(_torch_missing, n) for n in TORCH_CUDA_ONLY},
+            arg="backend",
+            refusal="{arg}: expected one of {choices} that can run here, got {impl!r}: {why}",
+        ),
+    )
+}
 
 
 def choices(operation: str) -> tuple[str, ...]:

@@ -123,8 +123,10 @@ def _orbax():
     except ModuleNotFoundError as e:
         if (e.name or "orbax").split(".")[0] != "orbax":
             raise  # orbax is there, something it imports is not
-        raise ModuleNotFoundError('jaxkv.save / jaxkv.restore need orbax-checkpoint, not installed here: '
-                                  'pip install "jaxkv[checkpoint]"', name="orbax") from None
+        raise ModuleNotFoundError(
+            'jaxkv.save / jaxkv.restore need orbax-checkpoint, not installed here: pip install "jaxkv[checkpoint]"',
+            name="orbax",
+        ) from None
     return ocp
 
 
@@ -238,13 +240,18 @@ def _read(path, meta: dict, like: dict, sharding, what: str) -> list:
     try:
         with _checkpointer() as ckptr:
             restored = ckptr.restore(
-                path / ARRAYS, args=ocp.args.PyTreeRestore(
-                    item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)))
+                path / ARRAYS,
+                args=ocp.args.PyTreeRestore(
+                    item=items, restore_args=jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), items)
+                ),
+            )
     except ModuleNotFoundError:
         raise
     except Exception as e:  # orbax / tensorstore: missing or unreadable files
-        raise CheckpointError(f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
-                              f"{type(e).__name__}: {str(e)[:300]}") from None
+        raise CheckpointError(
+            f"{path}: the arrays cannot be read (an incomplete or corrupted checkpoint): "
+            f"{type(e).__name__}: {str(e)[:300]}"
+        ) from None
     values = [restored[name] for name in items]
     sums = _sums(dict(zip(like, values)))
     for k in like:
@@ -319,8 +326,10 @@ def restore(path, like=None, mesh=None):
         want = spec_of(like)
         if want != spec:
             diff = {k: (v, getattr(spec, k)) for k, v in dataclasses.asdict(want).items() if getattr(spec, k) != v}
-            raise CheckpointError(f"like: its spec differs from the checkpoint's at {path}: "
-                                  + ", ".join(f"{k}={a!r} (checkpoint: {b!r})" for k, (a, b) in diff.items()))
+            raise CheckpointError(
+                f"like: its spec differs from the checkpoint's at {path}: "
+                + ", ".join(f"{k}={a!r} (checkpoint: {b!r})" for k, (a, b) in diff.items())
+            )
         target = like
     else:
         target = jax.eval_shape(lambda: _KINDS[kind][3](spec))
@@ -336,5 +345,17 @@ def restore(path, like=None, mesh=None):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), values)
 
 
-__all__ = ["CheckpointError", "kind_of", "leaves", "new_directory", "read_meta", "restore", "restore_arrays", "save", "save_arrays",
-           "spec_from_json", "spec_of", "spec_to_json"]
+__all__ = [
+    "CheckpointError",
+    "kind_of",
+    "leaves",
+    "new_directory",
+    "read_meta",
+    "restore",
+    "restore_arrays",
+    "save",
+    "save_arrays",
+    "spec_from_json",
+    "spec_of",
+    "spec_to_json",
+]

@@ -28,58 +28,108 @@ MODEL_PLOT = "model.png"  # --model's plot in that folder
 PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
 
 # pip names of the modules each mode imports, and the extra that installs them (pyproject.toml)
-PIP_NAMES = {"flax": "flax", "PIL": "pillow", "matplotlib": "matplotlib", "safetensors": "safetensors",
-             "torch": "torch", "orbax": "orbax-checkpoint"}
+PIP_NAMES = {
+    "flax": "flax",
+    "PIL": "pillow",
+    "matplotlib": "matplotlib",
+    "safetensors": "safetensors",
+    "torch": "torch",
+    "orbax": "orbax-checkpoint",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames", type=int, default=200, help="frames to stream (default 200)")
-    p.add_argument("--resolution", choices=sorted(RESOLUTIONS), default="224x224",
-                   help="frame size, width x height: 224x224 = 256 patches per frame (default), 518x378 = 999")
+    p.add_argument(
+        "--resolution",
+        choices=sorted(RESOLUTIONS),
+        default="224x224",
+        help="frame size, width x height: 224x224 = 256 patches per frame (default), 518x378 = 999",
+    )
     p.add_argument("--layers", type=int, default=24, help="global-attention layers (default 24)")
     p.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
     p.add_argument("--head-dim", type=int, default=64, help="dims per head (default 64)")
     p.add_argument("--scale-frames", type=int, default=8, help="frames whose patches are pinned (default 8)")
     p.add_argument("--window", type=int, default=64, help="sliding window of recent frames (default 64)")
     p.add_argument("--special", type=int, default=6, help="special tokens per frame (default 6)")
-    p.add_argument("--keyframe-every", type=int, default=0,
-                   help="defer every frame and keep only every k-th (rollback the rest); 0 = plain appends")
-    p.add_argument("--impl", choices=frame.IMPLS, default="auto",
-                   help="frame-cache attention backend (default auto: the fastest that runs here); "
-                        "with --lingbot, the port's LingbotConfig.impl")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
-                   help="cache dtype (default bfloat16)")
+    p.add_argument(
+        "--keyframe-every",
+        type=int,
+        default=0,
+        help="defer every frame and keep only every k-th (rollback the rest); 0 = plain appends",
+    )
+    p.add_argument(
+        "--impl",
+        choices=frame.IMPLS,
+        default="auto",
+        help="frame-cache attention backend (default auto: the fastest that runs here); "
+        "with --lingbot, the port's LingbotConfig.impl",
+    )
+    p.add_argument(
+        "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="cache dtype (default bfloat16)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--model", action="store_true",
-                   help="stream a synthetic video through the Flax reconstruction model (jaxkv.models) instead "
-                        "of random K/V: --layers frame+global block pairs of --heads x --head-dim, "
-                        "--special = camera + registers + scale tokens (needs flax, matplotlib)")
-    p.add_argument("--keyframe-threshold", type=float, default=None,
-                   help="with --model: defer every frame and roll back those whose mean pixel change since the "
-                        "last keyframe is below this (e.g. 0.01); default: keep every frame")
-    p.add_argument("--plot", default=None,
-                   help=f"with --model: the camera-trajectory and latency plot to write, its folder existing "
-                        f"(.png/.pdf/.svg/.jpg; default {OUT}/{MODEL_PLOT}; '' for none)")
+    p.add_argument(
+        "--model",
+        action="store_true",
+        help="stream a synthetic video through the Flax reconstruction model (jaxkv.models) instead "
+        "of random K/V: --layers frame+global block pairs of --heads x --head-dim, "
+        "--special = camera + registers + scale tokens (needs flax, matplotlib)",
+    )
+    p.add_argument(
+        "--keyframe-threshold",
+        type=float,
+        default=None,
+        help="with --model: defer every frame and roll back those whose mean pixel change since the "
+        "last keyframe is below this (e.g. 0.01); default: keep every frame",
+    )
+    p.add_argument(
+        "--plot",
+        default=None,
+        help=f"with --model: the camera-trajectory and latency plot to write, its folder existing "
+        f"(.png/.pdf/.svg/.jpg; default {OUT}/{MODEL_PLOT}; '' for none)",
+    )
     g = p.add_argument_group("lingbot-map (--lingbot)")
-    g.add_argument("--lingbot", action="store_true",
-                   help="stream a folder of frames (--images) through the lingbot-map port (jaxkv.models.lingbot) "
-                        "and plot its camera trajectory and last depth map (needs flax, matplotlib, pillow, "
-                        "safetensors: the lingbot extra)")
-    g.add_argument("--images", default=None,
-                   help="with --lingbot: folder of .png/.jpg frames, sorted by name, one size, multiples of 14")
-    g.add_argument("--checkpoint", default=None,
-                   help="with --lingbot: a convert-lingbot .safetensors file, or upstream's torch checkpoint "
-                        "(.pt, needs torch); without it the weights are random and the outputs meaningless")
-    g.add_argument("--small", action="store_true",
-                   help="with --lingbot and no --checkpoint: the ViT-S test config (fast on CPU)")
-    g.add_argument("--keyframe-interval", type=int, default=1,
-                   help="with --lingbot: keep every N-th frame after the scale frames in the caches (default 1)")
-    g.add_argument("--out", default=None,
-                   help=f"with --lingbot: folder for trajectory.png and depth.png, created if its parent exists "
-                        f"(default {OUT})")
-    g.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                   help="with --lingbot: a LingbotConfig field (JSON value), e.g. --set depth=4 "
-                        "--set selected_idx=[0,1,2,3]; repeatable")
+    g.add_argument(
+        "--lingbot",
+        action="store_true",
+        help="stream a folder of frames (--images) through the lingbot-map port (jaxkv.models.lingbot) "
+        "and plot its camera trajectory and last depth map (needs flax, matplotlib, pillow, "
+        "safetensors: the lingbot extra)",
+    )
+    g.add_argument(
+        "--images",
+        default=None,
+        help="with --lingbot: folder of .png/.jpg frames, sorted by name, one size, multiples of 14",
+    )
+    g.add_argument(
+        "--checkpoint",
+        default=None,
+        help="with --lingbot: a convert-lingbot .safetensors file, or upstream's torch checkpoint "
+        "(.pt, needs torch); without it the weights are random and the outputs meaningless",
+    )
+    g.add_argument(
+        "--small", action="store_true", help="with --lingbot and no --checkpoint: the ViT-S test config (fast on CPU)"
+    )
+    g.add_argument(
+        "--keyframe-interval",
+        type=int,
+        default=1,
+        help="with --lingbot: keep every N-th frame after the scale frames in the caches (default 1)",
+    )
+    g.add_argument(
+        "--out",
+        default=None,
+        help=f"with --lingbot: folder for trajectory.png and depth.png, created if its parent exists (default {OUT})",
+    )
+    g.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="with --lingbot: a LingbotConfig field (JSON value), e.g. --set depth=4 "
+        "--set selected_idx=[0,1,2,3]; repeatable",
+    )
 
 
 def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
@@ -106,8 +156,16 @@ def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
 def check_args(args) -> None:
     """The flags' values and combinations: a ValueError naming the flag (the CLI prints it as
     a usage error). Reads nothing but ``args``."""
-    for flag, low in (("frames", 1), ("layers", 1), ("heads", 1), ("head_dim", 1), ("scale_frames", 0),
-                      ("window", 0), ("special", 0), ("keyframe_every", 0)):
+    for flag, low in (
+        ("frames", 1),
+        ("layers", 1),
+        ("heads", 1),
+        ("head_dim", 1),
+        ("scale_frames", 0),
+        ("window", 0),
+        ("special", 0),
+        ("keyframe_every", 0),
+    ):
         if getattr(args, flag) < low:
             raise ValueError(f"--{flag.replace('_', '-')}: expected an int >= {low}, got {getattr(args, flag)}")
     if args.scale_frames + args.window < 1:
@@ -122,11 +180,14 @@ def check_args(args) -> None:
         if args.keyframe_every:
             raise ValueError("--keyframe-every: not used with --model (use --keyframe-threshold)")
         if args.special < 2:
-            raise ValueError(f"--special: with --model, expected an int >= 2 (camera + scale tokens), "
-                             f"got {args.special}")
+            raise ValueError(
+                f"--special: with --model, expected an int >= 2 (camera + scale tokens), got {args.special}"
+            )
         if args.head_dim % 2 or args.head_dim < 6:
-            raise ValueError(f"--head-dim: with --model, expected an even int >= 6 (a RoPE over frame, row and "
-                             f"column), got {args.head_dim}")
+            raise ValueError(
+                f"--head-dim: with --model, expected an even int >= 6 (a RoPE over frame, row and "
+                f"column), got {args.head_dim}"
+            )
     if args.lingbot:
         if not args.images:
             raise ValueError("--images: required with --lingbot (a folder of .png/.jpg frames)")
@@ -236,8 +297,9 @@ def check_memory(flag: str, parts: dict, hint: str) -> None:
     limit, where = memory_limit()
     if limit is not None and need > limit:
         what = ", ".join(f"{k} {nbytes(v)}" for k, v in parts.items())
-        raise ValueError(f"{flag}: the run needs at least {nbytes(need)} ({what}), more than the {nbytes(limit)} "
-                         f"of {where}; {hint}")
+        raise ValueError(
+            f"{flag}: the run needs at least {nbytes(need)} ({what}), more than the {nbytes(limit)} of {where}; {hint}"
+        )
 
 
 def _outputs(args) -> argparse.Namespace:
@@ -275,16 +337,22 @@ def run(args) -> dict:
         c = plan.config
         check_impl(plan.impl_flag, c.impl, dtype=c.dtype, head_dim=c.head_dim)
         weights = plan.memory.get("weights", 0) > sum(plan.memory.values()) / 2
-        check_memory("--checkpoint" if weights else "--images", plan.memory,
-                     "the weights need a machine with more memory" if weights else "use fewer or smaller frames")
+        check_memory(
+            "--checkpoint" if weights else "--images",
+            plan.memory,
+            "the weights need a machine with more memory" if weights else "use fewer or smaller frames",
+        )
         return lingbot_demo.run(args, plan)
     if args.model:
         from jaxkv.models import demo as model_demo
 
         config = model_demo.config_from_args(args)
         check_impl("--impl", args.impl, dtype=config.cache_dtype, head_dim=config.head_dim)
-        check_memory("--frames", model_demo.memory(config, args.frames),
-                     "lower --frames or --resolution (or --layers, --heads, --head-dim)")
+        check_memory(
+            "--frames",
+            model_demo.memory(config, args.frames),
+            "lower --frames or --resolution (or --layers, --heads, --head-dim)",
+        )
         return model_demo.run(args, config)
     return run_random(args)
 
@@ -294,15 +362,23 @@ def run_random(args) -> dict:
     from tqdm import tqdm
 
     spec = frame.FrameSpec(
-        num_layers=args.layers, num_heads=args.heads, head_dim=args.head_dim,
-        patches_per_frame=RESOLUTIONS[args.resolution], num_special=args.special,
-        scale_frames=args.scale_frames, sliding_window=args.window, max_frames=max(args.frames, 1),
+        num_layers=args.layers,
+        num_heads=args.heads,
+        head_dim=args.head_dim,
+        patches_per_frame=RESOLUTIONS[args.resolution],
+        num_special=args.special,
+        scale_frames=args.scale_frames,
+        sliding_window=args.window,
+        max_frames=max(args.frames, 1),
         dtype=args.dtype,
     )
     impl = check_impl("--impl", args.impl, dtype=spec.dtype, head_dim=spec.head_dim)
     per_frame = 3 * spec.num_layers * spec.num_streams * spec.tokens_per_frame * spec.num_heads * spec.head_dim
-    check_memory("--frames", {"K/V cache": spec.kv_bytes, "one frame's K/V/Q": per_frame * spec.jnp_dtype.itemsize},
-                 "lower --frames (or --layers, --heads, --head-dim, --resolution)")
+    check_memory(
+        "--frames",
+        {"K/V cache": spec.kv_bytes, "one frame's K/V/Q": per_frame * spec.jnp_dtype.itemsize},
+        "lower --frames (or --layers, --heads, --head-dim, --resolution)",
+    )
     state = frame.init(spec)
     step = make_step(spec, impl, args.keyframe_every)
     key = jax.random.key(args.seed)

@@ -36,6 +36,7 @@ try:  # jax >= 0.6 (0.10, 0.11)
     _NO_CHECK = dict(check_vma=False)
 except AttributeError:  # older jax
     from jax.experimental.shard_map import shard_map as _shard_map
+
     _NO_CHECK = dict(check_rep=False)
 
 
@@ -67,8 +68,10 @@ class Layout:
         """ValueError unless the mesh axis of ``name`` divides ``size`` (the dimension ``what``)."""
         n = self.shards(name)
         if size % n:
-            raise ValueError(f"mesh: axis {self.axis(name)!r} has {n} devices, which does not divide {what} = {size} "
-                             f"(logical axis {name!r}); expected a mesh axis size that divides {size}")
+            raise ValueError(
+                f"mesh: axis {self.axis(name)!r} has {n} devices, which does not divide {what} = {size} "
+                f"(logical axis {name!r}); expected a mesh axis size that divides {size}"
+            )
 
     def index(self, name: str):
         """Inside ``per_device``: this device's part of the logical axis ``name`` (i32[])."""
@@ -81,10 +84,16 @@ class Layout:
         want = self.mesh.abstract_mesh
         for x in jax.tree_util.tree_leaves(tree):
             got = getattr(jax.typeof(x).sharding, "mesh", None) if hasattr(x, "shape") else None
-            if got is not None and not got.empty and (got.axis_names, got.axis_sizes) != (want.axis_names, want.axis_sizes):
-                raise ValueError(f"{what}: laid out for mesh {dict(self.mesh.shape)}, but its arrays are placed on "
-                                 f"mesh {dict(zip(got.axis_names, got.axis_sizes))}; place the state on its own mesh "
-                                 f"(init(..., mesh=...)) or make a new one for this mesh")
+            if (
+                got is not None
+                and not got.empty
+                and (got.axis_names, got.axis_sizes) != (want.axis_names, want.axis_sizes)
+            ):
+                raise ValueError(
+                    f"{what}: laid out for mesh {dict(self.mesh.shape)}, but its arrays are placed on "
+                    f"mesh {dict(zip(got.axis_names, got.axis_sizes))}; place the state on its own mesh "
+                    f"(init(..., mesh=...)) or make a new one for this mesh"
+                )
 
 
 def layout(mesh, rules=None) -> Layout | None:
@@ -157,8 +166,9 @@ def build(make, specs, lay: Layout):
     """``make()`` (a pytree of new arrays) computed straight into these PartitionSpecs: each
     device makes only its part (no device holds a whole sharded cache on the way), and it
     works across processes."""
-    shardings = jax.tree_util.tree_map(lambda s: NamedSharding(lay.mesh, s), specs,
-                                       is_leaf=lambda s: isinstance(s, PartitionSpec))
+    shardings = jax.tree_util.tree_map(
+        lambda s: NamedSharding(lay.mesh, s), specs, is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
     return jax.jit(make, out_shardings=shardings)()
 
 

@@ -45,8 +45,10 @@ def check_stacked(name: str, x) -> None:
     if isinstance(x, Stacked):
         n = x.array.shape[0] if x.array.ndim else 0
         if not isinstance(x.index, int) or not 0 <= x.index < n:
-            raise ValueError(f"{name}: expected Stacked.index a static int in [0, {n}) (the array's leading axis), "
-                             f"got {x.index!r} for an array of shape {tuple(x.array.shape)}")
+            raise ValueError(
+                f"{name}: expected Stacked.index a static int in [0, {n}) (the array's leading axis), "
+                f"got {x.index!r} for an array of shape {tuple(x.array.shape)}"
+            )
 
 
 def row(x):

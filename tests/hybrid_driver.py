@@ -25,11 +25,13 @@ def make_params(config, rng):
             coff = 2 if config.kind(layer) == H.CSA else 1
             p["main"] = H.CompressorParams(
                 bias=jnp.asarray(rng.normal(size=(ratio, coff * config.head_dim)), jnp.float32),
-                norm=jnp.asarray(1 + 0.1 * rng.normal(size=(config.head_dim,)), jnp.float32))
+                norm=jnp.asarray(1 + 0.1 * rng.normal(size=(config.head_dim,)), jnp.float32),
+            )
             if coff == 2:
                 p["index"] = H.CompressorParams(
                     bias=jnp.asarray(rng.normal(size=(ratio, 2 * config.index_dim)), jnp.float32),
-                    norm=jnp.asarray(1 + 0.1 * rng.normal(size=(config.index_dim,)), jnp.float32))
+                    norm=jnp.asarray(1 + 0.1 * rng.normal(size=(config.index_dim,)), jnp.float32),
+                )
         out[layer] = p
     return out
 
@@ -39,8 +41,10 @@ def make_inputs(config, rng, B, T):
     c = config
     out = {}
     for layer, ratio in enumerate(c.compress_ratios):
-        x = {"kv": jnp.asarray(rng.normal(size=(B, T, c.head_dim)), jnp.bfloat16),
-             "q": jnp.asarray(rng.normal(size=(B, T, Q_HEADS, c.head_dim)), jnp.bfloat16)}
+        x = {
+            "kv": jnp.asarray(rng.normal(size=(B, T, c.head_dim)), jnp.bfloat16),
+            "q": jnp.asarray(rng.normal(size=(B, T, Q_HEADS, c.head_dim)), jnp.bfloat16),
+        }
         if ratio:
             coff = 2 if c.kind(layer) == H.CSA else 1
             x["ckv"] = jnp.asarray(rng.normal(size=(B, T, coff * c.head_dim)), jnp.float32)
@@ -68,14 +72,16 @@ def layer_step(state, step, layer, x, p):
     parts = [(keys, H.window_mask(key_pos, step, T, c.window))]
     idx = None
     if kind == H.CSA:
-        state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"]))
+        state = H.compress(
+            state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"])
+        )
         idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
         parts.append((H.gather_entries(state, step, layer, idx), idx >= 0))
     elif kind == H.HCA:
         state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])
         ent, _ = H.all_entries(state, step, layer)
         parts.append((ent, H.causal_entry_mask(ent.shape[1], step, T, c.compress_ratios[layer])))
-    out = H.sparse_attention(x["q"], parts, p["sink"], c.head_dim ** -0.5)
+    out = H.sparse_attention(x["q"], parts, p["sink"], c.head_dim**-0.5)
     return state, out, idx
 
 
@@ -123,7 +129,7 @@ def _read(pool, table, count, bs, segments):
         assert blk >= 0, f"entry {e} has no block"
         parts, off = [], 0
         for z in segments:
-            parts.append(pool[blk, bs * off + s * z: bs * off + (s + 1) * z])
+            parts.append(pool[blk, bs * off + s * z : bs * off + (s + 1) * z])
             off += z
         rows.append(np.concatenate(parts))
     return np.stack(rows) if rows else np.zeros((0, sum(segments)), np.uint8)

@@ -1,7 +1,6 @@
 """jaxkv._backend: the registry's refusals off a GPU."""
 
 import pytest
-
 from conftest import HAS_GPU
 
 
@@ -31,8 +30,10 @@ def test_flashmla_source_refusals(monkeypatch, tmp_path):
         flashmla.source_dir()
     assert flashmla.missing().startswith("expected FLASHMLA_SRC")
     monkeypatch.setenv("FLASHMLA_SRC", str(tmp_path))
-    with pytest.raises(ImportError, match=f"expected FLASHMLA_SRC to hold a FlashMLA tree .*, got {tmp_path}, "
-                                          "missing under csrc/: .*sm90"):
+    with pytest.raises(
+        ImportError,
+        match=f"expected FLASHMLA_SRC to hold a FlashMLA tree .*, got {tmp_path}, missing under csrc/: .*sm90",
+    ):
         flashmla.source_dir()
 
 
@@ -57,10 +58,12 @@ def test_torch_attention_rules():
     for fi in (False, True):  # the cuda kernel wherever it runs (bf16, head_dim 64)
         for tpf in (262, 1005):
             assert choose(flashinfer=fi, tokens_per_frame=tpf, cuda_kernel=True) == "cuda"
-        assert choose(flashinfer=fi, tokens_per_frame=1005, cuda_kernel=True, dtype="float16") == \
-            ("flashinfer" if fi else "sdpa")
-        assert choose(flashinfer=fi, tokens_per_frame=262, cuda_kernel=True, head_dim=128) == \
-            ("flashinfer-paged-fa2" if fi else "sdpa")
+        assert choose(flashinfer=fi, tokens_per_frame=1005, cuda_kernel=True, dtype="float16") == (
+            "flashinfer" if fi else "sdpa"
+        )
+        assert choose(flashinfer=fi, tokens_per_frame=262, cuda_kernel=True, head_dim=128) == (
+            "flashinfer-paged-fa2" if fi else "sdpa"
+        )
     assert choose(flashinfer=True, tokens_per_frame=1005) == "flashinfer"
     assert choose(flashinfer=True, tokens_per_frame=262) == "flashinfer-paged-fa2"
     assert choose(tokens_per_frame=262) == "sdpa"
@@ -71,11 +74,14 @@ def test_torch_attention_rules():
             assert "needs a CUDA device, and device is cpu" in refusal(b, device="cpu", **ok)
             assert "force_fp32" in refusal(b, force_fp32=True, **ok)
     assert choose("sdpa", device="cpu", force_fp32=True) == "sdpa"
-    assert refusal("flashinfer-paged-fa2", cuda_kernel=True).endswith("got 'flashinfer-paged-fa2': flashinfer is not "
-                                                                      "importable")
+    assert refusal("flashinfer-paged-fa2", cuda_kernel=True).endswith(
+        "got 'flashinfer-paged-fa2': flashinfer is not importable"
+    )
     assert "sm_90 GPU and nvcc" in refusal("cuda", flashinfer=True)
-    assert "expects bfloat16 storage and head_dim 64, got float16 and head_dim 64" in \
-        refusal("cuda", cuda_kernel=True, dtype="float16")
+    assert "expects bfloat16 storage and head_dim 64, got float16 and head_dim 64" in refusal(
+        "cuda", cuda_kernel=True, dtype="float16"
+    )
     assert refusal("cuda", cuda_kernel=True, head_dim=128).startswith(
         "backend: expected one of ('auto', 'sdpa', 'cuda', 'flashinfer', 'flashinfer-paged-fa2', "
-        "'flashinfer-paged-fa3') that can run here, got 'cuda': ")
+        "'flashinfer-paged-fa3') that can run here, got 'cuda': "
+    )

@@ -19,8 +19,9 @@ from jaxkv import demo, frame
 from jaxkv.__main__ import main
 
 HAS = {m: importlib.util.find_spec(m) is not None for m in ("flax", "safetensors", "PIL", "matplotlib", "torch")}
-lingbot = pytest.mark.skipif(not all(HAS[m] for m in ("flax", "safetensors", "PIL", "matplotlib")),
-                             reason="needs the lingbot extra")
+lingbot = pytest.mark.skipif(
+    not all(HAS[m] for m in ("flax", "safetensors", "PIL", "matplotlib")), reason="needs the lingbot extra"
+)
 flax = pytest.mark.skipif(not HAS["flax"], reason="needs flax")
 cpu_only = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the GPU backends run on a GPU")
 FRAMES = __import__("pathlib").Path(__file__).resolve().parent.parent / "examples" / "frames"
@@ -29,6 +30,7 @@ FRAMES = __import__("pathlib").Path(__file__).resolve().parent.parent / "example
 @pytest.fixture
 def nothing_built(monkeypatch, tmp_path):
     """Run in an empty folder; fail the test if a cache or model is built or a file written there."""
+
     def built(*a, **k):
         raise AssertionError("a cache or model was built")
 
@@ -74,20 +76,27 @@ def test_help_lists_both_commands_and_points_at_the_docs(capsys):
 
 
 def test_python_dash_m_runs_the_same_parser():
-    out = subprocess.run([sys.executable, "-m", "jaxkv", "--help"], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "jaxkv", "--help"], capture_output=True, text=True, check=True).stdout
     assert out.startswith("usage: python -m jaxkv") and "convert-lingbot" in out
 
 
 # ---------------------------------------------------------------- missing extras
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["demo", "--model"], '--model: needs flax, not installed here: pip install "jaxkv[flax]"'),
-    (["demo", "--lingbot", "--images", "x"], '--lingbot: needs flax, not installed here: pip install "jaxkv[lingbot]"'),
-    (["convert-lingbot", "a.pt", "b.safetensors"],
-     'convert-lingbot: needs flax, not installed here: pip install "jaxkv[lingbot]"'),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["demo", "--model"], '--model: needs flax, not installed here: pip install "jaxkv[flax]"'),
+        (
+            ["demo", "--lingbot", "--images", "x"],
+            '--lingbot: needs flax, not installed here: pip install "jaxkv[lingbot]"',
+        ),
+        (
+            ["convert-lingbot", "a.pt", "b.safetensors"],
+            'convert-lingbot: needs flax, not installed here: pip install "jaxkv[lingbot]"',
+        ),
+    ],
+)
 def test_a_missing_extra_names_the_pip_command(capsys, monkeypatch, nothing_built, argv, message):
     monkeypatch.setitem(sys.modules, "flax", None)
     assert usage_error(capsys, *argv) == message
@@ -145,8 +154,11 @@ def test_a_run_that_cannot_fit_says_how_much_it_needs(capsys, nothing_built, mod
 def test_the_memory_check_compares_against_the_limit(monkeypatch):
     monkeypatch.setattr(demo, "memory_limit", lambda: (1000, "free memory of the test GPU"))
     demo.check_memory("--frames", {"K/V cache": 600, "video": 400}, "lower it")  # fits exactly
-    with pytest.raises(ValueError, match=r"^--frames: the run needs at least 1001 B \(K/V cache 601 B, video 400 B\), "
-                                         r"more than the 1000 B of free memory of the test GPU; lower it$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--frames: the run needs at least 1001 B \(K/V cache 601 B, video 400 B\), "
+        r"more than the 1000 B of free memory of the test GPU; lower it$",
+    ):
         demo.check_memory("--frames", {"K/V cache": 601, "video": 400}, "lower it")
 
 
@@ -171,15 +183,17 @@ def test_unwritable_plot_paths_are_refused_before_the_run(capsys, nothing_built)
     cases = {
         "/nonexistent/x.png": "--plot: no folder /nonexistent to write x.png in (create it first)",
         str(nothing_built.parent / "afile" / "x.png"): f"--plot: {nothing_built.parent / 'afile'} is a file, "
-                                                       "not a folder to write x.png in",
+        "not a folder to write x.png in",
         str(nothing_built.parent / "adir"): "--plot: expected a file name ending in .png / .pdf / .svg / .jpg / "
-                                            f".jpeg, got '{nothing_built.parent / 'adir'}'",
+        f".jpeg, got '{nothing_built.parent / 'adir'}'",
         "plot.xyz": "--plot: expected a file name ending in .png / .pdf / .svg / .jpg / .jpeg, got 'plot.xyz'",
     }
     for plot, message in cases.items():
         assert usage_error(capsys, "demo", "--model", "--plot", plot) == message
-    assert usage_error(capsys, "demo", "--plot", "x.png") == \
-        "--plot: used only with --model (--lingbot writes under --out)"
+    assert (
+        usage_error(capsys, "demo", "--plot", "x.png")
+        == "--plot: used only with --model (--lingbot writes under --out)"
+    )
     assert usage_error(capsys, "demo", "--out", "x") == "--out: used only with --lingbot"
 
 
@@ -190,8 +204,9 @@ def test_unwritable_out_folders_are_refused_before_the_run(capsys, nothing_built
     base = ["demo", "--lingbot", "--images", str(FRAMES), "--small", "--out"]
     assert usage_error(capsys, *base, str(afile)) == f"--out: {afile} is a file; expected a folder"
     deep = nothing_built.parent / "no" / "such"
-    assert usage_error(capsys, *base, str(deep)) == \
-        f"--out: cannot create {deep}: {deep.parent} is not an existing folder"
+    assert (
+        usage_error(capsys, *base, str(deep)) == f"--out: cannot create {deep}: {deep.parent} is not an existing folder"
+    )
 
 
 @lingbot
@@ -200,10 +215,14 @@ def test_convert_lingbot_checks_its_output_first(capsys, nothing_built, tmp_path
 
     src = tmp_path / "w.safetensors"
     save_file({"a": np.zeros(3, np.float32)}, str(src))
-    assert usage_error(capsys, "convert-lingbot", str(src), "out.bin") == \
-        "out: expected a file name ending in .safetensors, got 'out.bin'"
-    assert usage_error(capsys, "convert-lingbot", str(src), str(tmp_path / "none" / "o.safetensors")) == \
-        f"out: no folder {tmp_path / 'none'} to write o.safetensors in (create it first)"
+    assert (
+        usage_error(capsys, "convert-lingbot", str(src), "out.bin")
+        == "out: expected a file name ending in .safetensors, got 'out.bin'"
+    )
+    assert (
+        usage_error(capsys, "convert-lingbot", str(src), str(tmp_path / "none" / "o.safetensors"))
+        == f"out: no folder {tmp_path / 'none'} to write o.safetensors in (create it first)"
+    )
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -244,8 +263,10 @@ def test_a_bad_checkpoint_file_says_what_it_is(capsys, nothing_built, tmp_path):
         assert err.startswith(f"--checkpoint: {path} ") and what in err, err
         err = usage_error(capsys, "convert-lingbot", str(path), "out.safetensors")
         assert err.startswith(f"checkpoint: {path} ") and what in err, err
-    assert usage_error(capsys, "convert-lingbot", str(tmp_path / "none.pt"), "o.safetensors") == \
-        f"checkpoint: no checkpoint file at {tmp_path / 'none.pt'}"
+    assert (
+        usage_error(capsys, "convert-lingbot", str(tmp_path / "none.pt"), "o.safetensors")
+        == f"checkpoint: no checkpoint file at {tmp_path / 'none.pt'}"
+    )
 
 
 @lingbot
@@ -253,9 +274,11 @@ def test_a_torch_checkpoint_without_torch_names_the_pip_command(capsys, monkeypa
     (tmp_path / "w.pt").write_bytes(b"PK\x03\x04 a zip archive")
     monkeypatch.setitem(sys.modules, "torch", None)
     err = usage_error(capsys, "demo", "--lingbot", "--images", str(FRAMES), "--checkpoint", str(tmp_path / "w.pt"))
-    assert err == ('--checkpoint: w.pt is a torch checkpoint; reading it needs torch, not installed here: '
-                   'pip install "jaxkv[torch]", or convert it once where torch is installed: '
-                   "python -m jaxkv convert-lingbot")
+    assert err == (
+        "--checkpoint: w.pt is a torch checkpoint; reading it needs torch, not installed here: "
+        'pip install "jaxkv[torch]", or convert it once where torch is installed: '
+        "python -m jaxkv convert-lingbot"
+    )
 
 
 @lingbot
@@ -271,20 +294,28 @@ def test_library_calls_name_their_own_argument(tmp_path):
 
 
 @lingbot
-@pytest.mark.parametrize("item, message", [
-    ("depth=abc", "--set depth=abc: expected an int for LingbotConfig.depth, got 'abc'"),
-    ("depth=4.5", "--set depth=4.5: expected an int for LingbotConfig.depth, got '4.5'"),
-    ("enable_point=1", "--set enable_point=1: expected true or false for LingbotConfig.enable_point, got '1'"),
-    ("selected_idx=[0,1,\"a\",3]",
-     "--set selected_idx=[0,1,\"a\",3]: expected a JSON list of ints (e.g. [0,1,2,3]) for LingbotConfig.selected_idx, "
-     "got '[0,1,\"a\",3]'"),
-    ("nope=1", "--set nope=1: 'nope' is not a LingbotConfig field; expected one of ["),
-    ("depth", "--set: expected FIELD=VALUE, got 'depth'"),
-    ("impl=foo", "--set impl=foo: expected one of ('auto', 'reference', 'xla', 'cudnn', 'pallas', 'cuda'), got 'foo'"),
-    ("height=42", "--set height=42: the frame size comes from the --images frames"),
-    ("num_heads=0", "--set: LingbotConfig refuses these values (ZeroDivisionError: "),
-    ("depth=2", "--set: selected_idx: expected 4 increasing block indices below depth=2, got (4, 11, 17, 23)"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("depth=abc", "--set depth=abc: expected an int for LingbotConfig.depth, got 'abc'"),
+        ("depth=4.5", "--set depth=4.5: expected an int for LingbotConfig.depth, got '4.5'"),
+        ("enable_point=1", "--set enable_point=1: expected true or false for LingbotConfig.enable_point, got '1'"),
+        (
+            'selected_idx=[0,1,"a",3]',
+            '--set selected_idx=[0,1,"a",3]: expected a JSON list of ints (e.g. [0,1,2,3]) for LingbotConfig.selected_idx, '
+            "got '[0,1,\"a\",3]'",
+        ),
+        ("nope=1", "--set nope=1: 'nope' is not a LingbotConfig field; expected one of ["),
+        ("depth", "--set: expected FIELD=VALUE, got 'depth'"),
+        (
+            "impl=foo",
+            "--set impl=foo: expected one of ('auto', 'reference', 'xla', 'cudnn', 'pallas', 'cuda'), got 'foo'",
+        ),
+        ("height=42", "--set height=42: the frame size comes from the --images frames"),
+        ("num_heads=0", "--set: LingbotConfig refuses these values (ZeroDivisionError: "),
+        ("depth=2", "--set: selected_idx: expected 4 increasing block indices below depth=2, got (4, 11, 17, 23)"),
+    ],
+)
 def test_set_values_are_checked_before_the_model_is_built(capsys, nothing_built, item, message):
     err = usage_error(capsys, "demo", "--lingbot", "--images", str(FRAMES), "--small", "--set", item)
     assert err.startswith(message), err

@@ -7,8 +7,26 @@ from jaxkv.__main__ import main
 
 
 def test_demo_summary(capsys):
-    assert main(["demo", "--frames", "7", "--layers", "1", "--heads", "2", "--head-dim", "8",
-                 "--scale-frames", "2", "--window", "3"]) == 0
+    assert (
+        main(
+            [
+                "demo",
+                "--frames",
+                "7",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--scale-frames",
+                "2",
+                "--window",
+                "3",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for key in ("frames", "visible tokens", "cache memory", "ms/frame", "backend", "device"):
         assert key in out
@@ -22,8 +40,9 @@ def test_demo_keyframes_roll_back_the_rest():
 
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
-    summary = demo.run(p.parse_args(["--frames", "9", "--layers", "1", "--heads", "2", "--head-dim", "8",
-                                     "--keyframe-every", "3"]))
+    summary = demo.run(
+        p.parse_args(["--frames", "9", "--layers", "1", "--heads", "2", "--head-dim", "8", "--keyframe-every", "3"])
+    )
     assert summary["frames"] == 3  # frames 0, 3, 6 kept
 
 
@@ -32,10 +51,30 @@ def test_demo_help_lists_every_flag(capsys):
         main(["demo", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--frames", "--resolution", "--layers", "--heads", "--head-dim", "--scale-frames", "--window",
-                 "--special", "--keyframe-every", "--impl", "--dtype", "--seed", "--model", "--keyframe-threshold",
-                 "--plot", "--lingbot", "--images", "--checkpoint", "--small", "--keyframe-interval", "--out",
-                 "--set"):
+    for flag in (
+        "--frames",
+        "--resolution",
+        "--layers",
+        "--heads",
+        "--head-dim",
+        "--scale-frames",
+        "--window",
+        "--special",
+        "--keyframe-every",
+        "--impl",
+        "--dtype",
+        "--seed",
+        "--model",
+        "--keyframe-threshold",
+        "--plot",
+        "--lingbot",
+        "--images",
+        "--checkpoint",
+        "--small",
+        "--keyframe-interval",
+        "--out",
+        "--set",
+    ):
         assert flag in out
 
 
@@ -44,9 +83,29 @@ def test_model_demo_streams_keyframes_and_plots(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
     p = argparse_parser()
-    summary = demo.run(p.parse_args(["--model", "--frames", "14", "--layers", "1", "--heads", "2", "--head-dim", "8",
-                                     "--resolution", "112x84", "--scale-frames", "2", "--window", "3",
-                                     "--keyframe-threshold", "0.01"]))
+    summary = demo.run(
+        p.parse_args(
+            [
+                "--model",
+                "--frames",
+                "14",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--head-dim",
+                "8",
+                "--resolution",
+                "112x84",
+                "--scale-frames",
+                "2",
+                "--window",
+                "3",
+                "--keyframe-threshold",
+                "0.01",
+            ]
+        )
+    )
     plot = tmp_path / demo.OUT / demo.MODEL_PLOT  # the default: one named folder, announced
     assert plot.stat().st_size > 10_000  # a PNG with two panels
     assert f"wrote {demo.OUT}/{demo.MODEL_PLOT}" in capsys.readouterr().out
@@ -68,19 +127,21 @@ def argparse_parser():
     return p
 
 
-
-@pytest.mark.parametrize("argv, message", [
-    (["--frames", "0"], "--frames: expected an int >= 1, got 0"),
-    (["--layers", "0"], "--layers: expected an int >= 1, got 0"),
-    (["--window", "-1"], "--window: expected an int >= 0, got -1"),
-    (["--keyframe-threshold", "0.01"], "--keyframe-threshold: used only with --model"),
-    (["--scale-frames", "0", "--window", "0"], "--scale-frames, --window: expected at least one frame kept"),
-    (["--model", "--special", "1"], "--special: with --model, expected an int >= 2 (camera + scale tokens), got 1"),
-    (["--model", "--head-dim", "5"], "--head-dim: with --model, expected an even int >= 6"),
-    (["--model", "--keyframe-every", "2"], "--keyframe-every: not used with --model (use --keyframe-threshold)"),
-    (["--model", "--lingbot"], "--lingbot: not used with --model (pick one)"),
-    (["--small"], "--small: used only with --lingbot"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--frames", "0"], "--frames: expected an int >= 1, got 0"),
+        (["--layers", "0"], "--layers: expected an int >= 1, got 0"),
+        (["--window", "-1"], "--window: expected an int >= 0, got -1"),
+        (["--keyframe-threshold", "0.01"], "--keyframe-threshold: used only with --model"),
+        (["--scale-frames", "0", "--window", "0"], "--scale-frames, --window: expected at least one frame kept"),
+        (["--model", "--special", "1"], "--special: with --model, expected an int >= 2 (camera + scale tokens), got 1"),
+        (["--model", "--head-dim", "5"], "--head-dim: with --model, expected an even int >= 6"),
+        (["--model", "--keyframe-every", "2"], "--keyframe-every: not used with --model (use --keyframe-threshold)"),
+        (["--model", "--lingbot"], "--lingbot: not used with --model (pick one)"),
+        (["--small"], "--small: used only with --lingbot"),
+    ],
+)
 def test_demo_bad_flags_are_usage_errors(capsys, argv, message):
     """A mistaken flag prints usage and what is wrong (exit status 2), never a traceback."""
     with pytest.raises(SystemExit) as e:

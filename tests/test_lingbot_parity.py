@@ -21,8 +21,11 @@ torch = pytest.importorskip("torch")
 jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 
-from jaxkv.models.lingbot import LingbotConfig, LingbotStream  # noqa: E402
-from jaxkv.models.lingbot import upstream  # noqa: E402
+from jaxkv.models.lingbot import (  # noqa: E402
+    LingbotConfig,
+    LingbotStream,
+    upstream,
+)
 from jaxkv.models.lingbot.convert import from_state_dict  # noqa: E402
 
 SRC = upstream.source()
@@ -96,8 +99,10 @@ def test_small_config_matches_upstream_sdpa_float32(no_tf32):
         assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
 
 
-@pytest.mark.skipif(not (ON_GPU or os.environ.get("JAXKV_LONG")),
-                    reason="the released 1.16 B-parameter config: on a GPU, or on CPU with JAXKV_LONG=1")
+@pytest.mark.skipif(
+    not (ON_GPU or os.environ.get("JAXKV_LONG")),
+    reason="the released 1.16 B-parameter config: on a GPU, or on CPU with JAXKV_LONG=1",
+)
 def test_released_config_matches_upstream_float32(no_tf32):
     """ViT-L, 3D RoPE, 518 backbone at 378x518 frames, 8 scale frames, window 4, 16 frames."""
     config = LingbotConfig(dtype="float32", kv_cache_sliding_window=4, max_frame_num=64)
@@ -155,8 +160,10 @@ def test_bf16_error_within_upstreams_own_bf16_error(no_tf32):
     for k in KEYS:
         e_ours, e_theirs = _rel_err(ours[k], truth[k]), _rel_err(theirs[k], truth[k])
         bound = BF16_FACTOR * e_theirs.max() + (DPT_BF16 if k != "pose_enc" else 0.0)
-        print(f"{k}: port bf16 {e_ours.max():.3g}, upstream bf16 {e_theirs.max():.3g}, bound {bound:.3g} "
-              f"(port vs upstream bf16 {_rel_err(ours[k], theirs[k]).max():.3g})")
+        print(
+            f"{k}: port bf16 {e_ours.max():.3g}, upstream bf16 {e_theirs.max():.3g}, bound {bound:.3g} "
+            f"(port vs upstream bf16 {_rel_err(ours[k], theirs[k]).max():.3g})"
+        )
         if e_ours.max() > bound:
             failed.append(f"{k}: port {e_ours}, upstream bf16 {e_theirs}")
     assert not failed, failed

@@ -50,7 +50,10 @@ SHELL_NOT_RUN = [
     (r"^pip install", "installs packages here; .ci/run runs the README's test command in a fresh venv"),
     (r"^python -m jaxkv demo .*--lingbot", "lingbot-map demos: tests/models/test_lingbot_cli.py runs them small"),
     (r"^python -m jaxkv demo", "a minute or more on a CPU; tests/test_demo.py runs the demo at small sizes"),
-    (r"^python -m jaxkv convert-lingbot ", "needs upstream's checkpoint; tests/models/test_lingbot_cli.py converts one"),
+    (
+        r"^python -m jaxkv convert-lingbot ",
+        "needs upstream's checkpoint; tests/models/test_lingbot_cli.py converts one",
+    ),
     (r"^(JAXKV_LONG=1 )?python -m pytest", "runs tests: the long Hypothesis profile takes about an hour"),
     (r"^\S+=\S+ .*python3? (benchmarks|-m pytest)", "needs an upstream checkout and a GPU"),
     (r"^(cd benchmarks && )?python3? benchmarks/|^python3? [a-z_]+\.py", "a benchmark: needs a GPU"),
@@ -76,7 +79,7 @@ def _blocks():
                 j += 1
             if lang in ("python", "bash"):
                 n += 1
-                code = "\n".join(line[indent:] for line in lines[i + 1:j]) + "\n"
+                code = "\n".join(line[indent:] for line in lines[i + 1 : j]) + "\n"
                 out.append((page.relative_to(ROOT).as_posix(), n, lang, code, markers))
             i = j + 1
     return out
@@ -84,13 +87,18 @@ def _blocks():
 
 BLOCKS = _blocks()
 PY = [b for b in BLOCKS if b[2] == "python"]
-SH = [(page, n, line.strip()) for page, n, lang, code, _ in BLOCKS if lang == "bash"
-      for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+SH = [
+    (page, n, line.strip())
+    for page, n, lang, code, _ in BLOCKS
+    if lang == "bash"
+    for line in code.splitlines()
+    if line.strip() and not line.lstrip().startswith("#")
+]
 
 
 def _params(blocks):
     params = []
-    for page, n, lang, code, markers in blocks:
+    for page, n, _lang, code, markers in blocks:
         marks = [pytest.mark.gpu] if "gpu" in markers else []
         if "slow" in markers:
             marks.append(pytest.mark.slow)
@@ -160,8 +168,9 @@ def test_python_block(code, markers, tmp_path):
         pytest.skip("slow on a CPU (compiles a model): runs with JAXKV_LONG=1")
     promises = _promises(code)
     assert promises, "the block prints nothing it promises: print what its comments claim"
-    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True,
-                       timeout=900, check=False)
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=900, check=False
+    )
     assert p.returncode == 0, f"exit status {p.returncode}\n{p.stdout}\n{p.stderr[-6000:]}"
     _check_output(p.stdout, promises)
 

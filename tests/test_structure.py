@@ -15,21 +15,33 @@ PACKAGES = ("jaxkv", "torch_bridge")
 # Each module may import its own package and lower layers only. Layer of a module: its
 # first match here (longest prefix first).
 LAYERS = {
-    "jaxkv.errors": 0, "jaxkv._pytree": 0,
-    "jaxkv.formats": 1, "jaxkv.stacked": 1, "jaxkv.sharding": 1,
-    "jaxkv.math": 2, "jaxkv.cuda": 2,
-    "jaxkv.kernels": 3, "jaxkv._backend": 3,
-    "jaxkv.frame": 4, "jaxkv.hybrid": 4,
+    "jaxkv.errors": 0,
+    "jaxkv._pytree": 0,
+    "jaxkv.formats": 1,
+    "jaxkv.stacked": 1,
+    "jaxkv.sharding": 1,
+    "jaxkv.math": 2,
+    "jaxkv.cuda": 2,
+    "jaxkv.kernels": 3,
+    "jaxkv._backend": 3,
+    "jaxkv.frame": 4,
+    "jaxkv.hybrid": 4,
     "jaxkv.checkpoint": 5,
     "jaxkv.flax": 6,
     "jaxkv.models": 7,
-    "jaxkv.demo": 8, "jaxkv.__main__": 9, "jaxkv": 9,
+    "jaxkv.demo": 8,
+    "jaxkv.__main__": 9,
+    "jaxkv": 9,
     "torch_bridge": 10,
 }
 # Function-local imports of the package: only where the imported part needs an optional
 # dependency that the importing module must not (the CLI works without flax).
-LAZY_OK = {("jaxkv.demo", "jaxkv.models.demo"), ("jaxkv.demo", "jaxkv.models.lingbot_demo"),
-           ("jaxkv.__main__", "jaxkv.models.lingbot.convert"), ("jaxkv.__main__", "jaxkv.models.lingbot_demo")}
+LAZY_OK = {
+    ("jaxkv.demo", "jaxkv.models.demo"),
+    ("jaxkv.demo", "jaxkv.models.lingbot_demo"),
+    ("jaxkv.__main__", "jaxkv.models.lingbot.convert"),
+    ("jaxkv.__main__", "jaxkv.models.lingbot_demo"),
+}
 
 
 def _modules():
@@ -92,14 +104,11 @@ def _guarded(tree, node) -> bool:
     return False
 
 
-
-
-
 def test_imports_point_down():
     bad = []
     for mod, path in MODULES.items():
         own, rank = _layer(mod)
-        for target, names, top in _imports(path, mod):
+        for target, _names, _top in _imports(path, mod):
             if _group(target) == _group(mod):
                 continue
             t_layer, t_rank = _layer(target)
@@ -109,17 +118,27 @@ def test_imports_point_down():
 
 
 def test_no_function_local_imports_between_packages():
-    bad = [f"{mod} imports {target} inside a function"
-           for mod, path in MODULES.items() for target, _, top in _imports(path, mod)
-           if not top and _group(target) != _group(mod) and (mod, target) not in LAZY_OK
-           and (mod, _group(target)) not in LAZY_OK]
+    bad = [
+        f"{mod} imports {target} inside a function"
+        for mod, path in MODULES.items()
+        for target, _, top in _imports(path, mod)
+        if not top
+        and _group(target) != _group(mod)
+        and (mod, target) not in LAZY_OK
+        and (mod, _group(target)) not in LAZY_OK
+    ]
     assert not bad, "\n".join(bad)
 
 
 def test_kernels_import_only_jax_and_lower_layers():
     allowed = {"jaxkv.kernels", "jaxkv.formats", "jaxkv.math", "jaxkv.stacked", "jaxkv.errors", "jaxkv.cuda"}
-    bad = [f"{mod} imports {target}" for mod, path in MODULES.items() if _group(mod) == "jaxkv.kernels"
-           for target, _, _ in _imports(path, mod) if _group(target) not in allowed]
+    bad = [
+        f"{mod} imports {target}"
+        for mod, path in MODULES.items()
+        if _group(mod) == "jaxkv.kernels"
+        for target, _, _ in _imports(path, mod)
+        if _group(target) not in allowed
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -148,7 +167,7 @@ def test_no_import_cycles():
             if n.startswith(m + "."):
                 continue
             if state.get(n) == 1:
-                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+                pytest.fail("import cycle: " + " -> ".join(stack[stack.index(n) :] + [n]))
             if n not in state:
                 visit(n)
         stack.pop()
@@ -215,8 +234,11 @@ def _private_jax(tree) -> list[str]:
             names = [a.name for a in node.names if a.name == "jax._src" or a.name.startswith("jax._src.")]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             mod = node.module or ""
-            private = mod == "jax._src" or mod.startswith("jax._src.") or (mod == "jax" and "_src" in
-                                                                             [a.name for a in node.names])
+            private = (
+                mod == "jax._src"
+                or mod.startswith("jax._src.")
+                or (mod == "jax" and "_src" in [a.name for a in node.names])
+            )
             names = [f"from {mod} import {', '.join(a.name for a in node.names)}"] if private else []
         elif isinstance(node, ast.Attribute) and node.attr == "_src" and isinstance(node.value, ast.Name):
             names = ["jax._src"] if node.value.id == "jax" else []
@@ -247,7 +269,9 @@ LAYOUT_LITERALS = re.compile(r"(?<![\w.%\[])(584|580|576|68|76)(?![\w.])")
 
 def test_layout_numbers_have_one_owner():
     bad = []
-    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + sorted((ROOT / "jaxkv" / "cuda").glob("*.cu*"))
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")] + sorted(
+        (ROOT / "jaxkv" / "cuda").glob("*.cu*")
+    )
     for path in files:
         rel = path.relative_to(ROOT).as_posix()
         if rel.startswith("jaxkv/formats/"):
@@ -262,6 +286,10 @@ def test_layout_numbers_have_one_owner():
 def test_no_module_uses_the_triton_lowering():
     """JAX deprecates Pallas' Triton lowering: the kernels are Mosaic GPU or cuda/ through jax.ffi."""
     pattern = re.compile(r"pallas[. ]+(import\s+)?triton|pltriton|\btriton\.")
-    bad = [f"{mod}: {line.strip()}" for mod, path in MODULES.items()
-           for line in path.read_text().splitlines() if pattern.search(line.split("#")[0])]
+    bad = [
+        f"{mod}: {line.strip()}"
+        for mod, path in MODULES.items()
+        for line in path.read_text().splitlines()
+        if pattern.search(line.split("#")[0])
+    ]
     assert not bad, "\n".join(bad)

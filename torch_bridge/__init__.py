@@ -14,7 +14,9 @@ except ModuleNotFoundError as e:
         raise  # torch is there, something it imports is not
     raise ModuleNotFoundError(
         'torch_bridge needs PyTorch, not installed here: pip install "jaxkv[torch]" (on a machine without a GPU, '
-        "first: pip install torch --index-url https://download.pytorch.org/whl/cpu)", name="torch") from None
+        "first: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+        name="torch",
+    ) from None
 
 from torch_bridge.dlpack import from_torch, to_torch
 from torch_bridge.lingbot import use_in_lingbot_map

@@ -47,14 +47,22 @@ PREFIX_BACKENDS = ("sdpa", "cuda", "flashinfer")  # attend the prefix views k[:n
 FLASHINFER_PREFIX_KERNEL = "auto"  # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2", "fa3")
 
 
-def backend_context(device, dtype, head_dim: int, *, force_fp32: bool = False, fa3: bool = False,
-                    tokens_per_frame: int = 0) -> dict:
+def backend_context(
+    device, dtype, head_dim: int, *, force_fp32: bool = False, fa3: bool = False, tokens_per_frame: int = 0
+) -> dict:
     """What the registry's ``torch.attention`` operation reads about ``device`` and the cache:
     whether FlashInfer imports and the cuda kernel runs there, the storage dtype, the flags."""
     device = torch.device(device)
-    return dict(device=str(device), flashinfer=FLASHINFER_AVAILABLE,
-                cuda_kernel=kernels.prefix_attention_available(device), dtype=DTYPES.get(dtype, str(dtype)),
-                head_dim=head_dim, force_fp32=force_fp32, fa3=fa3, tokens_per_frame=tokens_per_frame)
+    return dict(
+        device=str(device),
+        flashinfer=FLASHINFER_AVAILABLE,
+        cuda_kernel=kernels.prefix_attention_available(device),
+        dtype=DTYPES.get(dtype, str(dtype)),
+        head_dim=head_dim,
+        force_fp32=force_fp32,
+        fa3=fa3,
+        tokens_per_frame=tokens_per_frame,
+    )
 
 
 class Backend:
@@ -101,8 +109,9 @@ class CudaPrefix(Backend):
 class FlashInferPrefix(Backend):
     def __call__(self, q, k, v, paged, pages):
         n = pages.visible_rows()
-        return flashinfer.single_prefill_with_kv_cache(q.contiguous(), k[:n], v[:n], causal=False, kv_layout="NHD",
-                                                       backend=FLASHINFER_PREFIX_KERNEL)
+        return flashinfer.single_prefill_with_kv_cache(
+            q.contiguous(), k[:n], v[:n], causal=False, kv_layout="NHD", backend=FLASHINFER_PREFIX_KERNEL
+        )
 
 
 class FlashInferPaged(Backend):
@@ -138,18 +147,27 @@ class FlashInferPaged(Backend):
         indices = torch.tensor(pages.page_ids(), dtype=torch.int32, pin_memory=self.device.type == "cuda")
         indices = indices.to(self.device, non_blocking=True)
         self.wrapper.plan(
-            self.qo_indptr, torch.tensor([0, pages.num_pages()], dtype=torch.int32), indices,
-            torch.tensor([pages.last_page_len()], dtype=torch.int32), num_qo_heads=self.heads,
-            num_kv_heads=self.heads, head_dim_qk=self.head_dim, page_size=self.page_size, causal=False,
-            pos_encoding_mode="NONE", q_data_type=self.dtype)
+            self.qo_indptr,
+            torch.tensor([0, pages.num_pages()], dtype=torch.int32),
+            indices,
+            torch.tensor([pages.last_page_len()], dtype=torch.int32),
+            num_qo_heads=self.heads,
+            num_kv_heads=self.heads,
+            head_dim_qk=self.head_dim,
+            page_size=self.page_size,
+            causal=False,
+            pos_encoding_mode="NONE",
+            q_data_type=self.dtype,
+        )
         if self.device.type == "cuda":
             self.plan_done = torch.cuda.Event()
             self.plan_done.record(torch.cuda.current_stream(self.device))
         self.planned = pages.c
 
 
-def make(backend: str, *, device, jax_device, heads: int, head_dim: int, dtype, page_size: int,
-         tokens_per_frame: int) -> Backend:
+def make(
+    backend: str, *, device, jax_device, heads: int, head_dim: int, dtype, page_size: int, tokens_per_frame: int
+) -> Backend:
     """The ``Backend`` for a name the registry chose (not ``"auto"``)."""
     if backend == "sdpa":
         return Sdpa()
@@ -161,5 +179,16 @@ def make(backend: str, *, device, jax_device, heads: int, head_dim: int, dtype, 
     return FlashInferPaged(variant, device, heads, head_dim, dtype, page_size, tokens_per_frame)
 
 
-__all__ = ["BACKENDS", "DTYPES", "FLASHINFER_AVAILABLE", "PREFIX_BACKENDS", "Backend", "CudaPrefix", "FlashInferPaged",
-           "FlashInferPrefix", "Sdpa", "backend_context", "make"]
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "FLASHINFER_AVAILABLE",
+    "PREFIX_BACKENDS",
+    "Backend",
+    "CudaPrefix",
+    "FlashInferPaged",
+    "FlashInferPrefix",
+    "Sdpa",
+    "backend_context",
+    "make",
+]

@@ -51,15 +51,46 @@ def _typed(lib):
     if not getattr(lib, "_jaxkv_typed", False):
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         f = getattr(lib, _ffi.LAUNCHER)
-        f.argtypes = [p, i64, i64, i64,  # stream, b, s_q, h
-                      p, i64, i64, i64,  # q and its strides
-                      p, i64, i64, i64,  # kv, num_blocks, block_size, block stride (bytes)
-                      p, i64, i64, i64, p,  # indices, topk, strides, topk_length
-                      p, i64, i64, i64,  # extra_kv, num_blocks, block_size, block stride
-                      p, i64, i64, i64, p,  # extra_indices, extra_topk, strides, extra_topk_length
-                      p, ctypes.c_float, p, p,  # sink, scale, out, lse
-                      p, p, i64, i32,  # sched, splits, parts, make_schedule
-                      p, p, ctypes.c_char_p, i64]  # lse_acc, o_acc, error, error_size
+        f.argtypes = [
+            p,
+            i64,
+            i64,
+            i64,  # stream, b, s_q, h
+            p,
+            i64,
+            i64,
+            i64,  # q and its strides
+            p,
+            i64,
+            i64,
+            i64,  # kv, num_blocks, block_size, block stride (bytes)
+            p,
+            i64,
+            i64,
+            i64,
+            p,  # indices, topk, strides, topk_length
+            p,
+            i64,
+            i64,
+            i64,  # extra_kv, num_blocks, block_size, block stride
+            p,
+            i64,
+            i64,
+            i64,
+            p,  # extra_indices, extra_topk, strides, extra_topk_length
+            p,
+            ctypes.c_float,
+            p,
+            p,  # sink, scale, out, lse
+            p,
+            p,
+            i64,
+            i32,  # sched, splits, parts, make_schedule
+            p,
+            p,
+            ctypes.c_char_p,
+            i64,
+        ]  # lse_acc, o_acc, error, error_size
         f.restype = ctypes.c_int
         lib._jaxkv_typed = True
     return lib
@@ -79,9 +110,11 @@ def load(src=None, *, verbose: bool = False):
             return _library
         source_dir(src)
         if not torch.cuda.is_available() or torch.version.cuda is None:
-            raise RuntimeError("FlashMLA: expected a CUDA build of torch and a visible GPU, got "
-                               f"torch {torch.__version__} (CUDA {torch.version.cuda}) with "
-                               f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs")
+            raise RuntimeError(
+                "FlashMLA: expected a CUDA build of torch and a visible GPU, got "
+                f"torch {torch.__version__} (CUDA {torch.version.cuda}) with "
+                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs"
+            )
         _library = _typed(_ffi.library(src))
         if verbose:
             print(f"torch_bridge.flashmla: {_library._name}")
@@ -107,8 +140,9 @@ def _check(name, t, dtype, ndim, device=None):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype or t.ndim != ndim or not t.is_cuda:
-        raise ValueError(f"{name}: expected a CUDA {dtype} tensor of rank {ndim}, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name}: expected a CUDA {dtype} tensor of rank {ndim}, got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
     if t.stride(-1) != 1:
@@ -121,11 +155,15 @@ def kv_view(pool, block_size: int, name: str = "pool"):
     _check(name, pool, torch.uint8, 2)
     nb, width = pool.shape
     if block_size <= 0 or width % block_size or width // block_size != MODEL1_ENTRY_BYTES:
-        raise ValueError(f"{name}: expected an official-family pool u8[num_blocks, {block_size} * "
-                         f"{MODEL1_ENTRY_BYTES}], got {tuple(pool.shape)} (the per_entry family cannot be read)")
+        raise ValueError(
+            f"{name}: expected an official-family pool u8[num_blocks, {block_size} * "
+            f"{MODEL1_ENTRY_BYTES}], got {tuple(pool.shape)} (the per_entry family cannot be read)"
+        )
     if pool.data_ptr() % 16 or pool.stride(0) % 16:  # the kernel loads 16 B vectors from each block
-        raise ValueError(f"{name}: expected 16-byte aligned blocks (an even block_size), got block stride "
-                         f"{pool.stride(0)} B at address {pool.data_ptr():#x}")
+        raise ValueError(
+            f"{name}: expected 16-byte aligned blocks (an even block_size), got block stride "
+            f"{pool.stride(0)} B at address {pool.data_ptr():#x}"
+        )
     return pool.unflatten(1, (block_size, 1, MODEL1_ENTRY_BYTES))
 
 
@@ -153,8 +191,20 @@ def window_ids(slot, position, window: int, T: int = 1):
     return torch.where(kp >= 0, ids, -1).to(torch.int32)
 
 
-def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, window=None, window_indices=None,
-                  topk_length=None, window_length=None, schedule: Schedule | None = None):
+def sparse_decode(
+    q,
+    pool,
+    indices,
+    *,
+    block_size: int,
+    sink,
+    scale: float,
+    window=None,
+    window_indices=None,
+    topk_length=None,
+    window_length=None,
+    schedule: Schedule | None = None,
+):
     """Sparse MQA over FP8 entries (K = V, 512 dims) with an attention sink, FlashMLA's sm90
     MODEL1 kernel: softmax over the ``indices`` entries of ``pool`` and the ``window_indices``
     items of ``window`` together, the sink's ``exp(sink)`` added to the denominator.
@@ -185,8 +235,9 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
         raise ValueError(f"pool: expected device {dev}, got {k_cache.device}")
     _check("indices", indices, torch.int32, 3, dev)
     if indices.shape[:2] != (B, T) or indices.shape[2] % TOPK_BLOCK or indices.shape[2] == 0:
-        raise ValueError(f"indices: expected i32[{B}, {T}, K] with K a positive multiple of {TOPK_BLOCK}, "
-                         f"got {tuple(indices.shape)}")
+        raise ValueError(
+            f"indices: expected i32[{B}, {T}, K] with K a positive multiple of {TOPK_BLOCK}, got {tuple(indices.shape)}"
+        )
     _check("sink", sink, torch.float32, 1, dev)
     if sink.shape != (H,) or not sink.is_contiguous():
         raise ValueError(f"sink: expected contiguous f32[{H}], got {tuple(sink.shape)}")
@@ -206,8 +257,9 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
         _check("window_indices", window_indices, torch.int32, 3, dev)
         w = window_indices.shape
         if w[:2] != (B, T) or w[2] % TOPK_BLOCK or w[2] == 0:
-            raise ValueError(f"window_indices: expected i32[{B}, {T}, W] with W a positive multiple of "
-                             f"{TOPK_BLOCK}, got {tuple(w)}")
+            raise ValueError(
+                f"window_indices: expected i32[{B}, {T}, W] with W a positive multiple of {TOPK_BLOCK}, got {tuple(w)}"
+            )
     elif window_length is not None:
         raise ValueError("window_length: given without window")
     if B == 0 or T == 0:
@@ -221,12 +273,15 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
         splits_t = torch.empty((B + 1,), dtype=torch.int32, device=dev)
     else:
         sched_t, splits_t = sched.tile_scheduler_metadata, sched.num_splits
-        for name, t, shape in (("schedule.tile_scheduler_metadata", sched_t, (parts, SCHED_INTS)),
-                               ("schedule.num_splits", splits_t, (B + 1,))):
+        for name, t, shape in (
+            ("schedule.tile_scheduler_metadata", sched_t, (parts, SCHED_INTS)),
+            ("schedule.num_splits", splits_t, (B + 1,)),
+        ):
             _check(name, t, torch.int32, len(shape), dev)
             if tuple(t.shape) != shape or not t.is_contiguous():
-                raise ValueError(f"{name}: expected contiguous i32{list(shape)} (made for these shapes), got "
-                                 f"{tuple(t.shape)}")
+                raise ValueError(
+                    f"{name}: expected contiguous i32{list(shape)} (made for these shapes), got {tuple(t.shape)}"
+                )
     out = torch.empty((B, T, H, HEAD_DIM), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((B, T, H), dtype=torch.float32, device=dev)
     lse_acc = torch.empty((B + parts, T, H), dtype=torch.float32, device=dev)
@@ -235,18 +290,45 @@ def sparse_decode(q, pool, indices, *, block_size: int, sink, scale: float, wind
     guard = torch.cuda.device(dev) if torch.cuda.current_device() != dev.index else contextlib.nullcontext()
     with guard:
         code = getattr(lib, _ffi.LAUNCHER)(
-            _stream(dev), B, T, H,
-            q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
-            k_cache.data_ptr(), k_cache.shape[0], block_size, k_cache.stride(0),
-            indices.data_ptr(), indices.shape[2], indices.stride(0), indices.stride(1), _ptr(topk_length),
-            _ptr(extra), 0 if extra is None else extra.shape[0], 0 if extra is None else extra.shape[1],
+            _stream(dev),
+            B,
+            T,
+            H,
+            q.data_ptr(),
+            q.stride(0),
+            q.stride(1),
+            q.stride(2),
+            k_cache.data_ptr(),
+            k_cache.shape[0],
+            block_size,
+            k_cache.stride(0),
+            indices.data_ptr(),
+            indices.shape[2],
+            indices.stride(0),
+            indices.stride(1),
+            _ptr(topk_length),
+            _ptr(extra),
+            0 if extra is None else extra.shape[0],
+            0 if extra is None else extra.shape[1],
             0 if extra is None else extra.stride(0),
-            _ptr(window_indices), 0 if extra is None else window_indices.shape[2],
-            0 if extra is None else window_indices.stride(0), 0 if extra is None else window_indices.stride(1),
+            _ptr(window_indices),
+            0 if extra is None else window_indices.shape[2],
+            0 if extra is None else window_indices.stride(0),
+            0 if extra is None else window_indices.stride(1),
             _ptr(window_length),
-            sink.data_ptr(), float(scale), out.data_ptr(), lse.data_ptr(),
-            sched_t.data_ptr(), splits_t.data_ptr(), parts, int(make),
-            lse_acc.data_ptr(), o_acc.data_ptr(), err, len(err))
+            sink.data_ptr(),
+            float(scale),
+            out.data_ptr(),
+            lse.data_ptr(),
+            sched_t.data_ptr(),
+            splits_t.data_ptr(),
+            parts,
+            int(make),
+            lse_acc.data_ptr(),
+            o_acc.data_ptr(),
+            err,
+            len(err),
+        )
     if code != 0:
         raise RuntimeError(err.value.decode(errors="replace") or f"flashmla sparse decode: error {code}")
     sched.tile_scheduler_metadata, sched.num_splits = sched_t, splits_t

@@ -26,7 +26,6 @@ from jaxkv.cuda import STORAGE_CODES, BuildError, arch_of, library
 from jaxkv.formats.storage import STORAGES, storage_name
 from jaxkv.kernels.launch import launch as launch_params
 
-
 _LIBS: dict = {}  # torch.device -> the typed library (a dict lookup per launch, not a device query)
 
 
@@ -43,8 +42,30 @@ def _typed(lib):
         lib.jaxkv_flush_write.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.jaxkv_tail_state.argtypes = [p, p, i64, i32, i32, p, i64]
         lib.jaxkv_frame_append.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, p, p]
-        lib.jaxkv_prefix_attention.argtypes = [p, p, p, p, p, i32, p, p, p, i64, i32, i32, i32, i32, i64, i64, i64,
-                                               i64, i32, ctypes.c_float, i32, i32]
+        lib.jaxkv_prefix_attention.argtypes = [
+            p,
+            p,
+            p,
+            p,
+            p,
+            i32,
+            p,
+            p,
+            p,
+            i64,
+            i32,
+            i32,
+            i32,
+            i32,
+            i64,
+            i64,
+            i64,
+            i64,
+            i32,
+            ctypes.c_float,
+            i32,
+            i32,
+        ]
         for f in (lib.jaxkv_flush_write, lib.jaxkv_tail_state, lib.jaxkv_frame_append, lib.jaxkv_prefix_attention):
             f.restype = ctypes.c_int
         lib._jaxkv_typed = True
@@ -66,8 +87,10 @@ def _check(name, t, dtype, ndim, device=None):
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype or t.ndim != ndim or not t.is_cuda or not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous CUDA {dtype} tensor of rank {ndim}, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}")
+        raise ValueError(
+            f"{name}: expected a contiguous CUDA {dtype} tensor of rank {ndim}, got {t.dtype} "
+            f"{tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (not contiguous)'}"
+        )
     if device is not None and t.device != device:
         raise ValueError(f"{name}: expected device {device}, got {t.device}")
 
@@ -102,13 +125,24 @@ def flush_write(pool, x, block, slot, *, storage: str, index_pool=None, xi=None)
         _check("xi", xi, torch.bfloat16, 2, dev)
         want = (pool.shape[0], bs * fmt.index_key_bytes(128))
         if tuple(index_pool.shape) != want or tuple(xi.shape) != (n, 128):
-            raise ValueError(f"index_pool, xi: expected u8{list(want)} and bf16[{n}, 128], got "
-                             f"{tuple(index_pool.shape)} and {tuple(xi.shape)}")
+            raise ValueError(
+                f"index_pool, xi: expected u8{list(want)} and bf16[{n}, 128], got "
+                f"{tuple(index_pool.shape)} and {tuple(xi.shape)}"
+            )
     stream = _stream(dev)
     code = _lib(dev).jaxkv_flush_write(
-        stream, pool.data_ptr(), None if index_pool is None else index_pool.data_ptr(), x.data_ptr(),
-        None if xi is None else xi.data_ptr(), block.data_ptr(), slot.data_ptr(), n, pool.shape[0], bs,
-        STORAGE_CODES[storage])
+        stream,
+        pool.data_ptr(),
+        None if index_pool is None else index_pool.data_ptr(),
+        x.data_ptr(),
+        None if xi is None else xi.data_ptr(),
+        block.data_ptr(),
+        slot.data_ptr(),
+        n,
+        pool.shape[0],
+        bs,
+        STORAGE_CODES[storage],
+    )
     _ok(code, "flush_write")
 
 
@@ -118,8 +152,9 @@ def _tail_state(tails, tail_slot, streams: int) -> None:
     if tuple(tails.shape[1:3]) != (streams, 3):
         raise ValueError(f"tails: expected f32[R, {streams}, 3, width], got {tuple(tails.shape)}")
     stream = _stream(tails.device)
-    code = _lib(tails.device).jaxkv_tail_state(stream, tails.data_ptr(), tails.shape[0], streams, tails.shape[3],
-                                               tail_slot.data_ptr(), tail_slot.shape[0])
+    code = _lib(tails.device).jaxkv_tail_state(
+        stream, tails.data_ptr(), tails.shape[0], streams, tails.shape[3], tail_slot.data_ptr(), tail_slot.shape[0]
+    )
     _ok(code, "tail state")
 
 
@@ -163,22 +198,49 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
     """
     dev = kbuf.device
     if not (k.dtype == v.dtype == kbuf.dtype == vbuf.dtype) or k.dtype not in _APPEND_DTYPES:
-        raise ValueError(f"k, v, kbuf, vbuf: expected one dtype of {list(_APPEND_DTYPES)}, got "
-                         f"{k.dtype}, {v.dtype}, {kbuf.dtype}, {vbuf.dtype}")
-    for name, t in (("k", k), ("v", v), ("kbuf", kbuf), ("vbuf", vbuf), ("rows", rows), ("scratch", scratch),
-                    ("sticky", sticky)):
+        raise ValueError(
+            f"k, v, kbuf, vbuf: expected one dtype of {list(_APPEND_DTYPES)}, got "
+            f"{k.dtype}, {v.dtype}, {kbuf.dtype}, {vbuf.dtype}"
+        )
+    for name, t in (
+        ("k", k),
+        ("v", v),
+        ("kbuf", kbuf),
+        ("vbuf", vbuf),
+        ("rows", rows),
+        ("scratch", scratch),
+        ("sticky", sticky),
+    ):
         if t.device != dev or not t.is_contiguous():
-            raise ValueError(f"{name}: expected a contiguous tensor on {dev}, got {t.device}"
-                             f"{'' if t.is_contiguous() else ' (not contiguous)'}")
-    if rows.dtype != torch.int64 or scratch.dtype != torch.int32 or scratch.numel() < APPEND_SCRATCH \
-            or sticky.dtype != torch.bool:
-        raise ValueError(f"rows, scratch, sticky: expected i64[N], i32[>={APPEND_SCRATCH}], bool[], got "
-                         f"{rows.dtype}, {scratch.dtype}[{scratch.numel()}], {sticky.dtype}")
+            raise ValueError(
+                f"{name}: expected a contiguous tensor on {dev}, got {t.device}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}"
+            )
+    if (
+        rows.dtype != torch.int64
+        or scratch.dtype != torch.int32
+        or scratch.numel() < APPEND_SCRATCH
+        or sticky.dtype != torch.bool
+    ):
+        raise ValueError(
+            f"rows, scratch, sticky: expected i64[N], i32[>={APPEND_SCRATCH}], bool[], got "
+            f"{rows.dtype}, {scratch.dtype}[{scratch.numel()}], {sticky.dtype}"
+        )
     row_bytes = k[0].numel() * k.element_size()
     code = _lib(dev).jaxkv_frame_append(
-        _stream(dev), k.data_ptr(), v.data_ptr(), kbuf.data_ptr(), vbuf.data_ptr(),
-        rows.data_ptr(), k.shape[0], row_bytes, trash_row, _APPEND_DTYPES[k.dtype], scratch.data_ptr(),
-        sticky.data_ptr())
+        _stream(dev),
+        k.data_ptr(),
+        v.data_ptr(),
+        kbuf.data_ptr(),
+        vbuf.data_ptr(),
+        rows.data_ptr(),
+        k.shape[0],
+        row_bytes,
+        trash_row,
+        _APPEND_DTYPES[k.dtype],
+        scratch.data_ptr(),
+        sticky.data_ptr(),
+    )
     _ok(code, "frame_append")
 
 
@@ -196,12 +258,13 @@ def prefix_attention_available(device) -> bool:
 def _strides(name, t, rank):
     """(batch, row) strides in elements of a [.., rows, heads, 64] tensor whose heads are contiguous."""
     if t.stride(-1) != 1 or t.stride(-2) != PREFIX_HEAD_DIM:
-        raise ValueError(f"{name}: expected its last two dims [heads, {PREFIX_HEAD_DIM}] contiguous, got strides "
-                         f"{tuple(t.stride())}")
+        raise ValueError(
+            f"{name}: expected its last two dims [heads, {PREFIX_HEAD_DIM}] contiguous, got strides {tuple(t.stride())}"
+        )
     return (t.stride(0) if rank == 4 else 0), t.stride(-3)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _prefix_launch(device: torch.device) -> tuple[int, int]:
     """The device's row of ``jaxkv.kernels.launch`` ("prefix_attention_cuda"), looked up once."""
     shape = launch_params("prefix_attention_cuda", torch.cuda.get_device_name(device))
@@ -225,21 +288,30 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
     batched = q.ndim == 4
     rank = 4 if batched else 3
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.ndim != rank or t.dtype != torch.bfloat16 or not t.is_cuda \
-                or t.shape[-1] != PREFIX_HEAD_DIM:
-            raise ValueError(f"{name}: expected a CUDA bfloat16 tensor [{'B, ' if batched else ''}rows, heads, "
-                             f"{PREFIX_HEAD_DIM}], got {getattr(t, 'dtype', type(t).__name__)} "
-                             f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', '?')}")
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.ndim != rank
+            or t.dtype != torch.bfloat16
+            or not t.is_cuda
+            or t.shape[-1] != PREFIX_HEAD_DIM
+        ):
+            raise ValueError(
+                f"{name}: expected a CUDA bfloat16 tensor [{'B, ' if batched else ''}rows, heads, "
+                f"{PREFIX_HEAD_DIM}], got {getattr(t, 'dtype', type(t).__name__)} "
+                f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', '?')}"
+            )
     dev = q.device
     if k.device != dev or v.device != dev or k.shape != v.shape or k.stride() != v.stride():
-        raise ValueError(f"k, v: expected alike and on {dev}, got {tuple(k.shape)} on {k.device} and "
-                         f"{tuple(v.shape)} on {v.device}")
+        raise ValueError(
+            f"k, v: expected alike and on {dev}, got {tuple(k.shape)} on {k.device} and {tuple(v.shape)} on {v.device}"
+        )
     B = q.shape[0] if batched else 1
     Tq, Hq = q.shape[-3], q.shape[-2]
     T, H = k.shape[-3], k.shape[-2]
     if (batched and k.shape[0] != B) or Hq % H:
-        raise ValueError(f"k: expected [{f'{B}, ' if batched else ''}T, H, 64] with {Hq} a multiple of H, got "
-                         f"{tuple(k.shape)}")
+        raise ValueError(
+            f"k: expected [{f'{B}, ' if batched else ''}T, H, 64] with {Hq} a multiple of H, got {tuple(k.shape)}"
+        )
     if splits < 1:
         raise ValueError(f"splits: expected >= 1, got {splits}")
     qb, qr = _strides("q", q, rank)
@@ -247,11 +319,32 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=dev)
     elif out.shape != q.shape or out.dtype != q.dtype or out.device != dev or not out.is_contiguous():
-        raise ValueError(f"out: expected a contiguous bf16 tensor {tuple(q.shape)} on {dev}, got {out.dtype} "
-                         f"{tuple(out.shape)} on {out.device}")
+        raise ValueError(
+            f"out: expected a contiguous bf16 tensor {tuple(q.shape)} on {dev}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
     scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
-    _launch_prefix(_lib(dev).jaxkv_prefix_attention, dev, q, k, v, max(0, min(int(kv_len), T)), out, B, Tq, Hq, T, H,
-                   qb, qr, kb, kr, splits, scale, launch or _prefix_launch(dev))
+    _launch_prefix(
+        _lib(dev).jaxkv_prefix_attention,
+        dev,
+        q,
+        k,
+        v,
+        max(0, min(int(kv_len), T)),
+        out,
+        B,
+        Tq,
+        Hq,
+        T,
+        H,
+        qb,
+        qr,
+        kb,
+        kr,
+        splits,
+        scale,
+        launch or _prefix_launch(dev),
+    )
     return out
 
 
@@ -263,9 +356,30 @@ def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, k
         part = torch.empty((B * splits, Tq, Hq, PREFIX_HEAD_DIM), dtype=torch.float32, device=dev)
         lse = torch.empty((B * splits, Hq, Tq), dtype=torch.float32, device=dev)
     block_kv, stages = launch
-    code = fn(_stream(dev), q.data_ptr(), k.data_ptr(), v.data_ptr(), None, kv_len, out.data_ptr(),
-              None if part is None else part.data_ptr(), None if lse is None else lse.data_ptr(), B, Tq, Hq, T, H,
-              qb, qr, kb, kr, splits, scale, block_kv, stages)
+    code = fn(
+        _stream(dev),
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        None,
+        kv_len,
+        out.data_ptr(),
+        None if part is None else part.data_ptr(),
+        None if lse is None else lse.data_ptr(),
+        B,
+        Tq,
+        Hq,
+        T,
+        H,
+        qb,
+        qr,
+        kb,
+        kr,
+        splits,
+        scale,
+        block_kv,
+        stages,
+    )
     if code == 801:
         raise ValueError(f"prefix_attention: expected an sm_90 GPU, got {torch.cuda.get_device_name(dev)}")
     if code == 1:
@@ -313,27 +427,73 @@ class PrefixAttention:
         if self._q_shape is None:
             raise RuntimeError("PrefixAttention.run: call plan() first")
         if q.shape != self._q_shape or q.dtype != torch.bfloat16 or q.device != self.device or not q.is_contiguous():
-            raise ValueError(f"q: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device} (the "
-                             f"plan), got {q.dtype} {tuple(q.shape)} on {q.device}")
+            raise ValueError(
+                f"q: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device} (the "
+                f"plan), got {q.dtype} {tuple(q.shape)} on {q.device}"
+            )
         T = k.shape[0]
-        if k.shape != v.shape or k.shape[1:] != (self.kv_heads, PREFIX_HEAD_DIM) or T < self._kv_len \
-                or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.device != self.device \
-                or v.device != self.device or not (k.is_contiguous() and v.is_contiguous()):
-            raise ValueError(f"k, v: expected contiguous bf16 [rows >= {self._kv_len}, {self.kv_heads}, "
-                             f"{PREFIX_HEAD_DIM}] on {self.device}, got {k.dtype} {tuple(k.shape)} on {k.device} "
-                             f"and {v.dtype} {tuple(v.shape)} on {v.device}")
+        if (
+            k.shape != v.shape
+            or k.shape[1:] != (self.kv_heads, PREFIX_HEAD_DIM)
+            or T < self._kv_len
+            or k.dtype != torch.bfloat16
+            or v.dtype != torch.bfloat16
+            or k.device != self.device
+            or v.device != self.device
+            or not (k.is_contiguous() and v.is_contiguous())
+        ):
+            raise ValueError(
+                f"k, v: expected contiguous bf16 [rows >= {self._kv_len}, {self.kv_heads}, "
+                f"{PREFIX_HEAD_DIM}] on {self.device}, got {k.dtype} {tuple(k.shape)} on {k.device} "
+                f"and {v.dtype} {tuple(v.shape)} on {v.device}"
+            )
         if out is None:
             out = torch.empty(self._q_shape, dtype=torch.bfloat16, device=self.device)
-        elif out.shape != self._q_shape or out.dtype != torch.bfloat16 or out.device != self.device \
-                or not out.is_contiguous():
-            raise ValueError(f"out: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device}, got "
-                             f"{out.dtype} {tuple(out.shape)} on {out.device}")
+        elif (
+            out.shape != self._q_shape
+            or out.dtype != torch.bfloat16
+            or out.device != self.device
+            or not out.is_contiguous()
+        ):
+            raise ValueError(
+                f"out: expected a contiguous bf16 tensor {list(self._q_shape)} on {self.device}, got "
+                f"{out.dtype} {tuple(out.shape)} on {out.device}"
+            )
         Tq, Hq, n = self._q_shape[0], self.heads, self._kv_len
         # The kernel sees rows [0, n) only (its key splits divide those rows, as for k[:n]).
-        _launch_prefix(self._fn, self.device, q, k, v, n, out, 1, Tq, Hq, n, self.kv_heads, 0, Hq * PREFIX_HEAD_DIM,
-                       0, self.kv_heads * PREFIX_HEAD_DIM, self._splits, self.scale, self.launch)
+        _launch_prefix(
+            self._fn,
+            self.device,
+            q,
+            k,
+            v,
+            n,
+            out,
+            1,
+            Tq,
+            Hq,
+            n,
+            self.kv_heads,
+            0,
+            Hq * PREFIX_HEAD_DIM,
+            0,
+            self.kv_heads * PREFIX_HEAD_DIM,
+            self._splits,
+            self.scale,
+            self.launch,
+        )
         return out
 
 
-__all__ = ["APPEND_SCRATCH", "PREFIX_HEAD_DIM", "PrefixAttention", "csa_rotate_state", "flush_write", "frame_append",
-           "frame_append_available", "hca_reset_state", "prefix_attention", "prefix_attention_available"]
+__all__ = [
+    "APPEND_SCRATCH",
+    "PREFIX_HEAD_DIM",
+    "PrefixAttention",
+    "csa_rotate_state",
+    "flush_write",
+    "frame_append",
+    "frame_append_available",
+    "hca_reset_state",
+    "prefix_attention",
+    "prefix_attention_available",
+]

@@ -49,15 +49,20 @@ def use_in_lingbot_map(backend: str = "auto") -> _Installed:
         from lingbot_map.layers import attention as upstream_attention
         from lingbot_map.layers import flashinfer_cache as upstream_cache
     except ImportError as exc:
-        raise ImportError("use_in_lingbot_map: lingbot_map is not importable; put a lingbot-map checkout on "
-                          f"sys.path ({exc})") from exc
+        raise ImportError(
+            f"use_in_lingbot_map: lingbot_map is not importable; put a lingbot-map checkout on sys.path ({exc})"
+        ) from exc
     cls = FlashInferKVCacheManager
     if backend != "auto":
+
         def __init__(self, *args, backend=backend, **kwargs):
             FlashInferKVCacheManager.__init__(self, *args, backend=backend, **kwargs)
 
-        cls = type("FlashInferKVCacheManager", (FlashInferKVCacheManager,),
-                   {"__init__": __init__, "__module__": __name__, "__doc__": f"backend={backend!r} by default."})
+        cls = type(
+            "FlashInferKVCacheManager",
+            (FlashInferKVCacheManager,),
+            {"__init__": __init__, "__module__": __name__, "__doc__": f"backend={backend!r} by default."},
+        )
     changes = [(upstream_cache, "FlashInferKVCacheManager", upstream_cache.FlashInferKVCacheManager)]
     upstream_cache.FlashInferKVCacheManager = cls
     if not backends.FLASHINFER_AVAILABLE:

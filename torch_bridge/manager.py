@@ -48,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import List
 
 import jax
 import jax.numpy as jnp
@@ -86,14 +85,29 @@ class FlashInferKVCacheManager:
       the one in use.
     """
 
-    def __init__(self, num_blocks: int, max_num_frames: int, tokens_per_frame: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device, num_special_tokens: int = 6, scale_frames: int = 8,
-                 sliding_window: int = 64, max_total_frames: int = 2048, force_fp32: bool = False, fa3: bool = False,
-                 *, backend: str = "auto"):
+    def __init__(
+        self,
+        num_blocks: int,
+        max_num_frames: int,
+        tokens_per_frame: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        num_special_tokens: int = 6,
+        scale_frames: int = 8,
+        sliding_window: int = 64,
+        max_total_frames: int = 2048,
+        force_fp32: bool = False,
+        fa3: bool = False,
+        *,
+        backend: str = "auto",
+    ):
         patches = tokens_per_frame - num_special_tokens
         if patches <= 0:
-            raise ValueError(f"tokens_per_frame: expected more than num_special_tokens={num_special_tokens}, "
-                             f"got {tokens_per_frame}")
+            raise ValueError(
+                f"tokens_per_frame: expected more than num_special_tokens={num_special_tokens}, got {tokens_per_frame}"
+            )
         self.force_fp32 = force_fp32
         dtype = torch.float32 if force_fp32 else (torch.bfloat16 if dtype == torch.float32 else dtype)
         if dtype not in backends.DTYPES:
@@ -103,8 +117,13 @@ class FlashInferKVCacheManager:
         if device.type == "cuda" and device.index is None:  # "cuda" means the current CUDA device
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self.backend = _backend.choose("torch.attention", backend, **backends.backend_context(
-            device, dtype, head_dim, force_fp32=force_fp32, fa3=fa3, tokens_per_frame=tokens_per_frame))
+        self.backend = _backend.choose(
+            "torch.attention",
+            backend,
+            **backends.backend_context(
+                device, dtype, head_dim, force_fp32=force_fp32, fa3=fa3, tokens_per_frame=tokens_per_frame
+            ),
+        )
         self.num_blocks = num_blocks
         self.num_heads, self.head_dim = num_heads, head_dim
         self.tokens_per_frame = tokens_per_frame
@@ -113,10 +132,18 @@ class FlashInferKVCacheManager:
         self.scale_frames, self.sliding_window = scale_frames, sliding_window
         self.max_num_frames = max_num_frames
         self.fa3 = fa3
-        spec = frame.FrameSpec(num_layers=num_blocks, num_heads=num_heads, head_dim=head_dim,
-                               patches_per_frame=patches, num_special=num_special_tokens, scale_frames=scale_frames,
-                               sliding_window=sliding_window, max_frames=max(1, max_total_frames),
-                               dtype=backends.DTYPES[dtype], pow2_pages=self.backend == "flashinfer-paged-fa3")
+        spec = frame.FrameSpec(
+            num_layers=num_blocks,
+            num_heads=num_heads,
+            head_dim=head_dim,
+            patches_per_frame=patches,
+            num_special=num_special_tokens,
+            scale_frames=scale_frames,
+            sliding_window=sliding_window,
+            max_frames=max(1, max_total_frames),
+            dtype=backends.DTYPES[dtype],
+            pow2_pages=self.backend == "flashinfer-paged-fa3",
+        )
         self.page_size = spec.page_size
         self.max_patch_pages = spec.num_slots
         self._jax_device = self._jax_device_for(self.device)
@@ -127,17 +154,27 @@ class FlashInferKVCacheManager:
         self._pages = Pages(spec)
         self._arange_ns = torch.arange(num_special_tokens, device=self.device)
         self._arange_ps = torch.arange(spec.page_size, device=self.device)
-        self.frame_count: List[int] = [0] * num_blocks
+        self.frame_count: list[int] = [0] * num_blocks
         self._nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)  # sticky: a NaN / Inf frame came
         # CUDA: jaxkv/cuda/frame_append.cu writes a frame (finiteness check + scatter: 2 launches);
         # else (CPU, or no nvcc to build it) the same rule in torch ops
-        self._append_scratch = (torch.empty(kernels.APPEND_SCRATCH, dtype=torch.int32, device=self.device)
-                                if kernels.frame_append_available(self.device) else None)
+        self._append_scratch = (
+            torch.empty(kernels.APPEND_SCRATCH, dtype=torch.int32, device=self.device)
+            if kernels.frame_append_available(self.device)
+            else None
+        )
         self._frame_open = False  # the shared frame's write rows are valid
         self._defer_eviction: bool = False
-        self._attention = backends.make(self.backend, device=self.device, jax_device=self._jax_device,
-                                        heads=num_heads, head_dim=head_dim, dtype=dtype, page_size=self.page_size,
-                                        tokens_per_frame=tokens_per_frame)
+        self._attention = backends.make(
+            self.backend,
+            device=self.device,
+            jax_device=self._jax_device,
+            heads=num_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            page_size=self.page_size,
+            tokens_per_frame=tokens_per_frame,
+        )
         if isinstance(self._attention, backends.FlashInferPaged):  # the attributes of lingbot-map's manager
             self.workspace_buffer = self._attention.workspace
             self.prefill_wrapper = self._attention.wrapper
@@ -167,8 +204,11 @@ class FlashInferKVCacheManager:
 
     # ---------------------------------------------------------------- checks
     def _block(self, block_idx) -> int:
-        if isinstance(block_idx, bool) or not isinstance(block_idx, (int, np.integer)) \
-                or not 0 <= block_idx < self.num_blocks:
+        if (
+            isinstance(block_idx, bool)
+            or not isinstance(block_idx, (int, np.integer))
+            or not 0 <= block_idx < self.num_blocks
+        ):
             raise ValueError(f"block_idx: expected an int in [0, {self.num_blocks}), got {block_idx!r}")
         return int(block_idx)
 
@@ -232,8 +272,10 @@ class FlashInferKVCacheManager:
         n, p = self.frame_count[b], self._pages
         if n == p.frames:  # this block leads: start the shared frame
             if p.pending != NONE:
-                raise RuntimeError("append_frame: the previous frame was deferred and is neither committed "
-                                   "(execute_deferred_eviction) nor rolled back (rollback_last_frame)")
+                raise RuntimeError(
+                    "append_frame: the previous frame was deferred and is neither committed "
+                    "(execute_deferred_eviction) nor rolled back (rollback_last_frame)"
+                )
             self._make_room()
             defer = bool(self._defer_eviction)
             moves, special_row, patch_row = p.begin(defer)
@@ -243,8 +285,16 @@ class FlashInferKVCacheManager:
             self._bookkeep(BEGIN, defer)
         if n == p.frames - 1 and self._frame_open:
             if self._append_scratch is not None:
-                kernels.frame_append(k.contiguous(), v.contiguous(), self._k[b], self._v[b], self._rows,
-                                     self.spec.trash_row, self._append_scratch, self._nonfinite)
+                kernels.frame_append(
+                    k.contiguous(),
+                    v.contiguous(),
+                    self._k[b],
+                    self._v[b],
+                    self._rows,
+                    self.spec.trash_row,
+                    self._append_scratch,
+                    self._nonfinite,
+                )
             else:
                 rows = torch.where(self._finite(k, v), self._rows, self.spec.trash_row)
                 self._k[b].index_copy_(0, rows, k)
@@ -273,9 +323,16 @@ class FlashInferKVCacheManager:
             self.state = frame.grow(self.state, 2 * s.max_frames)
             self._take_views()
 
-    def evict_frames(self, block_idx: int, scale_frames: int, sliding_window: int, cross_frame_special: bool = True,
-                     include_scale_frames: bool = True, camera_only: bool = False,
-                     num_register_tokens=None) -> None:
+    def evict_frames(
+        self,
+        block_idx: int,
+        scale_frames: int,
+        sliding_window: int,
+        cross_frame_special: bool = True,
+        include_scale_frames: bool = True,
+        camera_only: bool = False,
+        num_register_tokens=None,
+    ) -> None:
         """Eviction already happened in ``append_frame`` (or waits for the deferred
         decision); this checks that the policy is the cache's.
 
@@ -286,25 +343,38 @@ class FlashInferKVCacheManager:
         cache's (``num_special_tokens - 2``: camera + registers + scale; None: the cache's).
         """
         self._block(block_idx)
-        self._check_policy(scale_frames, sliding_window, cross_frame_special=cross_frame_special,
-                           include_scale_frames=include_scale_frames, camera_only=camera_only,
-                           num_register_tokens=num_register_tokens)
+        self._check_policy(
+            scale_frames,
+            sliding_window,
+            cross_frame_special=cross_frame_special,
+            include_scale_frames=include_scale_frames,
+            camera_only=camera_only,
+            num_register_tokens=num_register_tokens,
+        )
 
     def _check_policy(self, scale_frames, sliding_window, **flags):
         if (scale_frames, sliding_window) != (self.scale_frames, self.sliding_window):
-            raise ValueError(f"scale_frames, sliding_window: the cache was built with ({self.scale_frames}, "
-                             f"{self.sliding_window}), got ({scale_frames}, {sliding_window})")
-        supported = dict(cross_frame_special=True, include_scale_frames=True, camera_only=False,
-                         num_register_tokens=self.num_special_tokens - 2)
+            raise ValueError(
+                f"scale_frames, sliding_window: the cache was built with ({self.scale_frames}, "
+                f"{self.sliding_window}), got ({scale_frames}, {sliding_window})"
+            )
+        supported = dict(
+            cross_frame_special=True,
+            include_scale_frames=True,
+            camera_only=False,
+            num_register_tokens=self.num_special_tokens - 2,
+        )
         for name, value in flags.items():
             if name == "num_register_tokens" and value is None:
                 continue
             if name not in supported:
                 raise ValueError(f"{name}: not an eviction flag of this manager (known: {sorted(supported)})")
             if value != supported[name]:
-                raise ValueError(f"{name}: this manager implements only {name}={supported[name]!r} "
-                                 f"(every frame's {self.num_special_tokens} specials and the scale frames are "
-                                 f"kept), got {value!r}")
+                raise ValueError(
+                    f"{name}: this manager implements only {name}={supported[name]!r} "
+                    f"(every frame's {self.num_special_tokens} specials and the scale frames are "
+                    f"kept), got {value!r}"
+                )
 
     def execute_deferred_eviction(self, block_idx: int, scale_frames: int, sliding_window: int, **kwargs) -> None:
         """Keep the deferred frame (evict the oldest window frame if over the window);
@@ -324,13 +394,17 @@ class FlashInferKVCacheManager:
             raise ValueError(f"rollback_last_frame: block {b} has no frame to roll back")
         if n == p.frames:
             if p.pending == NONE:
-                raise RuntimeError(f"rollback_last_frame: block {b}'s last frame was appended without "
-                                   "_defer_eviction = True, so its eviction already happened; set "
-                                   "_defer_eviction = True before append_frame to be able to roll back")
+                raise RuntimeError(
+                    f"rollback_last_frame: block {b}'s last frame was appended without "
+                    "_defer_eviction = True, so its eviction already happened; set "
+                    "_defer_eviction = True before append_frame to be able to roll back"
+                )
             self._resolve_frame(False)
         elif n != p.frames + 1:
-            raise RuntimeError(f"rollback_last_frame: block {b} is at frame {n} but the cache at {p.frames}: "
-                               "only the last frame can be rolled back")
+            raise RuntimeError(
+                f"rollback_last_frame: block {b} is at frame {n} but the cache at {p.frames}: "
+                "only the last frame can be rolled back"
+            )
         self.frame_count[b] -= 1
 
     def _resolve_frame(self, keep: bool):
@@ -378,8 +452,11 @@ class FlashInferKVCacheManager:
         spec (``ValueError`` naming what differs); nothing changes on a refusal."""
         spec = checkpoint.spec_from_json("frame", json.loads(state_dict.get("spec", "{}")))
         if spec != self.spec:
-            diff = [f"{k}={getattr(spec, k)!r} (this manager: {v!r})"
-                    for k, v in dataclasses.asdict(self.spec).items() if getattr(spec, k) != v]
+            diff = [
+                f"{k}={getattr(spec, k)!r} (this manager: {v!r})"
+                for k, v in dataclasses.asdict(self.spec).items()
+                if getattr(spec, k) != v
+            ]
             raise ValueError("state_dict: its spec differs from this manager's: " + ", ".join(diff))
         names = list(checkpoint.leaves(self._state))
         missing = [f"state{k}" for k in names if f"state{k}" not in state_dict]
@@ -394,12 +471,13 @@ class FlashInferKVCacheManager:
             t = state_dict[f"state{k}"].to(self.device).contiguous()
             x = jnp.array(from_torch(t), copy=True)  # the manager owns its buffers
             if x.shape != like[k].shape or x.dtype != like[k].dtype:
-                raise ValueError(f"state_dict: state{k} is {x.dtype}{list(x.shape)}, expected "
-                                 f"{like[k].dtype}{list(like[k].shape)}")
+                raise ValueError(
+                    f"state_dict: state{k} is {x.dtype}{list(x.shape)}, expected {like[k].dtype}{list(like[k].shape)}"
+                )
             arrays.append(x)
         self._adopt(jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(self._state), arrays), counts)
 
-    def _adopt(self, state: frame.FrameCacheState, counts: List[int]) -> None:
+    def _adopt(self, state: frame.FrameCacheState, counts: list[int]) -> None:
         """Continue from ``state`` (checked) with per-block frame counts ``counts``."""
         self._queue.clear()
         self.state = state
@@ -426,7 +504,7 @@ class FlashInferKVCacheManager:
         self._adopt(checkpoint.restore(path, like=self._state), counts)
 
     # ---------------------------------------------------------------- views
-    def build_visible_page_table(self, block_idx: int) -> List[int]:
+    def build_visible_page_table(self, block_idx: int) -> list[int]:
         """Visible page ids in scale -> window -> special order (reads the device: for
         inspection, not for the per-frame step)."""
         self._block(block_idx)
@@ -446,10 +524,13 @@ class FlashInferKVCacheManager:
         """
         b = self._block(block_idx)
         p = self._pages
-        return {"frame_count": self.frame_count[b], "scale_pages": p.num_scale,
-                "live_pages": p.num_window + int(p.pending == STAGED),
-                "free_pages": self.spec.num_slots - p.num_scale - p.num_window,
-                "special_tokens": self.frame_count[b] * self.num_special_tokens}
+        return {
+            "frame_count": self.frame_count[b],
+            "scale_pages": p.num_scale,
+            "live_pages": p.num_window + int(p.pending == STAGED),
+            "free_pages": self.spec.num_slots - p.num_scale - p.num_window,
+            "special_tokens": self.frame_count[b] * self.num_special_tokens,
+        }
 
     def compute_last_page_len(self, block_idx: int) -> int:
         """Valid rows of the last visible page (host bookkeeping, no sync)."""
@@ -462,21 +543,21 @@ class FlashInferKVCacheManager:
         return self.frame_count[0] if self.frame_count else 0
 
     @property
-    def scale_patch_pages(self) -> List[List[int]]:
+    def scale_patch_pages(self) -> list[list[int]]:
         return [self.build_visible_page_table(0)[: self._pages.num_scale]] * self.num_blocks
 
     @property
-    def live_window_patch_pages(self) -> List[List[int]]:
+    def live_window_patch_pages(self) -> list[list[int]]:
         p = self._pages
-        return [self.build_visible_page_table(0)[p.num_scale: p.num_scale + p.num_window]] * self.num_blocks
+        return [self.build_visible_page_table(0)[p.num_scale : p.num_scale + p.num_window]] * self.num_blocks
 
     @property
-    def all_special_pages(self) -> List[List[int]]:
+    def all_special_pages(self) -> list[list[int]]:
         p = self._pages
-        return [self.build_visible_page_table(0)[p.num_scale + p.num_window:]] * self.num_blocks
+        return [self.build_visible_page_table(0)[p.num_scale + p.num_window :]] * self.num_blocks
 
     @property
-    def special_token_count(self) -> List[int]:
+    def special_token_count(self) -> list[int]:
         return [n * self.num_special_tokens for n in self.frame_count]
 
     def check(self) -> None:

@@ -6,7 +6,6 @@ batches (``ReplayQueue``), so the per-frame step never reads the device or waits
 from __future__ import annotations
 
 import functools
-from typing import List
 
 import jax
 import jax.numpy as jnp
@@ -130,7 +129,7 @@ class Pages:
         is ``(num_pages - 1) * page_size + last_page_len`` whenever a page is visible."""
         return plan.num_valid(self.spec, self.c, plan.HOST)
 
-    def page_ids(self) -> List[int]:
+    def page_ids(self) -> list[int]:
         """Visible page ids: scale slots -> window slots (oldest first) -> tail pages."""
         return [plan.page_id(self.spec, self.c, j, plan.HOST) for j in range(self.num_pages())]
 

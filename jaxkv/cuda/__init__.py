@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 
 from jaxkv.cuda.build import ARCHS, BuildError, arch_of, check_compile, library, library_path
-
 from jaxkv.formats.storage import STORAGE_CODES  # the kernels' storage-family argument (enum Storage)
 
 # FFI target name -> exported handler symbol (flush_write.cu unless named)
@@ -39,7 +38,7 @@ def device_arch() -> str:
     return arch_of(gpus[0].compute_capability)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def register_ffi_targets() -> str:
     """Build (or load from the cache) the library for this GPU and register its FFI
     targets with jax, once per process. Returns the arch."""
@@ -52,5 +51,15 @@ def register_ffi_targets() -> str:
     return arch
 
 
-__all__ = ["ARCHS", "BuildError", "FFI_TARGETS", "STORAGE_CODES", "arch_of", "check_compile", "device_arch", "library",
-           "library_path", "register_ffi_targets"]
+__all__ = [
+    "ARCHS",
+    "BuildError",
+    "FFI_TARGETS",
+    "STORAGE_CODES",
+    "arch_of",
+    "check_compile",
+    "device_arch",
+    "library",
+    "library_path",
+    "register_ffi_targets",
+]

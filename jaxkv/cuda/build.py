@@ -34,8 +34,15 @@ from pathlib import Path
 
 from jaxkv.formats.storage import cuda_defines
 
-SOURCES = ("flush_write.cu", "frame_append.cu", "dequant_gather.cu", "compress_decode.cu", "fp4_pack.cu",
-           "pool_attention.cu", "prefix_attention.cu")  # the kernels library
+SOURCES = (
+    "flush_write.cu",
+    "frame_append.cu",
+    "dequant_gather.cu",
+    "compress_decode.cu",
+    "fp4_pack.cu",
+    "pool_attention.cu",
+    "prefix_attention.cu",
+)  # the kernels library
 HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "ptx.cuh", "write_entry.cuh")  # included by the sources
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch
 
@@ -51,8 +58,10 @@ def source_dir() -> Path:
     d = Path(__file__).resolve().parent
     missing = [s for s in SOURCES + HEADERS if not (d / s).is_file()]
     if missing:
-        raise BuildError(f"CUDA sources: expected {', '.join(SOURCES + HEADERS)} in {d}, missing "
-                         f"{', '.join(missing)} (an install without jaxkv's package data)")
+        raise BuildError(
+            f"CUDA sources: expected {', '.join(SOURCES + HEADERS)} in {d}, missing "
+            f"{', '.join(missing)} (an install without jaxkv's package data)"
+        )
     return d
 
 
@@ -63,12 +72,14 @@ def nvcc() -> str:
     for cand in (os.environ.get("NVCC"), shutil.which("nvcc"), os.path.join(home, "bin", "nvcc")):
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
-    raise BuildError(f"nvcc: expected the CUDA toolkit's nvcc in $NVCC, on PATH or in $CUDA_HOME/bin, found none "
-                     f"(NVCC={os.environ.get('NVCC', 'unset')}, CUDA_HOME={os.environ.get('CUDA_HOME', 'unset')}); "
-                     "put the toolkit's bin/ on PATH")
+    raise BuildError(
+        f"nvcc: expected the CUDA toolkit's nvcc in $NVCC, on PATH or in $CUDA_HOME/bin, found none "
+        f"(NVCC={os.environ.get('NVCC', 'unset')}, CUDA_HOME={os.environ.get('CUDA_HOME', 'unset')}); "
+        "put the toolkit's bin/ on PATH"
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def nvcc_version(path: str) -> str:
     """``nvcc --version`` of the nvcc at ``path`` (part of every key)."""
     p = subprocess.run([path, "--version"], capture_output=True, text=True)
@@ -99,8 +110,16 @@ def ffi_include() -> str:
 
 def kernel_flags(*archs: str) -> list[str]:
     """nvcc flags of the kernels library for ``archs``, the pool layout among them (``cuda_defines``)."""
-    return ["-std=c++17", "-O3", *(g for a in archs for g in gencode(a)), "-isystem", ffi_include(),
-            "-Xcompiler", "-fPIC", *cuda_defines()]
+    return [
+        "-std=c++17",
+        "-O3",
+        *(g for a in archs for g in gencode(a)),
+        "-isystem",
+        ffi_include(),
+        "-Xcompiler",
+        "-fPIC",
+        *cuda_defines(),
+    ]
 
 
 def cache_dir() -> Path:
@@ -189,11 +208,12 @@ def executable(kind: str, name: str, sources, flags, *, headers=()) -> Path:
 def library_path(arch: str) -> Path:
     """The path of the kernels library for ``arch`` (e.g. "90a"), compiled if the cache lacks it."""
     src = source_dir()
-    return shared_library("cuda", "libjaxkv_cuda.so", [src / s for s in SOURCES], kernel_flags(arch),
-                          headers=[src / h for h in HEADERS])
+    return shared_library(
+        "cuda", "libjaxkv_cuda.so", [src / s for s in SOURCES], kernel_flags(arch), headers=[src / h for h in HEADERS]
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library(arch: str) -> ctypes.CDLL:
     """The loaded kernels library for ``arch`` (built on first use)."""
     return ctypes.CDLL(str(library_path(arch)))

@@ -18,7 +18,8 @@ import functools
 import os
 from pathlib import Path
 
-from jaxkv.cuda.build import BuildError, ffi_include, nvcc, shared_library, source_dir as jaxkv_source_dir
+from jaxkv.cuda.build import BuildError, ffi_include, nvcc, shared_library
+from jaxkv.cuda.build import source_dir as jaxkv_source_dir
 from jaxkv.formats.storage import cuda_defines
 
 SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm90 MODEL1 decode
@@ -27,15 +28,30 @@ SOURCES = (  # FlashMLA csrc/ files compiled: the scheduler, the combine, the sm
     "sm90/decode/sparse_fp8/instantiations/model1_persistent_h64.cu",
     "sm90/decode/sparse_fp8/instantiations/model1_persistent_h128.cu",
 )
-KEYED = SOURCES + ("sm90/decode/sparse_fp8/splitkv_mla.cuh", "sm90/decode/sparse_fp8/config.h",
-                   "api/sparse_decode.h", "api/common.h", "params.h")  # hashed into the key
+KEYED = SOURCES + (
+    "sm90/decode/sparse_fp8/splitkv_mla.cuh",
+    "sm90/decode/sparse_fp8/config.h",
+    "api/sparse_decode.h",
+    "api/common.h",
+    "params.h",
+)  # hashed into the key
 INCLUDES = ("", "kerutils/include", "sm90", "cutlass/include")  # under csrc/, as FlashMLA's setup.py
 NVCC_FLAGS = (  # FlashMLA's setup.py, sm_90a only, without -lineinfo and ptxas -v
-    "-O3", "-std=c++20", "-DNDEBUG", "-D_USE_MATH_DEFINES", "-Wno-deprecated-declarations",
-    "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "--expt-relaxed-constexpr", "--expt-extended-lambda",
-    "--use_fast_math", "--ptxas-options=--register-usage-level=10",
-    "-gencode", "arch=compute_90a,code=sm_90a",
+    "-O3",
+    "-std=c++20",
+    "-DNDEBUG",
+    "-D_USE_MATH_DEFINES",
+    "-Wno-deprecated-declarations",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+    "--expt-relaxed-constexpr",
+    "--expt-extended-lambda",
+    "--use_fast_math",
+    "--ptxas-options=--register-usage-level=10",
+    "-gencode",
+    "arch=compute_90a,code=sm_90a",
 )
 HANDLER = "flashmla_sparse_decode.cu"  # in jaxkv/cuda/ (build.source_dir()): the FFI handler and C launcher
 HANDLER_HEADERS = ("ffi_handler.cuh",)  # in jaxkv/cuda/, included by HANDLER: part of the key
@@ -49,13 +65,17 @@ def source_dir(src=None) -> Path:
     variable when neither is given or the tree lacks the files the build needs."""
     root = src if src is not None else os.environ.get("FLASHMLA_SRC")
     if not root:
-        raise ImportError("expected FLASHMLA_SRC set to a FlashMLA checkout (with its csrc/cutlass submodule) "
-                          "or to jaxkv's .upstream/flashmla, got it unset")
+        raise ImportError(
+            "expected FLASHMLA_SRC set to a FlashMLA checkout (with its csrc/cutlass submodule) "
+            "or to jaxkv's .upstream/flashmla, got it unset"
+        )
     csrc = Path(root).expanduser().resolve() / "csrc"
     missing = [f for f in KEYED + ("cutlass/include/cute/tensor.hpp",) if not (csrc / f).is_file()]
     if missing:
-        raise ImportError(f"expected FLASHMLA_SRC to hold a FlashMLA tree with the sm90 sparse decode, got "
-                          f"{root}, missing under csrc/: {', '.join(missing)}")
+        raise ImportError(
+            f"expected FLASHMLA_SRC to hold a FlashMLA tree with the sm90 sparse decode, got "
+            f"{root}, missing under csrc/: {', '.join(missing)}"
+        )
     return csrc
 
 
@@ -70,8 +90,15 @@ def missing() -> str | None:
 
 
 def _flags(csrc: Path) -> list[str]:
-    return [*NVCC_FLAGS, "-Xcompiler", "-fPIC", "-isystem", ffi_include(), *cuda_defines(),
-            *(f"-I{csrc / i}" for i in INCLUDES)]
+    return [
+        *NVCC_FLAGS,
+        "-Xcompiler",
+        "-fPIC",
+        "-isystem",
+        ffi_include(),
+        *cuda_defines(),
+        *(f"-I{csrc / i}" for i in INCLUDES),
+    ]
 
 
 def build(src=None) -> Path:
@@ -80,17 +107,22 @@ def build(src=None) -> Path:
     csrc = source_dir(src)
     here = jaxkv_source_dir()
     headers = [csrc / f for f in KEYED if f not in SOURCES] + [here / h for h in HANDLER_HEADERS]
-    return shared_library("flashmla", "libjaxkv_flashmla.so", [csrc / s for s in SOURCES] + [here / HANDLER],
-                          _flags(csrc), headers=headers)
+    return shared_library(
+        "flashmla",
+        "libjaxkv_flashmla.so",
+        [csrc / s for s in SOURCES] + [here / HANDLER],
+        _flags(csrc),
+        headers=headers,
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def library(src=None) -> ctypes.CDLL:
     """The loaded library built from ``src`` or ``$FLASHMLA_SRC`` (built on first use)."""
     return ctypes.CDLL(str(build(src)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def register_ffi_target() -> str:
     """Build (or load) the library and register ``FFI_TARGET`` with jax, once per process."""
     import jax
@@ -100,5 +132,17 @@ def register_ffi_target() -> str:
     return FFI_TARGET
 
 
-__all__ = ["FFI_TARGET", "HEADS", "INCLUDES", "KEYED", "LAUNCHER", "NVCC_FLAGS", "SOURCES", "build", "library",
-           "missing", "register_ffi_target", "source_dir"]
+__all__ = [
+    "FFI_TARGET",
+    "HEADS",
+    "INCLUDES",
+    "KEYED",
+    "LAUNCHER",
+    "NVCC_FLAGS",
+    "SOURCES",
+    "build",
+    "library",
+    "missing",
+    "register_ffi_target",
+    "source_dir",
+]

@@ -13,7 +13,15 @@ from jaxkv.flax.rope import apply_rope, axial_rope
 from jaxkv.flax.state import caches, check, restore_caches, save_caches
 from jaxkv.flax.step import CachedStep
 
-
-
-__all__ = ["CachedStep", "FrameCacheModule", "QKVProjection", "StreamingGlobalAttention", "apply_rope", "axial_rope", "caches", "check",
-           "restore_caches", "save_caches"]
+__all__ = [
+    "CachedStep",
+    "FrameCacheModule",
+    "QKVProjection",
+    "StreamingGlobalAttention",
+    "apply_rope",
+    "axial_rope",
+    "caches",
+    "check",
+    "restore_caches",
+    "save_caches",
+]

@@ -85,11 +85,25 @@ class StreamingGlobalAttention(nnx.Module):
       ``shared.begin_frame(defer)`` before the layers and ``shared.resolve(keep)`` after.
     """
 
-    def __init__(self, dim: int, num_heads: int, *, cache: FrameCacheModule | None = None, layer: int = 0,
-                 patches_per_frame: int | None = None, num_special: int = 6, scale_frames: int = 8,
-                 sliding_window: int = 64, max_frames: int = 1024, num_streams: int = 1,
-                 cache_dtype: str = "bfloat16", impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        *,
+        cache: FrameCacheModule | None = None,
+        layer: int = 0,
+        patches_per_frame: int | None = None,
+        num_special: int = 6,
+        scale_frames: int = 8,
+        sliding_window: int = 64,
+        max_frames: int = 1024,
+        num_streams: int = 1,
+        cache_dtype: str = "bfloat16",
+        impl: str = "auto",
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         if impl not in frame.IMPLS:
             raise ValueError(f"impl: expected one of {frame.IMPLS}, got {impl!r}")
         self.proj = QKVProjection(dim, num_heads, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -99,15 +113,26 @@ class StreamingGlobalAttention(nnx.Module):
         if cache is None:
             if patches_per_frame is None:
                 raise ValueError("patches_per_frame: expected an int when the layer owns its cache (cache=None)")
-            cache = FrameCacheModule(frame.FrameSpec(
-                num_layers=1, num_heads=num_heads, head_dim=dim // num_heads, patches_per_frame=patches_per_frame,
-                num_special=num_special, scale_frames=scale_frames, sliding_window=sliding_window,
-                max_frames=max_frames, num_streams=num_streams, dtype=cache_dtype))
+            cache = FrameCacheModule(
+                frame.FrameSpec(
+                    num_layers=1,
+                    num_heads=num_heads,
+                    head_dim=dim // num_heads,
+                    patches_per_frame=patches_per_frame,
+                    num_special=num_special,
+                    scale_frames=scale_frames,
+                    sliding_window=sliding_window,
+                    max_frames=max_frames,
+                    num_streams=num_streams,
+                    dtype=cache_dtype,
+                )
+            )
             layer = 0
         s = cache.spec
         if (s.num_heads, s.head_dim) != (num_heads, dim // num_heads):
-            raise ValueError(f"cache: expected {num_heads} heads x {dim // num_heads} dims, got "
-                             f"{s.num_heads} x {s.head_dim}")
+            raise ValueError(
+                f"cache: expected {num_heads} heads x {dim // num_heads} dims, got {s.num_heads} x {s.head_dim}"
+            )
         if not 0 <= layer < s.num_layers:
             raise ValueError(f"layer: expected 0 <= layer < {s.num_layers} (the cache's layers), got {layer}")
         self.cache, self.layer = cache, layer
@@ -120,8 +145,10 @@ class StreamingGlobalAttention(nnx.Module):
         s = self.spec
         dim = s.num_heads * s.head_dim
         if x.ndim != 3 or x.shape[1:] != (s.tokens_per_frame, dim):
-            raise ValueError(f"x: expected [{frames_axis}, tokens_per_frame={s.tokens_per_frame}, dim={dim}] "
-                             f"(specials first, then patches), got shape {tuple(x.shape)}")
+            raise ValueError(
+                f"x: expected [{frames_axis}, tokens_per_frame={s.tokens_per_frame}, dim={dim}] "
+                f"(specials first, then patches), got shape {tuple(x.shape)}"
+            )
 
     def __call__(self, x, cos, sin, *, defer=False):
         """One frame per stream.

@@ -68,7 +68,8 @@ def restore_caches(path, module: nnx.Module) -> None:
     if (saved, other) != (n, len(leaves) - n):
         raise checkpoint.CheckpointError(
             f"path: {path} holds {saved} cache states and {other} other cache variables, module "
-            f"{type(module).__name__} has {n} and {len(leaves) - n} (another architecture?)")
+            f"{type(module).__name__} has {n} and {len(leaves) - n} (another architecture?)"
+        )
     others = checkpoint.restore_arrays(path / "others", {f"v{i}": x for i, x in enumerate(leaves) if not _is_cache(x)})
     j, new = 0, []
     for i, x in enumerate(leaves):

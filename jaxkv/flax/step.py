@@ -33,8 +33,9 @@ class CachedStep:
         self._rest, rest_tree = jax.tree.flatten(rest)
 
         def pure(caches, rest, *args, **kwargs):
-            m = nnx.merge(self.graphdef, jax.tree.unflatten(self._cache_tree, caches),
-                          jax.tree.unflatten(rest_tree, rest))
+            m = nnx.merge(
+                self.graphdef, jax.tree.unflatten(self._cache_tree, caches), jax.tree.unflatten(rest_tree, rest)
+            )
             out = self.fn(m, *args, **kwargs)
             return out, jax.tree.leaves(nnx.state(m, nnx.Cache))
 

@@ -11,7 +11,20 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxkv.formats.numerics import amax_abs, FP4_MAX, FP8_MAX, fp8_e4m3_encode, check_float, check_groups, e8m0_to_float, div_rn, exact_div, group, ue8m0_scale, ungroup
+from jaxkv.formats.numerics import (
+    FP4_MAX,
+    FP8_MAX,
+    amax_abs,
+    check_float,
+    check_groups,
+    div_rn,
+    e8m0_to_float,
+    exact_div,
+    fp8_e4m3_encode,
+    group,
+    ue8m0_scale,
+    ungroup,
+)
 
 NVFP4_GROUP = 16
 MXFP4_GROUP = 32

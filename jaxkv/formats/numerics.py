@@ -14,10 +14,7 @@ E8M0_NAN = 255
 def check_groups(x, group: int, name: str = "x") -> None:
     """Raise ValueError unless the last axis of ``x`` splits into groups of ``group``."""
     if x.ndim < 1 or x.shape[-1] % group != 0:
-        raise ValueError(
-            f"{name}: expected a last dimension that is a multiple of {group}, "
-            f"got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name}: expected a last dimension that is a multiple of {group}, got shape {tuple(x.shape)}")
 
 
 def check_float(x, name: str = "x") -> None:

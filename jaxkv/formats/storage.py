@@ -23,7 +23,7 @@ handed to their kernels as is.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,13 +33,13 @@ from jaxkv.formats import (
     dequantize_fp8_per_entry,
     dequantize_mxfp4,
     dequantize_nvfp4,
+    ds_mla,
     nvfp4_global_scale,
     quantize_fp8_per_entry,
     quantize_fp8_ue8m0,
     quantize_mxfp4,
     quantize_nvfp4,
 )
-from jaxkv.formats import ds_mla
 from jaxkv.formats.fp8 import TILE, dequantize_fp8_ue8m0
 
 # --- the layout's numbers (every other place reads them from here; the entry's are the
@@ -105,7 +105,7 @@ def _ds_mla_encode(x):
 def _ds_mla_decode(b):
     q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
     rope = from_bytes(b[..., NOPE:DATA], jnp.bfloat16)
-    return jnp.concatenate([dequantize_fp8_ue8m0(q, b[..., DATA:DATA + NOPE_TILES]), rope], axis=-1)
+    return jnp.concatenate([dequantize_fp8_ue8m0(q, b[..., DATA : DATA + NOPE_TILES]), rope], axis=-1)
 
 
 def _mxfp4_codec(dim: int) -> Codec:
@@ -129,7 +129,7 @@ def _per_entry_encode(x):
 def _per_entry_decode(b):
     q = from_bytes(b[..., :NOPE], jnp.float8_e4m3fn)
     rope = from_bytes(b[..., NOPE:DATA], jnp.bfloat16)
-    scale = from_bytes(b[..., DATA:DATA + 4], jnp.float32)[..., 0]
+    scale = from_bytes(b[..., DATA : DATA + 4], jnp.float32)[..., 0]
     return jnp.concatenate([dequantize_fp8_per_entry(q, scale), rope], axis=-1)
 
 
@@ -150,9 +150,13 @@ def _nvfp4_codec(dim: int) -> Codec:
 
 
 STORAGES = {
-    "official": Storage("official", Codec((DATA, ds_mla.TOKEN_SCALE_BYTES), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec),
+    "official": Storage(
+        "official", Codec((DATA, ds_mla.TOKEN_SCALE_BYTES), _ds_mla_encode, _ds_mla_decode), _mxfp4_codec
+    ),
     "per_entry": Storage("per_entry", Codec((NOPE, 2 * ROPE, 4), _per_entry_encode, _per_entry_decode), _nvfp4_codec),
 }
+
+
 def storage_name(name: str, arg: str = "storage") -> str:
     """``name`` if it names a family of ``STORAGES``; a ``ValueError`` naming ``arg`` otherwise."""
     if name not in STORAGES:
@@ -183,8 +187,12 @@ def cuda_defines() -> list[str]:
     """The layout as nvcc ``-D`` flags for ``jaxkv/cuda/flush_write.cu``: per family its code,
     item bytes and each segment's bytes (``JAXKV_OFFICIAL_ENTRY_SEG0=576``, ...). Scalars
     only: nvcc splits option values at commas."""
-    flags = [f"-DJAXKV_HEAD_DIM={HEAD_DIM}", f"-DJAXKV_NOPE={NOPE}", f"-DJAXKV_TILE={TILE}",
-             f"-DJAXKV_INDEX_DIM={INDEX_DIM}"]
+    flags = [
+        f"-DJAXKV_HEAD_DIM={HEAD_DIM}",
+        f"-DJAXKV_NOPE={NOPE}",
+        f"-DJAXKV_TILE={TILE}",
+        f"-DJAXKV_INDEX_DIM={INDEX_DIM}",
+    ]
     for code, name in enumerate(STORAGES):
         st, tag = STORAGES[name], f"-DJAXKV_{name.upper()}"
         flags.append(f"{tag}_CODE={code}")
@@ -206,14 +214,22 @@ def write_items(pool, layer: int, block, slot, items, segments):
     """
     width = pool.shape[-1]
     bs = width // sum(segments)
-    dnums = lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(0, 1),
-                                        scatter_dims_to_operand_dims=(0, 1, 2))
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=(1,), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1, 2)
+    )
     lyr = jnp.full(block.shape, layer, jnp.int32)
     off = 0
     for z in segments:
         idx = jnp.stack([lyr, block, bs * off + slot * z], axis=-1)  # i32[N, 3]
-        pool = lax.scatter(pool, idx, items[:, off : off + z], dnums, mode=lax.GatherScatterMode.FILL_OR_DROP,
-                           indices_are_sorted=False, unique_indices=False)
+        pool = lax.scatter(
+            pool,
+            idx,
+            items[:, off : off + z],
+            dnums,
+            mode=lax.GatherScatterMode.FILL_OR_DROP,
+            indices_are_sorted=False,
+            unique_indices=False,
+        )
         off += z
     return pool
 
@@ -229,7 +245,7 @@ def pack_items(items, block_size: int, segments):
     x = jnp.pad(items, ((0, blocks * block_size - M), (0, 0))).reshape(blocks, block_size, E)
     parts, off = [], 0
     for z in segments:
-        parts.append(x[:, :, off:off + z].reshape(blocks, block_size * z))
+        parts.append(x[:, :, off : off + z].reshape(blocks, block_size * z))
         off += z
     return jnp.concatenate(parts, axis=1)
 

@@ -19,15 +19,46 @@ Stateful wrapper that raises on faults: ``FrameCache``.
 from jaxkv.frame import plan
 from jaxkv.frame.attention import IMPLS, attention, default_impl, ref_attention
 from jaxkv.frame.eager import FrameCache
-from jaxkv.frame.ops import (append, begin_frame, begin_frame_moves, commit, resolve, resolve_moves, rollback,
-                             write_layer)
+from jaxkv.frame.ops import (
+    append,
+    begin_frame,
+    begin_frame_moves,
+    commit,
+    resolve,
+    resolve_moves,
+    rollback,
+    write_layer,
+)
 from jaxkv.frame.spec import FrameSpec
 from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState, grow, init, reset
 from jaxkv.frame.views import PageTable, num_frames, page_table, visible_mask, visible_token_ids
 
 __all__ = [
-    "IMPLS", "IN_SLOT", "NONE", "STAGED", "FrameCache", "FrameCacheState", "FrameSpec", "PageTable",
-    "append", "attention", "begin_frame", "begin_frame_moves", "commit", "default_impl", "grow", "init", "num_frames",
-    "page_table", "plan", "ref_attention", "reset", "resolve", "resolve_moves", "rollback", "visible_mask",
-    "visible_token_ids", "write_layer",
+    "IMPLS",
+    "IN_SLOT",
+    "NONE",
+    "STAGED",
+    "FrameCache",
+    "FrameCacheState",
+    "FrameSpec",
+    "PageTable",
+    "append",
+    "attention",
+    "begin_frame",
+    "begin_frame_moves",
+    "commit",
+    "default_impl",
+    "grow",
+    "init",
+    "num_frames",
+    "page_table",
+    "plan",
+    "ref_attention",
+    "reset",
+    "resolve",
+    "resolve_moves",
+    "rollback",
+    "visible_mask",
+    "visible_token_ids",
+    "write_layer",
 ]

@@ -85,8 +85,11 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
         acc = acc * corr[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, vb, precision=HIGHEST)
         return m_new, l, acc
 
-    init = (jnp.full((B, H, G, Tq), -jnp.inf, jnp.float32), jnp.zeros((B, H, G, Tq), jnp.float32),
-            jnp.zeros((B, H, G, Tq, D), jnp.float32))
+    init = (
+        jnp.full((B, H, G, Tq), -jnp.inf, jnp.float32),
+        jnp.zeros((B, H, G, Tq), jnp.float32),
+        jnp.zeros((B, H, G, Tq, D), jnp.float32),
+    )
     steps = (jnp.max(num_valid) + block - 1) // block
     _, l, acc = lax.fori_loop(0, steps, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
@@ -101,8 +104,9 @@ def cudnn_attention(q, k, v, num_valid, scale=None):
     returns q.dtype[B, Tq, Hq, D]; a stream with num_valid 0 attends to row 0 (callers mask it)
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return jax.nn.dot_product_attention(q, k, v, scale=scale, key_value_seq_lengths=jnp.maximum(num_valid, 1),
-                                        implementation="cudnn")
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, key_value_seq_lengths=jnp.maximum(num_valid, 1), implementation="cudnn"
+    )
 
 
 def default_impl(spec) -> str:

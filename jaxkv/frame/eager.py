@@ -13,16 +13,21 @@ import numpy as np
 
 from jaxkv.errors import check as _check
 from jaxkv.frame import attention as _attn
-from jaxkv.frame import ops, state as _state, views
+from jaxkv.frame import ops, views
+from jaxkv.frame import state as _state
 from jaxkv.frame.spec import FrameSpec
 
 
 class FrameCache:
-    def __init__(self, spec: FrameSpec | None = None, *, special_overflow: str = "grow", check: bool = True, **spec_kwargs):
+    def __init__(
+        self, spec: FrameSpec | None = None, *, special_overflow: str = "grow", check: bool = True, **spec_kwargs
+    ):
         if spec is None:
             spec = FrameSpec(**spec_kwargs)
         elif spec_kwargs:
-            raise ValueError(f"spec_kwargs: give a FrameSpec or keyword arguments, not both (got {sorted(spec_kwargs)})")
+            raise ValueError(
+                f"spec_kwargs: give a FrameSpec or keyword arguments, not both (got {sorted(spec_kwargs)})"
+            )
         if special_overflow not in ("grow", "error"):
             raise ValueError(f"special_overflow: expected 'grow' or 'error', got {special_overflow!r}")
         self.special_overflow = special_overflow
@@ -95,7 +100,8 @@ class FrameCache:
 
     def __repr__(self):
         s = self.spec
-        return (f"FrameCache(layers={s.num_layers}, streams={s.num_streams}, heads={s.num_heads}, "
-                f"head_dim={s.head_dim}, P={s.patches_per_frame}+{s.num_special}, S={s.scale_frames}, "
-                f"W={s.sliding_window}, max_frames={s.max_frames}, {self.nbytes / 2**20:.1f} MiB)")
-
+        return (
+            f"FrameCache(layers={s.num_layers}, streams={s.num_streams}, heads={s.num_heads}, "
+            f"head_dim={s.head_dim}, P={s.patches_per_frame}+{s.num_special}, S={s.scale_frames}, "
+            f"W={s.sliding_window}, max_frames={s.max_frames}, {self.nbytes / 2**20:.1f} MiB)"
+        )

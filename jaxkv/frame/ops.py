@@ -65,8 +65,9 @@ def _move_rows(state, moves, n):
 
 def row_moves(moves, trash_row):
     """The moves as i32[M, 3] ``(stream, src, dst)`` in order, ``dst`` = trash where not ok."""
-    return jnp.stack([jnp.stack([jnp.asarray(b, jnp.int32), src, jnp.where(ok, dst, trash_row)])
-                      for b, src, dst, ok in moves]).astype(jnp.int32)
+    return jnp.stack(
+        [jnp.stack([jnp.asarray(b, jnp.int32), src, jnp.where(ok, dst, trash_row)]) for b, src, dst, ok in moves]
+    ).astype(jnp.int32)
 
 
 def _as_streams(x, B, name, dtype=jnp.bool_):
@@ -93,7 +94,9 @@ def begin_frame_moves(state: FrameCacheState, defer, finite=None):
     capacity_fault = state.num_special + NS > s.special_capacity
     nonfinite = jnp.zeros((B,), bool) if finite is None else ~finite
     ok = ~pending_fault & ~capacity_fault & ~nonfinite
-    error = record(record(state.error, pending_fault, Fault.APPEND_WHILE_PENDING), capacity_fault, Fault.SPECIAL_CAPACITY)
+    error = record(
+        record(state.error, pending_fault, Fault.APPEND_WHILE_PENDING), capacity_fault, Fault.SPECIAL_CAPACITY
+    )
     error = record(error, nonfinite, Fault.NONFINITE_KV)
 
     new = plan.begin(s, plan.counters(state), defer)
@@ -165,8 +168,10 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
     for l, hit, kl, vl in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
         hit = hit & finite
-        rows = dict(special_row=jnp.where(hit, state.write_special_row, s.trash_row),
-                    patch_row=jnp.where(hit, state.write_patch_row, s.trash_row))
+        rows = dict(
+            special_row=jnp.where(hit, state.write_special_row, s.trash_row),
+            patch_row=jnp.where(hit, state.write_patch_row, s.trash_row),
+        )
         kbufs[l] = write_rows(kbufs[l], kl, num_special=NS, page_size=ps, **rows)
         vbufs[l] = write_rows(vbufs[l], vl, num_special=NS, page_size=ps, **rows)
     return state.replace(k=tuple(kbufs), v=tuple(vbufs), error=error)
@@ -204,8 +209,9 @@ def begin_frame(state: FrameCacheState, defer=False) -> FrameCacheState:
     ``commit``; ``rollback`` removes the new frame instead. Faults (special capacity
     exhausted, a deferred frame still pending) skip the frame and set an error bit.
     """
-    return on_devices(lambda st, d: begin_frame_moves(st, d)[0], state, _streams(state, defer, "defer"),
-                      axes=(STREAMS,))
+    return on_devices(
+        lambda st, d: begin_frame_moves(st, d)[0], state, _streams(state, defer, "defer"), axes=(STREAMS,)
+    )
 
 
 # Logical axes (``jaxkv.sharding``) of the ops' arguments: a layer's K/V, every layer's, a per-stream flag.
@@ -251,9 +257,16 @@ def default_append_impl() -> str:
 def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
     s = state.spec
     flat = lambda bufs: [b.reshape(b.shape[:2] + (-1,)) for b in bufs]  # noqa: E731 - a bitcast
-    kb, vb = write_frame(flat(state.k), flat(state.v), k.reshape(k.shape[:3] + (-1,)),
-                         v.reshape(v.shape[:3] + (-1,)), state.write_special_row, state.write_patch_row,
-                         num_special=s.num_special, page_size=s.page_size)
+    kb, vb = write_frame(
+        flat(state.k),
+        flat(state.v),
+        k.reshape(k.shape[:3] + (-1,)),
+        v.reshape(v.shape[:3] + (-1,)),
+        state.write_special_row,
+        state.write_patch_row,
+        num_special=s.num_special,
+        page_size=s.page_size,
+    )
     shape = state.k[0].shape
     return state.replace(k=tuple(b.reshape(shape) for b in kb), v=tuple(b.reshape(shape) for b in vb))
 
@@ -291,7 +304,9 @@ def resolve(state: FrameCacheState, keep) -> FrameCacheState:
     nothing is pending). Rollback removes the pending frame's patches, specials and count;
     with nothing pending it sets ROLLBACK_NOTHING_PENDING and changes nothing else.
     """
-    return on_devices(lambda st, keep: resolve_moves(st, keep)[0], state, _streams(state, keep, "keep"), axes=(STREAMS,))
+    return on_devices(
+        lambda st, keep: resolve_moves(st, keep)[0], state, _streams(state, keep, "keep"), axes=(STREAMS,)
+    )
 
 
 def commit(state: FrameCacheState) -> FrameCacheState:

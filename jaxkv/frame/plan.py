@@ -15,7 +15,8 @@ the specials, then a staged frame's patches. A move is ``page_size`` rows ``src 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 
@@ -113,8 +114,10 @@ def resolve(spec, c: Counters, keep, xp: Xp = DEVICE) -> Resolve:
     # Commit a staged frame: its patches replace the oldest window frame's (a whole page,
     # so power-of-two padding comes along). Roll back a frame that claimed a slot: the
     # specials it displaced move back into the slot.
-    moves = (Move(f * ps + ns, (S + c.window_head) * ps, commit_staged),
-             Move(xp.maximum(f * ps, f0 * ps + ns0), f0 * ps, undo_slot & (ns0 > 0)))
+    moves = (
+        Move(f * ps + ns, (S + c.window_head) * ps, commit_staged),
+        Move(xp.maximum(f * ps, f0 * ps + ns0), f0 * ps, undo_slot & (ns0 > 0)),
+    )
     from_window = undo_slot & (c.num_window > 0)
     from_scale = undo_slot & xp.not_(from_window)
     after = Counters(
@@ -159,5 +162,21 @@ def page_id(spec, c: Counters, j, xp: Xp = DEVICE):
     return xp.where(j < ns, j, xp.where(j < ns + nw, window, slots(c) + (j - ns - nw)))
 
 
-__all__ = ["DEVICE", "HOST", "Begin", "Counters", "Move", "Resolve", "Xp", "begin", "counters", "last_page_len", "num_pages",
-           "num_valid", "page_id", "resolve", "slots", "tail_rows"]
+__all__ = [
+    "DEVICE",
+    "HOST",
+    "Begin",
+    "Counters",
+    "Move",
+    "Resolve",
+    "Xp",
+    "begin",
+    "counters",
+    "last_page_len",
+    "num_pages",
+    "num_valid",
+    "page_id",
+    "resolve",
+    "slots",
+    "tail_rows",
+]

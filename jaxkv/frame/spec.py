@@ -25,7 +25,6 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-
 ROW_QUANTUM = 2048  # capacity granularity: 16 chunks of 128 rows
 
 
@@ -123,7 +122,15 @@ class FrameSpec:
     @property
     def kv_bytes(self) -> int:
         """Bytes of the K and V buffers."""
-        return 2 * self.num_layers * self.num_streams * self.capacity * self.num_heads * self.head_dim * self.jnp_dtype.itemsize
+        return (
+            2
+            * self.num_layers
+            * self.num_streams
+            * self.capacity
+            * self.num_heads
+            * self.head_dim
+            * self.jnp_dtype.itemsize
+        )
 
-    def with_max_frames(self, max_frames: int) -> "FrameSpec":
+    def with_max_frames(self, max_frames: int) -> FrameSpec:
         return dataclasses.replace(self, max_frames=max_frames)

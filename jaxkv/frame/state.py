@@ -65,8 +65,14 @@ class FrameCacheState:
     def to_shard(self) -> FrameCacheState:
         """This device's part as a state of its own: its streams and heads, no layout."""
         lay = self.layout
-        return self.replace(spec=dataclasses.replace(self.spec, num_streams=self.spec.num_streams // lay.shards("streams"),
-                                                     num_heads=self.spec.num_heads // lay.shards("heads")), layout=None)
+        return self.replace(
+            spec=dataclasses.replace(
+                self.spec,
+                num_streams=self.spec.num_streams // lay.shards("streams"),
+                num_heads=self.spec.num_heads // lay.shards("heads"),
+            ),
+            layout=None,
+        )
 
     def from_shard(self, part: FrameCacheState) -> FrameCacheState:
         """A device's ``part`` (``to_shard``, updated) as its piece of this whole state."""
@@ -106,10 +112,26 @@ def specs(spec: FrameSpec, lay: Layout) -> FrameCacheState:
     kv = lay.spec("streams", None, "heads", None)
     per_stream = lay.spec("streams")
     return FrameCacheState(
-        k=(kv,) * spec.num_layers, v=(kv,) * spec.num_layers, token_id=lay.spec("streams", None),
-        **{f: per_stream for f in ("num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
-                                   "write_patch_row", "write_special_row", "error")},
-        spec=spec, layout=lay)
+        k=(kv,) * spec.num_layers,
+        v=(kv,) * spec.num_layers,
+        token_id=lay.spec("streams", None),
+        **{
+            f: per_stream
+            for f in (
+                "num_frames",
+                "num_scale",
+                "num_window",
+                "window_head",
+                "num_special",
+                "pending",
+                "write_patch_row",
+                "write_special_row",
+                "error",
+            )
+        },
+        spec=spec,
+        layout=lay,
+    )
 
 
 def _empty(spec: FrameSpec) -> FrameCacheState:
@@ -184,6 +206,9 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
         write_special_row=jnp.where(state.write_special_row == spec.trash_row, new.trash_row, state.write_special_row),
         spec=new,
     )
-    copies = {f.name: getattr(state, f.name).copy() for f in dataclasses.fields(state)
-              if f.name not in rebuilt and isinstance(getattr(state, f.name), jax.Array)}  # the counters
+    copies = {
+        f.name: getattr(state, f.name).copy()
+        for f in dataclasses.fields(state)
+        if f.name not in rebuilt and isinstance(getattr(state, f.name), jax.Array)
+    }  # the counters
     return state.replace(**copies, **rebuilt)

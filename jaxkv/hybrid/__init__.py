@@ -19,6 +19,7 @@ batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an
 stacked over layers, without a copy; ``HybridCache`` is the eager wrapper that raises on recorded faults.
 """
 
+from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.attention import (
     after_reads,
     attention,
@@ -26,10 +27,9 @@ from jaxkv.hybrid.attention import (
     sparse_attention,
     window_mask,
 )
-from jaxkv.hybrid.indexer import index_query, index_scores, index_topk
-from jaxkv.math.compressor import ref_pool_sequence
-from jaxkv.hybrid.eager import HybridCache
 from jaxkv.hybrid.config import CSA, HCA, SWA, V4_FLASH, V4_PRO, HybridConfig, bytes_per_token
+from jaxkv.hybrid.eager import HybridCache
+from jaxkv.hybrid.indexer import index_query, index_scores, index_topk
 from jaxkv.hybrid.ops import (
     CompressorParams,
     all_entries,
@@ -40,16 +40,48 @@ from jaxkv.hybrid.ops import (
     window_keys,
     write_window,
 )
-from jaxkv.stacked import Stacked
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
-from jaxkv.formats.storage import STORAGES
 from jaxkv.hybrid.views import LayerView, layer_view
+from jaxkv.math.compressor import ref_pool_sequence
+from jaxkv.stacked import Stacked
 
 __all__ = [
-    "after_reads", "attention", "BlockAllocator", "CSA", "LayerView", "layer_view", "CompressorParams", "HCA", "HybridCache", "HybridCacheState", "HybridConfig", "STORAGES", "SWA",
-    "Stacked", "Step", "V4_FLASH", "V4_PRO", "all_entries", "bytes_per_token", "causal_entry_mask", "compress",
-    "entry_count", "finish", "gather_entries", "index_keys", "index_query", "index_scores", "index_topk", "init",
-    "nbytes", "prepare_forward", "query_positions", "ref_pool_sequence", "sparse_attention", "window_keys",
-    "window_mask", "write_window",
+    "after_reads",
+    "attention",
+    "BlockAllocator",
+    "CSA",
+    "LayerView",
+    "layer_view",
+    "CompressorParams",
+    "HCA",
+    "HybridCache",
+    "HybridCacheState",
+    "HybridConfig",
+    "STORAGES",
+    "SWA",
+    "Stacked",
+    "Step",
+    "V4_FLASH",
+    "V4_PRO",
+    "all_entries",
+    "bytes_per_token",
+    "causal_entry_mask",
+    "compress",
+    "entry_count",
+    "finish",
+    "gather_entries",
+    "index_keys",
+    "index_query",
+    "index_scores",
+    "index_topk",
+    "init",
+    "nbytes",
+    "prepare_forward",
+    "query_positions",
+    "ref_pool_sequence",
+    "sparse_attention",
+    "window_keys",
+    "window_mask",
+    "write_window",
 ]

@@ -27,8 +27,15 @@ from jax import lax
 from jaxkv import _backend
 from jaxkv.formats.storage import pack_items
 from jaxkv.hybrid.config import CSA, HCA, SWA
-from jaxkv.hybrid.ops import (all_entries, check_layer, check_tokens, entry_address, gather_entries, ring_positions,
-                             window_keys)
+from jaxkv.hybrid.ops import (
+    all_entries,
+    check_layer,
+    check_tokens,
+    entry_address,
+    gather_entries,
+    ring_positions,
+    window_keys,
+)
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.kernels.launch import pool_splits
@@ -39,8 +46,18 @@ _HI = lax.Precision.HIGHEST
 OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
 
 
-def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=None, *, scale: float | None = None,
-              impl: str = "auto"):
+def attention(
+    state: HybridCacheState,
+    step: Step,
+    layer: int,
+    q,
+    sink,
+    kv,
+    idx=None,
+    *,
+    scale: float | None = None,
+    impl: str = "auto",
+):
     """Attention of the step's queries over layer ``layer`` of the cache.
 
     q: bf16[B, T, H, 512] (RoPE applied to the last 64 dims)
@@ -61,14 +78,26 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
     if sink.shape != (H,) or not jnp.issubdtype(sink.dtype, jnp.floating):
         raise ValueError(f"sink: expected float[{H}] (one logit per head), got {sink.dtype}{list(sink.shape)}")
     if kind == CSA:
-        if idx is None or jnp.ndim(idx) != 3 or jnp.shape(idx)[:2] != (B, T) or not jnp.issubdtype(
-                jnp.result_type(idx), jnp.integer):
-            raise ValueError(f"idx: a CSA layer expects int[{B}, {T}, k] entry indices (index_topk), got "
-                             f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}")
+        if (
+            idx is None
+            or jnp.ndim(idx) != 3
+            or jnp.shape(idx)[:2] != (B, T)
+            or not jnp.issubdtype(jnp.result_type(idx), jnp.integer)
+        ):
+            raise ValueError(
+                f"idx: a CSA layer expects int[{B}, {T}, k] entry indices (index_topk), got "
+                f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}"
+            )
     elif idx is not None:
         raise ValueError(f"idx: layer {layer} is {kind.upper()}, which attends to no picked entries; pass idx=None")
-    impl = _backend.choose("hybrid.attention", impl, heads=H, block_size=state.config.block_size,
-                            window=state.config.window, storage=state.config.storage)
+    impl = _backend.choose(
+        "hybrid.attention",
+        impl,
+        heads=H,
+        block_size=state.config.block_size,
+        window=state.config.window,
+        storage=state.config.storage,
+    )
     scale = float(state.config.head_dim**-0.5 if scale is None else scale)
     sink = sink.astype(jnp.float32)
     if impl == "xla":
@@ -77,8 +106,13 @@ def attention(state: HybridCacheState, step: Step, layer: int, q, sink, kv, idx=
         kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
         fn = functools.partial(_in_place, kernel=kernel)
     args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
-    return on_requests(lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
-                      state, *args, axes=("batch",) * len(args), out="batch")
+    return on_requests(
+        lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
+        state,
+        *args,
+        axes=("batch",) * len(args),
+        out="batch",
+    )
 
 
 def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
@@ -104,8 +138,9 @@ def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
             start = (jnp.int32(0),) * (pool.ndim - 1) + (i,)
             return lax.dynamic_update_slice(pool, lax.dynamic_slice(pool, start, (1,) * pool.ndim), start)
 
-        return st.replace(window=touch(st.window), entries=tuple(map(touch, st.entries)),
-                          index_keys=touch(st.index_keys))
+        return st.replace(
+            window=touch(st.window), entries=tuple(map(touch, st.entries)), index_keys=touch(st.index_keys)
+        )
 
     return on_requests(local, state, *outs, axes=("batch",) * len(outs), out="state")
 
@@ -239,8 +274,11 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     K = min(T, W)
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]
-    own_ids = (jnp.arange(B, dtype=jnp.int32)[:, None, None] * T + first[..., None]
-               + jnp.arange(K, dtype=jnp.int32)[None, None, :])  # [B, T, K]
+    own_ids = (
+        jnp.arange(B, dtype=jnp.int32)[:, None, None] * T
+        + first[..., None]
+        + jnp.arange(K, dtype=jnp.int32)[None, None, :]
+    )  # [B, T, K]
     own_count = (t - first + 1).reshape(N)
     own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
     parts.append((own, own_ids, own_count.astype(jnp.int32)))
@@ -249,10 +287,27 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     part_blocks = tuple(ids.shape[1] // BLOCK for _, ids, _ in parts)
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
-    out = kernel(q.reshape(N, H, D), pools, part_blocks, rows, nvalid, sink, storage=c.storage, scale=scale,
-                 splits=pool_splits(N, H, rows.shape[1] // BLOCK))
+    out = kernel(
+        q.reshape(N, H, D),
+        pools,
+        part_blocks,
+        rows,
+        nvalid,
+        sink,
+        storage=c.storage,
+        scale=scale,
+        splits=pool_splits(N, H, rows.shape[1] // BLOCK),
+    )
     return out.reshape(B, T, H, D)
 
 
-__all__ = ["after_reads", "attention", "causal_entry_mask", "entry_visible", "sparse_attention", "visible_entries",
-           "window_first", "window_mask"]
+__all__ = [
+    "after_reads",
+    "attention",
+    "causal_entry_mask",
+    "entry_visible",
+    "sparse_attention",
+    "visible_entries",
+    "window_first",
+    "window_mask",
+]

@@ -85,8 +85,10 @@ class HybridConfig:
                 f"rope_dim={self.rope_dim}"
             )
         if self.index_dim != INDEX_DIM:
-            raise ValueError(f"index_dim: expected {INDEX_DIM} (DeepSeek-V4's indexer key width, which the key "
-                             f"formats' flush and kernels are built for), got {self.index_dim}")
+            raise ValueError(
+                f"index_dim: expected {INDEX_DIM} (DeepSeek-V4's indexer key width, which the key "
+                f"formats' flush and kernels are built for), got {self.index_dim}"
+            )
         if self.pool_tokens is not None and self.pool_tokens <= 0:
             raise ValueError(f"pool_tokens: expected a positive int or None, got {self.pool_tokens}")
 

@@ -9,7 +9,9 @@ now and then).
 from __future__ import annotations
 
 from jaxkv.errors import check as _check
-from jaxkv.hybrid import ops, step as _step, state as _state
+from jaxkv.hybrid import ops
+from jaxkv.hybrid import state as _state
+from jaxkv.hybrid import step as _step
 from jaxkv.hybrid.config import HybridConfig
 
 

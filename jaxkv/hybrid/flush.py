@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv import _backend
-from jaxkv.kernels.flush_write import flush_write as flush_write_kernel, tail_state
+from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, write_items
+from jaxkv.kernels.flush_write import flush_write as flush_write_kernel
+from jaxkv.kernels.flush_write import tail_state
 from jaxkv.math.compressor import CUR_B, empty_tail
 from jaxkv.stacked import check_stacked, row
-from jaxkv.formats.storage import HEAD_DIM, INDEX_DIM, STORAGES, storage_name, write_items
 
 
 # --- validators -----------------------------------------------------------------------------
@@ -40,7 +41,7 @@ def check_impl(impl: str) -> str:
 
 
 def default_impl() -> str:
-    """"cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
+    """ "cuda" on a GPU with nvcc (a decode step's append + flush is one fused kernel per
     layer: docs/kernels/cache_writes.md), "xla" elsewhere; the same for both storage families."""
     return _backend.choose("hybrid.write", "auto")
 
@@ -48,8 +49,9 @@ def default_impl() -> str:
 def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
     fmt = STORAGES[storage_name(storage)]
     if pool.ndim != 3 or pool.dtype != jnp.uint8 or pool.shape[-1] % fmt.entry_bytes:
-        raise ValueError(f"pool: expected u8[layers, blocks, block_size * {fmt.entry_bytes}], "
-                         f"got {pool.dtype}{list(pool.shape)}")
+        raise ValueError(
+            f"pool: expected u8[layers, blocks, block_size * {fmt.entry_bytes}], got {pool.dtype}{list(pool.shape)}"
+        )
     if not isinstance(layer, (int, np.integer)) or not 0 <= layer < pool.shape[0]:
         raise ValueError(f"layer: expected a static int in [0, {pool.shape[0]}), got {layer!r}")
     check_stacked("x", x)
@@ -65,8 +67,9 @@ def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
         kb = fmt.index_key_bytes(INDEX_DIM)
         bs = pool.shape[-1] // fmt.entry_bytes
         if index_pool.dtype != jnp.uint8 or index_pool.shape != (*pool.shape[:2], bs * kb):
-            raise ValueError(f"index_pool: expected u8{[*pool.shape[:2], bs * kb]}, got "
-                             f"{index_pool.dtype}{list(index_pool.shape)}")
+            raise ValueError(
+                f"index_pool: expected u8{[*pool.shape[:2], bs * kb]}, got {index_pool.dtype}{list(index_pool.shape)}"
+            )
         if xi.shape != (n, INDEX_DIM) or xi.dtype != jnp.bfloat16:
             raise ValueError(f"xi: expected bf16[{n}, {INDEX_DIM}], got {xi.dtype}{list(xi.shape)}")
     return fmt
@@ -75,8 +78,9 @@ def _check_flush(pool, layer, x, block, slot, storage, index_pool, xi):
 def _check_tails(tails, tail_slot, streams):
     if tails.ndim != 4 or tails.dtype != jnp.float32 or tails.shape[1:3] != (streams, 3):
         what = "CSA" if streams == 3 else "HCA"
-        raise ValueError(f"tails: expected f32[R, {streams}, 3, width] (an {what} tail), got "
-                         f"{tails.dtype}{list(tails.shape)}")
+        raise ValueError(
+            f"tails: expected f32[R, {streams}, 3, width] (an {what} tail), got {tails.dtype}{list(tails.shape)}"
+        )
     if tail_slot.ndim != 1 or tail_slot.dtype != jnp.int32:
         raise ValueError(f"tail_slot: expected i32[B], got {tail_slot.dtype}{list(tail_slot.shape)}")
 
@@ -137,5 +141,14 @@ def hca_reset_state_cuda(tails, tail_slot):
     return tail_state(tails, tail_slot)
 
 
-__all__ = ["WRITERS", "check_impl", "csa_rotate_state_cuda", "default_impl", "flush_write_cuda", "hca_reset_state_cuda",
-           "ref_csa_rotate_state", "ref_flush_write", "ref_hca_reset_state"]
+__all__ = [
+    "WRITERS",
+    "check_impl",
+    "csa_rotate_state_cuda",
+    "default_impl",
+    "flush_write_cuda",
+    "hca_reset_state_cuda",
+    "ref_csa_rotate_state",
+    "ref_flush_write",
+    "ref_hca_reset_state",
+]

@@ -11,16 +11,16 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
-from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.formats import nvfp4_global_scale
+from jaxkv.formats.storage import as_bytes
 from jaxkv.hybrid.attention import causal_entry_mask, visible_entries
 from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
-from jaxkv.math.rotation import hadamard
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests
-from jaxkv.formats.storage import as_bytes
+from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
+from jaxkv.kernels.index_scores import index_scores as score_kernel
+from jaxkv.math.rotation import hadamard
 
 
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
@@ -52,8 +52,9 @@ def _index_query(state, q, impl):
 
 def _scores_impl(state, impl):
     c = state.config
-    return _backend.choose("hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim,
-                            block_size=c.block_size)
+    return _backend.choose(
+        "hybrid.index_scores", impl, index_heads=c.index_heads, index_dim=c.index_dim, block_size=c.block_size
+    )
 
 
 def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *, impl: str = "auto"):
@@ -69,8 +70,15 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *,
     """
     _check_scores(state, step, layer, q, weights)
     impl = _scores_impl(state, impl)
-    return on_requests(lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl), state, step, q, weights,
-                      axes=("batch",) * 3, out="batch")
+    return on_requests(
+        lambda st, step, q, w: _index_scores(st, step, layer, q, w, impl),
+        state,
+        step,
+        q,
+        weights,
+        axes=("batch",) * 3,
+        out="batch",
+    )
 
 
 def _check_scores(state, step, layer, q, weights):
@@ -78,8 +86,10 @@ def _check_scores(state, step, layer, q, weights):
     c = state.config
     B, T, H, D = q.shape
     if (B, D) != (step.slot.shape[0], c.index_dim) or weights.shape != (B, T, H):
-        raise ValueError(f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
-                         f"got {tuple(q.shape)} and {tuple(weights.shape)}")
+        raise ValueError(
+            f"q, weights: expected [B, T, H, {c.index_dim}] and [B, T, H] with B={step.slot.shape[0]}, "
+            f"got {tuple(q.shape)} and {tuple(weights.shape)}"
+        )
 
 
 def _index_scores(state, step, layer, q, weights, impl):
@@ -89,18 +99,25 @@ def _index_scores(state, step, layer, q, weights, impl):
     if impl == "pallas":
         g, j = state.group(layer)
         visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
-        s = score_kernel(q.reshape(B * T, H, D).astype(jnp.bfloat16), weights.reshape(B * T, H), state.index_keys,
-                         j, state.alloc[g].table[step.slot], visible.reshape(-1).astype(jnp.int32),
-                         storage=c.storage)
-        return s[:, :c.max_entries(ratio)].reshape(B, T, -1)
+        s = score_kernel(
+            q.reshape(B * T, H, D).astype(jnp.bfloat16),
+            weights.reshape(B * T, H),
+            state.index_keys,
+            j,
+            state.alloc[g].table[step.slot],
+            visible.reshape(-1).astype(jnp.int32),
+            storage=c.storage,
+        )
+        return s[:, : c.max_entries(ratio)].reshape(B, T, -1)
     keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]: exact products in f32, f32 sums
     dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
     s = jnp.sum(jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None], axis=2)
     return jnp.where(causal_entry_mask(keys.shape[1], step, T, ratio), s, -jnp.inf)
 
 
-def index_topk(state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *,
-               impl: str = "auto"):
+def index_topk(
+    state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *, impl: str = "auto"
+):
     """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
     best first. ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
     _check_scores(state, step, layer, q, weights)

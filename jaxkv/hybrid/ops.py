@@ -14,19 +14,19 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
+from jaxkv._pytree import cache_dataclass
+from jaxkv.errors import Fault, finite_rows, record
+from jaxkv.formats.storage import read_items
+from jaxkv.hybrid.config import CSA, HCA
+from jaxkv.hybrid.flush import WRITERS, check_impl
+from jaxkv.hybrid.state import HybridCacheState
+from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather
 from jaxkv.kernels.flush_write import window_write
-from jaxkv._pytree import cache_dataclass
-from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.math.compressor import finalize, fold_chunk, next_tail
-from jaxkv.hybrid.config import CSA, HCA
-from jaxkv.hybrid.flush import WRITERS, check_impl
 from jaxkv.math.rotation import rope_freqs
 from jaxkv.stacked import check_stacked, map_stack, row
-from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import Step, on_requests, query_positions
-from jaxkv.formats.storage import read_items
 
 
 @cache_dataclass
@@ -48,7 +48,9 @@ def check_layer(state: HybridCacheState, layer, kinds=None) -> str:
         raise ValueError(f"layer: expected a static int in [0, {c.num_layers}), got {layer!r}")
     kind = c.kind(layer)
     if kinds is not None and kind not in kinds:
-        raise ValueError(f"layer: expected a {' or '.join(k.upper() for k in kinds)} layer, layer {layer} is {kind.upper()}")
+        raise ValueError(
+            f"layer: expected a {' or '.join(k.upper() for k in kinds)} layer, layer {layer} is {kind.upper()}"
+        )
     return kind
 
 
@@ -62,8 +64,14 @@ def check_tokens(name, x, step: Step, width: int, dtypes=None):
 
 
 def freqs_of(config):
-    return rope_freqs(config.rope_dim, config.rope_theta, config.rope_factor, config.original_seq_len,
-                      config.beta_fast, config.beta_slow)
+    return rope_freqs(
+        config.rope_dim,
+        config.rope_theta,
+        config.rope_factor,
+        config.original_seq_len,
+        config.beta_fast,
+        config.beta_slow,
+    )
 
 
 # --- where a position and an entry sit ----------------------------------------------------------
@@ -108,8 +116,9 @@ def write_window(state: HybridCacheState, step: Step, layer: int, kv, *, impl: s
     impl = check_impl(impl)
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_requests(lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv,
-                      axes=("batch", "batch"))
+    return on_requests(
+        lambda st, step, kv: _write_window(st, step, layer, kv, impl), state, step, kv, axes=("batch", "batch")
+    )
 
 
 def _nonfinite_rows(step: Step, *xs):
@@ -126,15 +135,19 @@ def _nonfinite_rows(step: Step, *xs):
 def _record_rows(state, step: Step, rows, fault: Fault):
     """u32 error field with ``fault`` set on the requests of batch ``rows`` (bool[B])."""
     R = state.config.max_requests
-    return state.error.at[jnp.where(rows, step.slot, R + 1)].set(record(state.error[step.slot], True, fault),
-                                                                   mode="drop")
+    return state.error.at[jnp.where(rows, step.slot, R + 1)].set(
+        record(state.error[step.slot], True, fault), mode="drop"
+    )
 
 
 def _skip_rows(state, step: Step, bad):
     """The step without the ``bad`` rows (inactive, nothing written) and NONFINITE_KV on their
     requests: a replay of the valid writes only."""
-    step = step.replace(write_slot=jnp.where(bad, state.config.max_requests, step.write_slot),
-                        num_tokens=jnp.where(bad, 0, step.num_tokens), active=step.active & ~bad)
+    step = step.replace(
+        write_slot=jnp.where(bad, state.config.max_requests, step.write_slot),
+        num_tokens=jnp.where(bad, 0, step.num_tokens),
+        active=step.active & ~bad,
+    )
     return state.replace(error=_record_rows(state, step, bad, Fault.NONFINITE_KV)), step
 
 
@@ -142,8 +155,9 @@ def _write_window(state, step, layer, kv, impl):
     c = state.config
     B, T, _ = kv.shape
     if impl == "cuda" and T == 1:  # decode: one launch that also checks the tokens
-        ring, error = window_write(state.window, layer, kv, step.write_slot, step.start, step.num_tokens,
-                                   state.error, storage=c.storage)
+        ring, error = window_write(
+            state.window, layer, kv, step.write_slot, step.start, step.num_tokens, state.error, storage=c.storage
+        )
         return state.replace(window=ring, error=error)
     state, step = _skip_rows(state, step, _nonfinite_rows(step, kv))
     t = jnp.arange(T)[None, :]
@@ -152,8 +166,7 @@ def _write_window(state, step, layer, kv, impl):
     blk = jnp.where(valid, step.write_slot[:, None], c.max_requests).astype(jnp.int32)
     item = ring_item(query_positions(step, T), c.window).astype(jnp.int32)
     rows = map_stack(lambda a: a.reshape(a.shape[0], B * T, -1), kv)  # [B * T, head_dim]
-    ring = WRITERS[impl](state.window, layer, rows, blk.reshape(-1), item.reshape(-1),
-                         storage=c.storage)
+    ring = WRITERS[impl](state.window, layer, rows, blk.reshape(-1), item.reshape(-1), storage=c.storage)
     return state.replace(window=ring)
 
 
@@ -182,8 +195,17 @@ def _rows(x, bias, pos, ratio, overlap, width):
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames=("layer", "impl"))
-def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params: CompressorParams, index=None, *,
-             impl: str = "auto"):
+def compress(
+    state: HybridCacheState,
+    step: Step,
+    layer: int,
+    kv,
+    score,
+    params: CompressorParams,
+    index=None,
+    *,
+    impl: str = "auto",
+):
     """Append the step's compressor inputs to layer ``layer``'s tails and flush every
     window they complete, for all requests at once (masked; no host check).
 
@@ -213,18 +235,38 @@ def compress(state: HybridCacheState, step: Step, layer: int, kv, score, params:
     if not isinstance(params, CompressorParams):
         raise ValueError(f"params: expected the layer's CompressorParams(bias, norm), got {type(params).__name__}")
     if (index is None) == csa:
-        raise ValueError(f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
-                         f"{kind.upper()} and index is {'None' if index is None else 'given'}")
+        raise ValueError(
+            f"index: expected (kv, score, params) for a CSA layer and None for HCA; layer {layer} is "
+            f"{kind.upper()} and index is {'None' if index is None else 'given'}"
+        )
     ratio = c.compress_ratios[layer]
     _check_inputs(step, kv, score, params, ratio, csa, c.head_dim, "")
     if csa:
         ikv, iscore, iparams = index
         _check_inputs(step, ikv, iscore, iparams, ratio, True, c.index_dim, "index ")
-        return on_requests(lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
-            st, step, layer, kv, score, p, (ikv, iscore, ip), impl), state, step, kv, score, params, ikv, iscore,
-            iparams, axes=("batch", "batch", "batch", None, "batch", "batch", None))
-    return on_requests(lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
-                      state, step, kv, score, params, axes=("batch", "batch", "batch", None))
+        return on_requests(
+            lambda st, step, kv, score, p, ikv, iscore, ip: _compress(
+                st, step, layer, kv, score, p, (ikv, iscore, ip), impl
+            ),
+            state,
+            step,
+            kv,
+            score,
+            params,
+            ikv,
+            iscore,
+            iparams,
+            axes=("batch", "batch", "batch", None, "batch", "batch", None),
+        )
+    return on_requests(
+        lambda st, step, kv, score, p: _compress(st, step, layer, kv, score, p, None, impl),
+        state,
+        step,
+        kv,
+        score,
+        params,
+        axes=("batch", "batch", "batch", None),
+    )
 
 
 def _compress(state, step, layer, kv, score, params, index, impl):
@@ -252,7 +294,8 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     tails = state.tails[g]  # f32[Lg, R, streams, 3, width]
     tail = tails[j, step.slot]  # f32[B, streams, 3, width]
     wins, pooled, complete = jax.vmap(functools.partial(fold_chunk, ratio=ratio, overlap=csa))(
-        tail, kv_rows, z_rows, step.start, step.num_tokens)
+        tail, kv_rows, z_rows, step.start, step.num_tokens
+    )
     new_tail = jax.vmap(functools.partial(next_tail, ratio=ratio, overlap=csa))(tail, wins, step.start, step.num_tokens)
     tails = tails.at[j, step.write_slot].set(new_tail, mode="drop")
 
@@ -264,14 +307,32 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     blk = jnp.where(write & (blk >= 0), blk, al.free.shape[0]).reshape(-1).astype(jnp.int32)
     slot = slot.reshape(-1).astype(jnp.int32)
     freqs = freqs_of(c)
-    x = finalize(pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False)
+    x = finalize(
+        pooled[..., : c.head_dim], entry, ratio, params.norm.astype(jnp.float32), freqs, c.norm_eps, c.rope_dim, False
+    )
     write = WRITERS[impl]
     new = dict(tails=_put(state.tails, g, tails))
     if csa:
-        xi = finalize(pooled[..., c.head_dim:], entry, ratio, iparams.norm.astype(jnp.float32), freqs, c.norm_eps,
-                      c.rope_dim, True)
-        entries, new["index_keys"] = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage,
-                                           index_pool=state.index_keys, xi=xi.reshape(B * nw, -1))
+        xi = finalize(
+            pooled[..., c.head_dim :],
+            entry,
+            ratio,
+            iparams.norm.astype(jnp.float32),
+            freqs,
+            c.norm_eps,
+            c.rope_dim,
+            True,
+        )
+        entries, new["index_keys"] = write(
+            state.entries[g],
+            j,
+            x.reshape(B * nw, -1),
+            blk,
+            slot,
+            storage=c.storage,
+            index_pool=state.index_keys,
+            xi=xi.reshape(B * nw, -1),
+        )
     else:
         entries = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage)
     new["entries"] = _put(state.entries, g, entries)
@@ -289,12 +350,27 @@ def _compress_decode(state, step, layer, kv, score, params, index):
     if csa:
         ikv, iscore, iparams = index
         extra = dict(index=(token(ikv), token(iscore), iparams.bias, iparams.norm), index_pool=state.index_keys)
-    out = compress_decode(state.tails[g], token(kv), token(score), params.bias, params.norm, step.slot,
-                          step.write_slot, step.start, step.num_tokens, state.alloc[g].table, state.entries[g],
-                          state.error, jnp.asarray(freqs_of(c)), layer=j, ratio=c.compress_ratios[layer],
-                          eps=c.norm_eps, storage=c.storage, **extra)
-    new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]),
-               error=out[-1])
+    out = compress_decode(
+        state.tails[g],
+        token(kv),
+        token(score),
+        params.bias,
+        params.norm,
+        step.slot,
+        step.write_slot,
+        step.start,
+        step.num_tokens,
+        state.alloc[g].table,
+        state.entries[g],
+        state.error,
+        jnp.asarray(freqs_of(c)),
+        layer=j,
+        ratio=c.compress_ratios[layer],
+        eps=c.norm_eps,
+        storage=c.storage,
+        **extra,
+    )
+    new = dict(tails=_put(state.tails, g, out[0]), entries=_put(state.entries, g, out[1]), error=out[-1])
     if csa:
         new["index_keys"] = out[2]
     return state.replace(**new)
@@ -305,7 +381,7 @@ def _row_params(p: CompressorParams) -> CompressorParams:
 
 
 def _put(tup, i, x):
-    return tup[:i] + (x,) + tup[i + 1:]
+    return tup[:i] + (x,) + tup[i + 1 :]
 
 
 # --- reads ------------------------------------------------------------------------------------------
@@ -321,8 +397,14 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     """
     check_layer(state, layer)
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    return on_requests(lambda st, step, kv: _window_keys(st, step, layer, kv, impl), state, step, kv,
-                      axes=("batch", "batch"), out=("batch", "batch"))
+    return on_requests(
+        lambda st, step, kv: _window_keys(st, step, layer, kv, impl),
+        state,
+        step,
+        kv,
+        axes=("batch", "batch"),
+        out=("batch", "batch"),
+    )
 
 
 def _window_keys(state, step, layer, kv, impl):
@@ -332,8 +414,9 @@ def _window_keys(state, step, layer, kv, impl):
     j = jnp.arange(c.window)[None, :]
     ring_pos = ring_positions(step, c.window)
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
-    ring = _read(state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage,
-                 _gather_impl(impl))
+    ring = _read(
+        state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage, _gather_impl(impl)
+    )
     own = fmt.entry.decode(fmt.entry.encode(row(kv)))
     t = jnp.arange(T)[None, :]
     own_pos = jnp.where(t < step.num_tokens[:, None], query_positions(step, T), -1)
@@ -372,14 +455,25 @@ def gather_entries(state: HybridCacheState, step: Step, layer: int, idx, *, impl
     (cuda on a GPU with nvcc, else xla)."""
     check_layer(state, layer, (CSA, HCA))
     if not jnp.issubdtype(jnp.result_type(idx), jnp.integer):
-        raise ValueError(f"idx: expected an integer array of entry indices (-1: none), got dtype {jnp.result_type(idx)}")
+        raise ValueError(
+            f"idx: expected an integer array of entry indices (-1: none), got dtype {jnp.result_type(idx)}"
+        )
     impl = _gather_impl(impl)
 
     def local(state, step, idx):
         c = state.config
         g, j = state.group(layer)
-        return _gather(state.entries[g], j, state.alloc[g].table, step.slot, idx, c.storage_format.entry, c.block_size,
-                       c.storage, impl)
+        return _gather(
+            state.entries[g],
+            j,
+            state.alloc[g].table,
+            step.slot,
+            idx,
+            c.storage_format.entry,
+            c.block_size,
+            c.storage,
+            impl,
+        )
 
     return on_requests(local, state, step, idx, axes=("batch", "batch"), out="batch")
 
@@ -405,12 +499,31 @@ def index_keys(state: HybridCacheState, step: Step, layer: int):
         e = jnp.arange(c.max_entries(ratio))[None, :]
         idx = jnp.where(e < cnt[:, None], e, -1)
         g, j = state.group(layer)
-        keys = _gather(state.index_keys, j, state.alloc[g].table, step.slot, idx,
-                       c.storage_format.index_key(c.index_dim), c.block_size, c.storage)
+        keys = _gather(
+            state.index_keys,
+            j,
+            state.alloc[g].table,
+            step.slot,
+            idx,
+            c.storage_format.index_key(c.index_dim),
+            c.block_size,
+            c.storage,
+        )
         return keys, cnt
 
     return on_requests(local, state, step, axes=("batch",), out=("batch", "batch"))
 
 
-__all__ = ["CompressorParams", "all_entries", "compress", "entry_address", "entry_count", "gather_entries",
-           "index_keys", "ring_item", "ring_positions", "window_keys", "write_window"]
+__all__ = [
+    "CompressorParams",
+    "all_entries",
+    "compress",
+    "entry_address",
+    "entry_count",
+    "gather_entries",
+    "index_keys",
+    "ring_item",
+    "ring_positions",
+    "window_keys",
+    "write_window",
+]

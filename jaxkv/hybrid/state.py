@@ -41,9 +41,9 @@ import numpy as np
 
 from jaxkv import sharding
 from jaxkv._pytree import cache_dataclass, static_field
-from jaxkv.sharding import Layout
-from jaxkv.math.compressor import empty_tail
 from jaxkv.hybrid.config import HybridConfig
+from jaxkv.math.compressor import empty_tail
+from jaxkv.sharding import Layout
 
 
 @cache_dataclass
@@ -62,7 +62,7 @@ class BlockAllocator:
     owned: jnp.ndarray
 
     @staticmethod
-    def create(num_blocks: int, requests: int, max_blocks: int) -> "BlockAllocator":
+    def create(num_blocks: int, requests: int, max_blocks: int) -> BlockAllocator:
         return BlockAllocator(
             free=jnp.arange(num_blocks, dtype=jnp.int32),
             num_free=jnp.asarray(num_blocks, jnp.int32),
@@ -90,7 +90,9 @@ class HybridCacheState:
         n = R // self.layout.shards("requests")
         shard, j = divmod(i, n + 1)
         if j == n:
-            return f"batch row with a bad slot on data shard {shard} (out of range, repeated, or owned by another shard)"
+            return (
+                f"batch row with a bad slot on data shard {shard} (out of range, repeated, or owned by another shard)"
+            )
         return f"request slot {shard * n + j}"
 
     def group(self, layer: int) -> tuple[int, int]:
@@ -164,14 +166,21 @@ def _is_spec(x) -> bool:
 
 def logical_axes(config: HybridConfig, lay: Layout | None = None) -> HybridCacheState:
     """The logical axes (``jaxkv.sharding``) of every array, as a state of PartitionSpecs."""
+
     def req(ndim, axis=0):
         return jax.sharding.PartitionSpec(*("requests" if i == axis else None for i in range(ndim)))
 
     return HybridCacheState(
-        position=req(1), error=req(1), window=req(3, 1), tails=tuple(req(5, 1) for _ in config.ratios),
-        entries=tuple(req(3, 1) for _ in config.ratios), index_keys=req(3, 1),
+        position=req(1),
+        error=req(1),
+        window=req(3, 1),
+        tails=tuple(req(5, 1) for _ in config.ratios),
+        entries=tuple(req(3, 1) for _ in config.ratios),
+        index_keys=req(3, 1),
         alloc=tuple(BlockAllocator(free=req(1), num_free=req(1), table=req(2), owned=req(1)) for _ in config.ratios),
-        config=config, layout=lay)
+        config=config,
+        layout=lay,
+    )
 
 
 def specs(config: HybridConfig, lay: Layout) -> HybridCacheState:
@@ -196,9 +205,12 @@ def _empty(config: HybridConfig) -> HybridCacheState:
         error=jnp.zeros((R + 1,), jnp.uint32),
         window=jnp.zeros((c.num_layers, R, c.window * fmt.entry_bytes), jnp.uint8),
         tails=tuple(tails(r) for r in c.ratios),
-        entries=tuple(jnp.zeros((_layers_of(c, r), c.num_blocks(r), c.block_size * fmt.entry_bytes), jnp.uint8)
-                      for r in c.ratios),
-        index_keys=jnp.zeros((n_csa, c.num_blocks(c.indexer_ratio) if n_csa else 0, c.block_size * key_bytes), jnp.uint8),
+        entries=tuple(
+            jnp.zeros((_layers_of(c, r), c.num_blocks(r), c.block_size * fmt.entry_bytes), jnp.uint8) for r in c.ratios
+        ),
+        index_keys=jnp.zeros(
+            (n_csa, c.num_blocks(c.indexer_ratio) if n_csa else 0, c.block_size * key_bytes), jnp.uint8
+        ),
         alloc=tuple(BlockAllocator.create(c.num_blocks(r), R, c.max_blocks_per_request(r)) for r in c.ratios),
         config=c,
     )

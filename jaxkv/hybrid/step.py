@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec
 
 from jaxkv._pytree import cache_dataclass
 from jaxkv.errors import Fault, record
-from jaxkv.math.compressor import empty_tail
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState
+from jaxkv.math.compressor import empty_tail
 from jaxkv.sharding import on_devices
 from jaxkv.stacked import Stacked
 
@@ -85,6 +85,7 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
             if to_local:
                 return x.replace(slot=x.slot - base, write_slot=jnp.where(x.write_slot >= R, Rl, x.write_slot - base))
             return x.replace(slot=x.slot + base, write_slot=jnp.where(x.write_slot >= Rl, R, x.write_slot + base))
+
         return jax.tree_util.tree_map(convert, tree, is_leaf=is_step)
 
     def on_shard(st, *a):
@@ -99,8 +100,13 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
             return Stacked(PartitionSpec(None, "requests"), x.index)
         return ("requests",)
 
-    return on_devices(on_shard, state, *args, axes=tuple(logical(k, x) for k, x in zip(axes, args)),
-                      out=[logical(k) for k in out] if isinstance(out, tuple) else logical(out))
+    return on_devices(
+        on_shard,
+        state,
+        *args,
+        axes=tuple(logical(k, x) for k, x in zip(axes, args)),
+        out=[logical(k) for k in out] if isinstance(out, tuple) else logical(out),
+    )
 
 
 def _check_batch(state, B: int):
@@ -199,11 +205,17 @@ def _prepare(state, slots, positions, n, *, chunk):
         )
 
     err = state.error.at[R].set(
-        record(record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED)
+        record(
+            record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED
+        )
     )
     row_err = err[slot]
-    for mask, fault in ((backwards, Fault.POSITION_BACKWARDS), (gap, Fault.POSITION_GAP),
-                        (bad_n, Fault.CONTEXT_EXHAUSTED), (pool_short, Fault.POOL_EXHAUSTED)):
+    for mask, fault in (
+        (backwards, Fault.POSITION_BACKWARDS),
+        (gap, Fault.POSITION_GAP),
+        (bad_n, Fault.CONTEXT_EXHAUSTED),
+        (pool_short, Fault.POOL_EXHAUSTED),
+    ):
         row_err = record(row_err, mask, fault)
     own = jnp.where(in_range & ~repeated, slot, R + 1)  # unique slots only; others drop
     err = err.at[own].set(row_err, mode="drop")
@@ -264,8 +276,11 @@ def _finish(state, slots, mine):
             )
         )
     err = state.error.at[R].set(
-        record(record(state.error[R], jnp.any(mine & ~in_range), Fault.SLOT_OUT_OF_RANGE),
-               jnp.any(mine & in_range & ~ok), Fault.SLOT_REPEATED)
+        record(
+            record(state.error[R], jnp.any(mine & ~in_range), Fault.SLOT_OUT_OF_RANGE),
+            jnp.any(mine & in_range & ~ok),
+            Fault.SLOT_REPEATED,
+        )
     )
 
     def reset(t):  # f32[Lg, R, streams, 3, w]

@@ -52,6 +52,16 @@ def layer_view(state: HybridCacheState, step: Step, layer: int) -> LayerView:
     if kind == SWA:
         return LayerView(kind, 0, layer, state.window, step.slot, step.start, None, None, -1, None, None)
     g, j = state.group(layer)
-    return LayerView(kind, ratio, layer, state.window, step.slot, step.start, state.entries[g],
-                     state.index_keys if kind == CSA else None, j, state.alloc[g].table[step.slot],
-                     entry_count(step, ratio))
+    return LayerView(
+        kind,
+        ratio,
+        layer,
+        state.window,
+        step.slot,
+        step.start,
+        state.entries[g],
+        state.index_keys if kind == CSA else None,
+        j,
+        state.alloc[g].table[step.slot],
+        entry_count(step, ratio),
+    )

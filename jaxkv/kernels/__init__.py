@@ -29,18 +29,39 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
 """
 
-from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.compress_decode import compress_decode
+from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import flush_write, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 from jaxkv.kernels.index_scores import index_scores, ref_index_scores
-from jaxkv.kernels.pool_attention import (pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas,
-                                          ref_pool_attention)
+from jaxkv.kernels.pool_attention import (
+    pool_attention_cuda,
+    pool_attention_flashmla,
+    pool_attention_pallas,
+    ref_pool_attention,
+)
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
 
-__all__ = ["compress_decode", "dequant_gather", "flush_write", "index_scores", "pool_attention_cuda",
-           "pool_attention_flashmla", "pool_attention_pallas",
-           "prefix_attention", "prefix_attention_cuda", "quantize_mxfp4", "quantize_nvfp4", "ref_dequant_gather",
-           "ref_index_scores", "ref_pool_attention", "ref_prefix_attention", "ref_quantize_mxfp4", "ref_quantize_nvfp4",
-           "ref_write_frame", "window_write", "write_frame"]
+__all__ = [
+    "compress_decode",
+    "dequant_gather",
+    "flush_write",
+    "index_scores",
+    "pool_attention_cuda",
+    "pool_attention_flashmla",
+    "pool_attention_pallas",
+    "prefix_attention",
+    "prefix_attention_cuda",
+    "quantize_mxfp4",
+    "quantize_nvfp4",
+    "ref_dequant_gather",
+    "ref_index_scores",
+    "ref_pool_attention",
+    "ref_prefix_attention",
+    "ref_quantize_mxfp4",
+    "ref_quantize_nvfp4",
+    "ref_write_frame",
+    "window_write",
+    "write_frame",
+]

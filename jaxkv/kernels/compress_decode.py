@@ -46,12 +46,15 @@ import numpy as np
 
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.errors import Fault
-from jaxkv.formats.storage import HEAD_DIM as HEAD, INDEX_DIM as INDEX, entry_bytes, key_bytes, storage_name
+from jaxkv.formats.storage import HEAD_DIM as HEAD
+from jaxkv.formats.storage import INDEX_DIM as INDEX
+from jaxkv.formats.storage import entry_bytes, key_bytes, storage_name
 from jaxkv.stacked import as_flat, check_stacked
 
 
-def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, *, layer, ratio, index, index_pool,
-                          storage):
+def check_compress_decode(
+    tails, kv, score, bias, norm, slot, table, pool, error, *, layer, ratio, index, index_pool, storage
+):
     """Shapes and dtypes of ``compress_decode``'s arguments: ValueError naming the argument."""
     csa = index is not None
     streams, width, coff = (3, HEAD + INDEX, 2) if csa else (1, HEAD, 1)
@@ -64,18 +67,23 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
 
     floats = (jnp.float32, jnp.bfloat16)
     for name, x in (("kv", kv), ("score", score), ("bias", bias), ("norm", norm)) + tuple(
-            zip(("index kv", "index score", "index bias", "index norm"), index or ())):
+        zip(("index kv", "index score", "index bias", "index norm"), index or ())
+    ):
         check_stacked(name, x)
     if tails.ndim != 5:
         raise ValueError(f"tails: expected f32[layers, R, {streams}, 3, {width}], got {tails.dtype}{list(tails.shape)}")
     L, R = tails.shape[:2]
     want("tails", tails, (L, R, streams, 3, width), (jnp.float32,))
     if not 0 <= layer < L or pool.ndim != 3 or pool.shape[0] != L:
-        raise ValueError(f"layer: expected a static int in [0, {L}) indexing tails and pool alike, got {layer} with "
-                         f"pool {list(pool.shape)}")
+        raise ValueError(
+            f"layer: expected a static int in [0, {L}) indexing tails and pool alike, got {layer} with "
+            f"pool {list(pool.shape)}"
+        )
     E = entry_bytes(storage_name(storage))
     if pool.dtype != jnp.uint8 or pool.shape[2] % E:
-        raise ValueError(f"pool: expected u8[{L}, NB, bs * {E}] ({storage} storage), got {pool.dtype}{list(pool.shape)}")
+        raise ValueError(
+            f"pool: expected u8[{L}, NB, bs * {E}] ({storage} storage), got {pool.dtype}{list(pool.shape)}"
+        )
     want("kv", kv, (B, coff * HEAD), floats)
     want("score", score, (B, coff * HEAD), floats)
     want("bias", bias, (ratio, coff * HEAD), (jnp.float32,))
@@ -93,27 +101,107 @@ def check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error
         want("index norm", inorm, (INDEX,), (jnp.float32,))
         if index_pool is None:
             raise ValueError("index_pool: expected the CSA layer's indexer-key pool with index, got None")
-        want("index_pool", index_pool, (*pool.shape[:2], pool.shape[2] // E * key_bytes(storage_name(storage))), (jnp.uint8,))
+        want(
+            "index_pool",
+            index_pool,
+            (*pool.shape[:2], pool.shape[2] // E * key_bytes(storage_name(storage))),
+            (jnp.uint8,),
+        )
 
 
-def compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
-                    layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None):
+def compress_decode(
+    tails,
+    kv,
+    score,
+    bias,
+    norm,
+    slot,
+    write_slot,
+    start,
+    num_tokens,
+    table,
+    pool,
+    error,
+    freqs,
+    *,
+    layer: int,
+    ratio: int,
+    eps: float,
+    storage: str,
+    index=None,
+    index_pool=None,
+):
     """The kernel. ``index = (ikv, iscore, ibias, inorm)`` for a CSA layer (with
     ``index_pool``), None for HCA. Each of kv, score, bias, norm and the index tuple may
     be a ``jaxkv.stacked.Stacked`` row, read in place. Returns ``(tails, pool, error)`` or,
     for CSA, ``(tails, pool, index_pool, error)``, all updated in place. Needs a GPU and
     nvcc (the first use builds ``cuda/``)."""
-    return _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error,
-                            freqs, layer=layer, ratio=ratio, eps=eps, storage=storage_name(storage), index=index,
-                            index_pool=index_pool)
+    return _compress_decode(
+        tails,
+        kv,
+        score,
+        bias,
+        norm,
+        slot,
+        write_slot,
+        start,
+        num_tokens,
+        table,
+        pool,
+        error,
+        freqs,
+        layer=layer,
+        ratio=ratio,
+        eps=eps,
+        storage=storage_name(storage),
+        index=index,
+        index_pool=index_pool,
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "ratio", "eps", "storage"),
-                   donate_argnames=("tails", "pool", "index_pool", "error"))
-def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_tokens, table, pool, error, freqs, *,
-                     layer: int, ratio: int, eps: float, storage: str, index=None, index_pool=None):
-    check_compress_decode(tails, kv, score, bias, norm, slot, table, pool, error, layer=layer, ratio=ratio,
-                          index=index, index_pool=index_pool, storage=storage)
+@functools.partial(
+    jax.jit,
+    static_argnames=("layer", "ratio", "eps", "storage"),
+    donate_argnames=("tails", "pool", "index_pool", "error"),
+)
+def _compress_decode(
+    tails,
+    kv,
+    score,
+    bias,
+    norm,
+    slot,
+    write_slot,
+    start,
+    num_tokens,
+    table,
+    pool,
+    error,
+    freqs,
+    *,
+    layer: int,
+    ratio: int,
+    eps: float,
+    storage: str,
+    index=None,
+    index_pool=None,
+):
+    check_compress_decode(
+        tails,
+        kv,
+        score,
+        bias,
+        norm,
+        slot,
+        table,
+        pool,
+        error,
+        layer=layer,
+        ratio=ratio,
+        index=index,
+        index_pool=index_pool,
+        storage=storage,
+    )
     csa = index is not None
     register_ffi_targets()
     names = ("kv", "score", "bias", "norm") + (("ikv", "iscore", "ibias", "inorm") if csa else ())
@@ -121,14 +209,25 @@ def _compress_decode(tails, kv, score, bias, norm, slot, write_slot, start, num_
     operands = [as_flat(x, d) for x, d in zip((kv, score, bias, norm) + (tuple(index) if csa else ()), dtypes)]
     aliased = (tails, pool) + ((index_pool,) if csa else ()) + (error,)
     steps = [a.astype(jnp.int32) for a in (slot, write_slot, start, num_tokens)]
-    call = jax.ffi.ffi_call("jaxkv_compress_decode_" + ("csa" if csa else "hca"),
-                            tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased),
-                            input_output_aliases={n: n for n in range(len(aliased))})
-    return call(*aliased, *(a for a, _ in operands), jnp.asarray(freqs, jnp.float32), *steps, table,
-                layer=np.int32(layer), ratio=np.int32(ratio), eps=np.float32(eps),
-                storage=np.int32(STORAGE_CODES[storage]), fault=np.int32(int(Fault.POOL_EXHAUSTED)),
-                nonfinite=np.int32(int(Fault.NONFINITE_KV)),
-                **{f"{n}_offset": np.int64(off) for n, (_, off) in zip(names, operands)})
+    call = jax.ffi.ffi_call(
+        "jaxkv_compress_decode_" + ("csa" if csa else "hca"),
+        tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in aliased),
+        input_output_aliases={n: n for n in range(len(aliased))},
+    )
+    return call(
+        *aliased,
+        *(a for a, _ in operands),
+        jnp.asarray(freqs, jnp.float32),
+        *steps,
+        table,
+        layer=np.int32(layer),
+        ratio=np.int32(ratio),
+        eps=np.float32(eps),
+        storage=np.int32(STORAGE_CODES[storage]),
+        fault=np.int32(int(Fault.POOL_EXHAUSTED)),
+        nonfinite=np.int32(int(Fault.NONFINITE_KV)),
+        **{f"{n}_offset": np.int64(off) for n, (_, off) in zip(names, operands)},
+    )
 
 
 __all__ = ["check_compress_decode", "compress_decode"]

@@ -48,16 +48,23 @@ def dequant_gather(pool, layer: int, block, slot, *, storage: str = "official"):
     L, nb, w = pool.shape
     E = entry_bytes(storage)
     if pool.dtype != jnp.uint8 or w % E:
-        raise ValueError(f"pool: expected u8[layers, blocks, block_size * {E}] ({storage} storage), got "
-                         f"{pool.dtype}{list(pool.shape)}")
+        raise ValueError(
+            f"pool: expected u8[layers, blocks, block_size * {E}] ({storage} storage), got "
+            f"{pool.dtype}{list(pool.shape)}"
+        )
     if not 0 <= layer < L:
         raise ValueError(f"layer: expected 0 <= layer < {L}, got {layer}")
     if block.ndim != 1 or slot.shape != block.shape:
         raise ValueError(f"block, slot: expected two int[M] alike, got {list(block.shape)} and {list(slot.shape)}")
     register_ffi_targets()
     return jax.ffi.ffi_call("jaxkv_dequant_gather", jax.ShapeDtypeStruct((block.shape[0], HEAD_DIM), jnp.bfloat16))(
-        pool, block.astype(jnp.int32), slot.astype(jnp.int32), layer=np.int32(layer), block_size=np.int32(w // E),
-        storage=np.int32(STORAGE_CODES[storage]))
+        pool,
+        block.astype(jnp.int32),
+        slot.astype(jnp.int32),
+        layer=np.int32(layer),
+        block_size=np.int32(w // E),
+        storage=np.int32(STORAGE_CODES[storage]),
+    )
 
 
 __all__ = ["dequant_gather", "ref_dequant_gather"]

@@ -39,14 +39,20 @@ def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=No
     ``(pool, index_pool)`` for CSA. Needs a GPU and nvcc (the first use builds ``cuda/``)."""
     storage = storage_name(storage)
     register_ffi_targets()
-    attrs = dict(layer=np.int32(layer), block_size=np.int32(pool.shape[-1] // entry_bytes(storage)),
-                 storage=np.int32(STORAGE_CODES[storage]))
+    attrs = dict(
+        layer=np.int32(layer),
+        block_size=np.int32(pool.shape[-1] // entry_bytes(storage)),
+        storage=np.int32(STORAGE_CODES[storage]),
+    )
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype)
     if index_pool is None:
-        return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(pool, x, block, slot, **attrs)
+        return jax.ffi.ffi_call("jaxkv_flush_write_hca", out, input_output_aliases={0: 0})(
+            pool, x, block, slot, **attrs
+        )
     outs = (out, jax.ShapeDtypeStruct(index_pool.shape, index_pool.dtype))
     return jax.ffi.ffi_call("jaxkv_flush_write_csa", outs, input_output_aliases={0: 0, 1: 1})(
-        pool, index_pool, x, xi, block, slot, **attrs)
+        pool, index_pool, x, xi, block, slot, **attrs
+    )
 
 
 def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, storage: str):
@@ -61,9 +67,18 @@ def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, s
     flat, offset = as_flat(x)
     outs = (jax.ShapeDtypeStruct(ring.shape, ring.dtype), jax.ShapeDtypeStruct(error.shape, error.dtype))
     return jax.ffi.ffi_call("jaxkv_window_write", outs, input_output_aliases={0: 0, 1: 1})(
-        ring, error, flat, write_slot, start, num_tokens, layer=np.int32(layer),
-        window=np.int32(ring.shape[-1] // entry_bytes(storage)), storage=np.int32(STORAGE_CODES[storage]),
-        fault=np.int32(int(Fault.NONFINITE_KV)), x_offset=np.int64(offset))
+        ring,
+        error,
+        flat,
+        write_slot,
+        start,
+        num_tokens,
+        layer=np.int32(layer),
+        window=np.int32(ring.shape[-1] // entry_bytes(storage)),
+        storage=np.int32(STORAGE_CODES[storage]),
+        fault=np.int32(int(Fault.NONFINITE_KV)),
+        x_offset=np.int64(offset),
+    )
 
 
 def tail_state(tails, tail_slot):
@@ -72,7 +87,8 @@ def tail_state(tails, tail_slot):
     register_ffi_targets()
     name = "jaxkv_csa_rotate_state" if tails.shape[1] == 3 else "jaxkv_hca_reset_state"
     return jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(tails.shape, tails.dtype), input_output_aliases={0: 0})(
-        tails, tail_slot)
+        tails, tail_slot
+    )
 
 
 __all__ = ["flush_write", "tail_state", "window_write"]

@@ -45,8 +45,10 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
         if r.shape != (B,) or r.dtype != jnp.int32:
             raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
     if not 0 <= num_special <= tpf or page_size < tpf - num_special:
-        raise ValueError(f"num_special, page_size: expected 0 <= {num_special} <= {tpf} and page_size >= "
-                         f"{tpf - num_special} patches, got page_size {page_size}")
+        raise ValueError(
+            f"num_special, page_size: expected 0 <= {num_special} <= {tpf} and page_size >= "
+            f"{tpf - num_special} patches, got page_size {page_size}"
+        )
 
 
 def write_rows(buf, x, special_row, patch_row, *, num_special: int, page_size: int):
@@ -71,8 +73,9 @@ def write_rows(buf, x, special_row, patch_row, *, num_special: int, page_size: i
 def ref_write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: int, page_size: int):
     """The jnp reference (``jaxkv.frame``'s XLA path): ``write_rows`` on every buffer."""
     _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
-    put = functools.partial(write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special,
-                            page_size=page_size)
+    put = functools.partial(
+        write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special, page_size=page_size
+    )
     return tuple(map(put, k_bufs, k)), tuple(map(put, v_bufs, v))
 
 
@@ -87,8 +90,7 @@ def _runs(num_special: int, page_size: int, tpf: int, rows: int):
     return tuple((src, anchor, off, n, min(rows, n)) for src, anchor, off, n in runs if n > 0)
 
 
-def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int, page_size: int, R: int,
-                        slots: int):
+def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int, page_size: int, R: int, slots: int):
     # k, v: dtype[L, B, tpf, hd]; special_row, patch_row: i32[B];
     # bufs: 2L refs dtype[B, T, hd], written in place
     import jax.experimental.pallas as pl
@@ -105,7 +107,7 @@ def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int,
     zero_alloc = max(-(-zero_rows // unit) * unit, 1)
 
     def body(special_ref, patch_ref, k_ref, v_ref, *refs):
-        outs, (stage, zeros, ready) = refs[:2 * L], refs[2 * L]
+        outs, (stage, zeros, ready) = refs[: 2 * L], refs[2 * L]
         i, s = lax.axis_index("buffer"), lax.axis_index("split")
         if zero_rows:
             zeros[...] = jnp.zeros(zeros.shape, zeros.dtype)
@@ -123,12 +125,17 @@ def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int,
                         first = jnp.minimum((g - firsts[r]) * c, n - c)
                         base = anchors[anchor] + off
                         pl.when((g >= firsts[r]) & (g < firsts[r + 1]))(
-                            functools.partial(issue, q, src_row, c, first, base, src, dst))
+                            functools.partial(issue, q, src_row, c, first, base, src, dst)
+                        )
 
             def load(q, src_row, c, first, base, src, dst):
                 if src_row is not None:
-                    plgpu.copy_gmem_to_smem(src.at[pl.ds(src_row + first, c)], stage.at[q, pl.ds(0, c)],
-                                            ready.at[q], oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
+                    plgpu.copy_gmem_to_smem(
+                        src.at[pl.ds(src_row + first, c)],
+                        stage.at[q, pl.ds(0, c)],
+                        ready.at[q],
+                        oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS,
+                    )
 
             def store(q, src_row, c, first, base, src, dst):
                 if src_row is None:
@@ -144,12 +151,19 @@ def _write_frame_kernel(k, v, special_row, patch_row, bufs, *, num_special: int,
                 chunks(store, anchors)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the stage may go; the writes land by kernel end
 
-    scratch = (plgpu.SMEM((slots, R, hd), k.dtype), plgpu.SMEM((zero_alloc, hd), k.dtype),
-               plgpu.Barrier(num_arrivals=1, num_barriers=slots))
+    scratch = (
+        plgpu.SMEM((slots, R, hd), k.dtype),
+        plgpu.SMEM((zero_alloc, hd), k.dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=slots),
+    )
     # pl.kernel, not plgpu.kernel: the latter's vmap wrapper does not take Ref operands (jax 0.10)
     mesh = plgpu.Mesh(grid=(2 * L * B, splits), grid_names=("buffer", "split"))
-    pl.kernel(lambda *refs: pl.run_scoped(lambda *s: body(*refs, s), *scratch), out_type=(), mesh=mesh,
-              name="jaxkv_frame_append")(special_row, patch_row, k, v, *bufs)
+    pl.kernel(
+        lambda *refs: pl.run_scoped(lambda *s: body(*refs, s), *scratch),
+        out_type=(),
+        mesh=mesh,
+        name="jaxkv_frame_append",
+    )(special_row, patch_row, k, v, *bufs)
 
 
 @functools.partial(jax.jit, static_argnames=("num_special", "page_size"), donate_argnums=(0, 1))
@@ -160,7 +174,16 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     L, B = k.shape[:2]
     tune = launch("frame_append")
     bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
-    _write_frame_kernel(k, v, special_row, patch_row, bufs, num_special=num_special, page_size=page_size,
-                        R=tune["rows"], slots=tune["slots"])
+    _write_frame_kernel(
+        k,
+        v,
+        special_row,
+        patch_row,
+        bufs,
+        num_special=num_special,
+        page_size=page_size,
+        R=tune["rows"],
+        slots=tune["slots"],
+    )
     out = [r[...] for r in bufs]
     return tuple(out[:L]), tuple(out[L:])

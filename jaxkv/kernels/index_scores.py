@@ -69,13 +69,16 @@ def check(q, weights, pool, layer, pages, count, storage):
         raise ValueError(f"storage: expected one of {sorted(STORAGES)}, got {storage!r}")
     Kb = STORAGES[storage].index_key(D).bytes
     if pool.ndim != 3 or pool.dtype != jnp.uint8 or pool.shape[2] % (TILE * Kb):
-        raise ValueError(f"pool: expected u8[layers, pages, block_size * {Kb}] ({storage}) with block_size a "
-                         f"multiple of {TILE}, got {pool.dtype}{list(pool.shape)}")
+        raise ValueError(
+            f"pool: expected u8[layers, pages, block_size * {Kb}] ({storage}) with block_size a "
+            f"multiple of {TILE}, got {pool.dtype}{list(pool.shape)}"
+        )
     if not 0 <= layer < pool.shape[0]:
         raise ValueError(f"layer: expected 0 <= layer < {pool.shape[0]}, got {layer}")
     if pages.ndim != 2 or pages.dtype != jnp.int32 or N % pages.shape[0]:
-        raise ValueError(f"pages: expected int32[B, pages_per_request] with B dividing {N}, got "
-                         f"{pages.dtype}{list(pages.shape)}")
+        raise ValueError(
+            f"pages: expected int32[B, pages_per_request] with B dividing {N}, got {pages.dtype}{list(pages.shape)}"
+        )
     if count.shape != (N,) or count.dtype != jnp.int32:
         raise ValueError(f"count: expected int32[{N}], got {count.dtype}{list(count.shape)}")
 
@@ -112,7 +115,7 @@ def ref_index_scores(q, weights, pool, layer, pages, count, *, storage="official
     bs = pool.shape[2] // codec.bytes
     segs = []
     for o, z in zip(segment_offsets(codec.segments, bs), codec.segments):  # page [seg0 x bs][seg1 x bs]...
-        segs.append(pool[layer, jnp.clip(pages, 0, pool.shape[1] - 1), o:o + z * bs].reshape(B, NP * bs, z))
+        segs.append(pool[layer, jnp.clip(pages, 0, pool.shape[1] - 1), o : o + z * bs].reshape(B, NP * bs, z))
     keys = codec.decode(jnp.concatenate(segs, axis=-1)).astype(jnp.bfloat16)  # [B, NP * bs, D]
     keys = jnp.repeat(keys, N // B, axis=0).astype(jnp.float32)
     dots = jnp.einsum("nhd,nsd->nhs", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
@@ -168,8 +171,10 @@ def _scores(q2, weights, codes, mult, meta, *, layer, rows_per_request, tiles_pe
             t = ch * TPC + i
             rows = pl.ds(lax.rem(t, i32(sub)) * TILE, TILE)
             code = plgpu.load(codes_ref.at[layer, meta_smem[i], rows], (), layout=L, optimized=False)
-            mult = tuple(plgpu.load(mult_ref.at[b, g, pl.ds(t * TILE, TILE)], (), layout=ROW, optimized=False)
-                         for g in range(groups))
+            mult = tuple(
+                plgpu.load(mult_ref.at[b, g, pl.ds(t * TILE, TILE)], (), layout=ROW, optimized=False)
+                for g in range(groups)
+            )
             return code, mult
 
         cols = plgpu.broadcasted_iota(i32, (TILE, HALF), 1, layout=L)
@@ -194,8 +199,9 @@ def _scores(q2, weights, codes, mult, meta, *, layer, rows_per_request, tiles_pe
                     return acc_ref[...]
 
                 s = pl.run_scoped(dots, plgpu.ACC((TILE, TILE), jnp.float32))  # [64 keys, 64 heads]
-                w = lax.broadcast_in_dim(plgpu.load(w_smem.at[heads], (), layout=COL, optimized=False),
-                                         (TILE, TILE), [1])
+                w = lax.broadcast_in_dim(
+                    plgpu.load(w_smem.at[heads], (), layout=COL, optimized=False), (TILE, TILE), [1]
+                )
                 part = (jnp.maximum(s, 0.0) * w).sum(axis=1)
                 score = part if score is None else score + part
             out_smem[pl.ds(i * TILE, TILE)] = score
@@ -208,12 +214,15 @@ def _scores(q2, weights, codes, mult, meta, *, layer, rows_per_request, tiles_pe
 
     def entry(*refs):
         swz = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=swz),  # q: even dims, odd dims
-                plgpu.SMEM((H,), jnp.float32),
-                plgpu.SMEM((meta.shape[2],), i32),
-                plgpu.SMEM((TPC * TILE,), jnp.float32))
-        pl.run_scoped(lambda *scoped: kernel(*refs, (scoped[:4], scoped[4])), *smem,
-                      plgpu.Barrier(num_arrivals=3, num_barriers=1))
+        smem = (
+            plgpu.SMEM((2, H, HALF), jnp.bfloat16, transforms=swz),  # q: even dims, odd dims
+            plgpu.SMEM((H,), jnp.float32),
+            plgpu.SMEM((meta.shape[2],), i32),
+            plgpu.SMEM((TPC * TILE,), jnp.float32),
+        )
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, (scoped[:4], scoped[4])), *smem, plgpu.Barrier(num_arrivals=3, num_barriers=1)
+        )
 
     return plgpu.kernel(
         entry,
@@ -235,9 +244,19 @@ def index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
     mult = group_multipliers(pool, layer, pages, storage=storage, dim=D)
     codes = pool.reshape(pool.shape[0], pool.shape[1], pool.shape[2] // code_bytes, code_bytes)  # rows of 64 B
     q2 = q.reshape(N, H, D // 2, 2).transpose(0, 3, 1, 2)  # [N, 2, H, 64]: even dims, odd dims
-    raw = _scores(q2, weights.astype(jnp.float32), codes, mult, meta, layer=layer, rows_per_request=N // B,
-                  tiles_per_program=tpc, groups=groups, sub=bs // TILE)
-    return jnp.where(jnp.arange(NP * bs)[None, :] < count[:, None], raw[:, :NP * bs], -jnp.inf)
+    raw = _scores(
+        q2,
+        weights.astype(jnp.float32),
+        codes,
+        mult,
+        meta,
+        layer=layer,
+        rows_per_request=N // B,
+        tiles_per_program=tpc,
+        groups=groups,
+        sub=bs // TILE,
+    )
+    return jnp.where(jnp.arange(NP * bs)[None, :] < count[:, None], raw[:, : NP * bs], -jnp.inf)
 
 
 __all__ = ["TILE", "check", "group_multipliers", "index_scores", "ref_index_scores"]

@@ -99,7 +99,9 @@ TABLES = {
     "NVIDIA H100 80GB HBM3": {
         "frame_append": dict(rows=8, slots=2),
         "prefix_attention": dict(block_kv=256, stages=2),
-        "prefix_attention_cuda": dict(block_kv=192, stages=2),  # one of the shapes jaxkv/cuda/prefix_attention.cu builds
+        "prefix_attention_cuda": dict(
+            block_kv=192, stages=2
+        ),  # one of the shapes jaxkv/cuda/prefix_attention.cu builds
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
     },
 }
@@ -118,5 +120,18 @@ def launch(kernel: str, device: str | None = None) -> dict:
     return table.get(kernel, TABLES[DEFAULT][kernel])
 
 
-__all__ = ["DEFAULT", "PREFIX_CUDA_MIN_CHUNK", "SM_FALLBACK", "TABLES", "device_kind", "flashmla_sm_parts", "launch",
-           "pool_cuda_parts", "pool_splits", "prefix_cuda_splits", "prefix_splits", "sm_count", "wave_splits"]
+__all__ = [
+    "DEFAULT",
+    "PREFIX_CUDA_MIN_CHUNK",
+    "SM_FALLBACK",
+    "TABLES",
+    "device_kind",
+    "flashmla_sm_parts",
+    "launch",
+    "pool_cuda_parts",
+    "pool_splits",
+    "prefix_cuda_splits",
+    "prefix_splits",
+    "sm_count",
+    "wave_splits",
+]

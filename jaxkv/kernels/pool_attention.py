@@ -57,10 +57,10 @@ import numpy as np
 from jax import lax
 
 from jaxkv.cuda import STORAGE_CODES, flashmla, register_ffi_targets
+from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets, storage_name
 from jaxkv.kernels.dequant_gather import ref_dequant_gather
 from jaxkv.kernels.launch import flashmla_sm_parts, pool_cuda_parts
 from jaxkv.math.attention import merge_partials
-from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, from_bytes, segment_offsets, storage_name
 
 STAGES = 2  # raw blocks in flight (static slots: the loops run over pairs of blocks)
 BLOCK = 64  # rows per block (a wgmma N tile); also heads per program (the M tile)
@@ -73,20 +73,25 @@ i32 = jnp.int32
 
 def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"):
     if q.ndim != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % BLOCK or q.dtype != jnp.bfloat16:
-        raise ValueError(f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got "
-                         f"{q.dtype}{list(q.shape)}")
+        raise ValueError(
+            f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got {q.dtype}{list(q.shape)}"
+        )
     N, H, _ = q.shape
     NB = sum(part_blocks)
     if storage != "official" and lowering == "mosaic":  # per_entry rows fail the GPU test (wrong output)
-        raise ValueError(f"storage: the kernel reads the official (ds_mla) family, got {storage!r}; "
-                         "hybrid.attention runs per_entry caches on impl='xla'")
+        raise ValueError(
+            f"storage: the kernel reads the official (ds_mla) family, got {storage!r}; "
+            "hybrid.attention runs per_entry caches on impl='xla'"
+        )
     if len(pools) != len(part_blocks):
         raise ValueError(f"pools: expected one pool per part ({len(part_blocks)}), got {len(pools)}")
     E = STORAGES[storage].entry_bytes
     for p, pool in enumerate(pools):
         if pool.ndim != 2 or pool.dtype != jnp.uint8 or pool.shape[1] % (32 * E):
-            raise ValueError(f"pools[{p}]: expected u8[blocks, block_size * {E}] ({storage}) with block_size a "
-                             f"multiple of 32 (TMA tiles), got {pool.dtype}{list(pool.shape)}")
+            raise ValueError(
+                f"pools[{p}]: expected u8[blocks, block_size * {E}] ({storage}) with block_size a "
+                f"multiple of 32 (TMA tiles), got {pool.dtype}{list(pool.shape)}"
+            )
     if rows.shape != (N, NB * BLOCK) or rows.dtype != jnp.int32:
         raise ValueError(f"rows: expected int32[{N}, {NB * BLOCK}], got {rows.dtype}{list(rows.shape)}")
     if nvalid.shape != (N, NB) or nvalid.dtype != jnp.int32:
@@ -114,7 +119,7 @@ def _decode_rows(pools, part_blocks, rows, storage):
     out = []
     for p, pool in enumerate(pools):
         bs = pool.shape[1] // E
-        ids = rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK]
+        ids = rows[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK]
         flat = ref_dequant_gather(pool[None], 0, (ids // bs).reshape(-1), (ids % bs).reshape(-1), storage)
         out.append(flat.reshape(*ids.shape, HEAD_DIM))
     return jnp.concatenate(out, axis=1)
@@ -158,7 +163,7 @@ def row_scales(pools, part_blocks, rows, storage):
     for p, pool in enumerate(pools):
         bs = pool.shape[1] // st.entry_bytes
         off = segment_offsets(seg, bs)
-        ids = rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK]
+        ids = rows[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK]
         blk, slot = ids // bs, ids % bs
         if storage == "official":  # UE8M0 bytes of the 7 tiles: 2^(e - 127)
             col = off[1] + slot[..., None] * seg[1] + jnp.arange(NOPE_TILES)
@@ -206,7 +211,7 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
     HALF = D // 2
 
     def kernel(q_ref, meta_ref, rows_ref, scales_ref, *refs):
-        codes_refs, rope_refs = refs[:n_parts], refs[n_parts:2 * n_parts]
+        codes_refs, rope_refs = refs[:n_parts], refs[n_parts : 2 * n_parts]
         out_ref, lse_ref, (smem, bars) = refs[2 * n_parts], refs[2 * n_parts + 1], refs[2 * n_parts + 2]
         q_smem, k_smem, codes_smem, rope_smem, scl_smem, idx_smem, meta_smem, lse_smem = smem
         (q_ready, meta_ready, idx_ready, raw_ready, raw_free, k_ready, k_free) = bars
@@ -233,10 +238,15 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
             cols_out = pl.ds(w * HALF, HALF)
 
             def dequant(slot, t):  # tile t of the block in raw slot ``slot`` (static) -> k_smem
-                scl = plgpu.load(scl_smem[slot].at[pl.ds(t * BLOCK, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(1),
-                                 optimized=False)
-                x = plgpu.load(codes_smem[slot][t // 2].at[:, pl.ds(t % 2 * 64, 64)], (), layout=plgpu.Layout.WGMMA,
-                               optimized=False)
+                scl = plgpu.load(
+                    scl_smem[slot].at[pl.ds(t * BLOCK, BLOCK)], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False
+                )
+                x = plgpu.load(
+                    codes_smem[slot][t // 2].at[:, pl.ds(t % 2 * 64, 64)],
+                    (),
+                    layout=plgpu.Layout.WGMMA,
+                    optimized=False,
+                )
                 x = x.astype(jnp.float16).astype(jnp.float32) * lax.broadcast_in_dim(scl, (BLOCK, 64), [0])
                 k_smem[:, pl.ds(t * 64, 64)] = x.astype(jnp.bfloat16)
 
@@ -309,8 +319,11 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
                 b = meta_smem[j]
                 plgpu.copy_gmem_to_smem(rows_ref.at[n, pl.ds(b * BLOCK, BLOCK)], idx_smem[slot], idx_ready.at[slot])
                 for h in range(2):  # f32[8 * 64] in two TMA boxes of 256
-                    plgpu.copy_gmem_to_smem(scales_ref.at[n, pl.ds(b * TILES * BLOCK + 256 * h, 256)],
-                                            scl_smem[slot].at[pl.ds(256 * h, 256)], raw_ready.at[slot])
+                    plgpu.copy_gmem_to_smem(
+                        scales_ref.at[n, pl.ds(b * TILES * BLOCK + 256 * h, 256)],
+                        scl_smem[slot].at[pl.ds(256 * h, 256)],
+                        raw_ready.at[slot],
+                    )
                 plgpu.barrier_wait(idx_ready.at[slot])
                 for p in range(n_parts):
                     bs, c0, cz, r0, rz = geo[p]
@@ -324,10 +337,16 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
                             base = c0 + sl * cz
                             one = pl.ds(blk, 1), pl.ds(r, 1)  # 2-D boxes: Mosaic's layout inference needs them
                             for k_, w_ in enumerate(CODE_BOXES):  # one buffer per 128-byte column tile
-                                plgpu.copy_gmem_to_smem(codes_refs[p].at[one[0], pl.ds(base + 128 * k_, w_)],
-                                                        codes_smem[slot][k_].at[one[1], pl.ds(0, w_)], raw_ready.at[slot])
-                            plgpu.copy_gmem_to_smem(rope_refs[p].at[one[0], pl.ds(r0 + sl * rz, ROPE)],
-                                                    rope_smem[slot].at[one[1]], raw_ready.at[slot])
+                                plgpu.copy_gmem_to_smem(
+                                    codes_refs[p].at[one[0], pl.ds(base + 128 * k_, w_)],
+                                    codes_smem[slot][k_].at[one[1], pl.ds(0, w_)],
+                                    raw_ready.at[slot],
+                                )
+                            plgpu.copy_gmem_to_smem(
+                                rope_refs[p].at[one[0], pl.ds(r0 + sl * rz, ROPE)],
+                                rope_smem[slot].at[one[1]],
+                                raw_ready.at[slot],
+                            )
 
             for i in range(STAGES):
                 pl.when(j0 + i < j1)(functools.partial(load, j0 + i, i))
@@ -345,24 +364,33 @@ def _partials(q, pools, part_blocks, rows, nvalid, scales, *, storage, scale, sp
 
     def entry(*refs):
         tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # q
-                plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # dequantized K (then the output)
-                [[plgpu.SMEM((BLOCK, 128), jnp.float8_e4m3fn)] * len(CODE_BOXES)] * STAGES,  # raw FP8 codes by 128 columns
-                [plgpu.SMEM((BLOCK, ROPE), jnp.bfloat16)] * STAGES,  # raw rope dims
-                [plgpu.SMEM((TILES * BLOCK,), jnp.float32)] * STAGES,  # row scales, tile-major
-                [plgpu.SMEM((BLOCK,), jnp.int32)] * STAGES,  # the block's row ids
-                plgpu.SMEM((meta.shape[1],), jnp.int32),
-                plgpu.SMEM((BLOCK,), jnp.float32))
-        bars = (plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=STAGES),
-                plgpu.Barrier(num_arrivals=(len(CODE_BOXES) + 1) * BLOCK + 2, num_barriers=STAGES),
-                plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
-                plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
+        smem = (
+            plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # q
+            plgpu.SMEM((BLOCK, D), jnp.bfloat16, transforms=tiles),  # dequantized K (then the output)
+            [[plgpu.SMEM((BLOCK, 128), jnp.float8_e4m3fn)] * len(CODE_BOXES)] * STAGES,  # raw FP8 codes by 128 columns
+            [plgpu.SMEM((BLOCK, ROPE), jnp.bfloat16)] * STAGES,  # raw rope dims
+            [plgpu.SMEM((TILES * BLOCK,), jnp.float32)] * STAGES,  # row scales, tile-major
+            [plgpu.SMEM((BLOCK,), jnp.int32)] * STAGES,  # the block's row ids
+            plgpu.SMEM((meta.shape[1],), jnp.int32),
+            plgpu.SMEM((BLOCK,), jnp.float32),
+        )
+        bars = (
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=(len(CODE_BOXES) + 1) * BLOCK + 2, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2),
+            plgpu.Barrier(num_arrivals=2),
+        )
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, bars, collective_axes="wg")
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16),
-                  jax.ShapeDtypeStruct((N * splits, H), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((N * splits, H, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((N * splits, H), jnp.float32),
+        ),
         grid=(N, H // BLOCK, splits),
         grid_names=("row", "heads", "split"),
         num_threads=3,
@@ -396,9 +424,19 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
         (jax.ShapeDtypeStruct((N * parts, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * parts, H), jnp.float32)),
-    )(q, rows, nvalid, *pools, jnp.asarray(sink, jnp.float32), blocks0=np.int32(blocks[0]),
-      blocks1=np.int32(blocks[1]), blocks2=np.int32(blocks[2]), splits=np.int32(splits), scale=np.float32(scale),
-      storage=np.int32(STORAGE_CODES[storage]))
+    )(
+        q,
+        rows,
+        nvalid,
+        *pools,
+        jnp.asarray(sink, jnp.float32),
+        blocks0=np.int32(blocks[0]),
+        blocks1=np.int32(blocks[1]),
+        blocks2=np.int32(blocks[2]),
+        splits=np.int32(splits),
+        scale=np.float32(scale),
+        storage=np.int32(STORAGE_CODES[storage]),
+    )
     return out if parts == 1 else _merge_splits(out, lse, N, parts, sink)  # one partial: the sink is in
 
 
@@ -417,8 +455,10 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     pools = tuple(pools)
     storage = storage_name(storage)
     if storage != "official" or q.ndim != 3 or q.shape[1] not in flashmla.HEADS:
-        raise ValueError(f"q, storage: FlashMLA's MODEL1 decode expects official storage and {flashmla.HEADS} "
-                         f"heads, got {storage!r} and q {q.dtype}{list(q.shape)}")
+        raise ValueError(
+            f"q, storage: FlashMLA's MODEL1 decode expects official storage and {flashmla.HEADS} "
+            f"heads, got {storage!r} and q {q.dtype}{list(q.shape)}"
+        )
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
     N, H, D = q.shape
     flashmla.register_ffi_target()
@@ -428,26 +468,48 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     valid = _valid_mask(nvalid)
     part_ids = []  # i32[N, 1, K_p]: -1 (skipped by FlashMLA) past the counts and outside the pool, as cuda/ skips
     for p in range(min(len(pools), 2)):
-        r, v = (x[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK] for x in (rows, valid))
+        r, v = (x[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK] for x in (rows, valid))
         part_ids.append(jnp.where(v & (r >= 0) & (r < pools[p].shape[0] * (pools[p].shape[1] // E)), r, -1)[:, None])
     extra = len(pools) > 1
     sm_parts = flashmla_sm_parts(H)
     f32 = jnp.float32
-    out, lse = jax.ffi.ffi_call(flashmla.FFI_TARGET, (
-        jax.ShapeDtypeStruct((N, 1, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N, 1, H), f32),
-        jax.ShapeDtypeStruct((sm_parts, 8), i32), jax.ShapeDtypeStruct((N + 1,), i32),
-        jax.ShapeDtypeStruct((N + sm_parts, 1, H), f32), jax.ShapeDtypeStruct((N + sm_parts, 1, H, D), f32),
-    ))(q[:, None], pools[0], part_ids[0], pools[1 if extra else 0], part_ids[1 if extra else 0],
-       jnp.asarray(sink, f32), block_size=np.int32(pools[0].shape[1] // E),
-       extra_block_size=np.int32(pools[1].shape[1] // E if extra else 0), scale=np.float32(scale),
-       with_sink=np.int32(len(pools) <= 2))[:2]
+    out, lse = jax.ffi.ffi_call(
+        flashmla.FFI_TARGET,
+        (
+            jax.ShapeDtypeStruct((N, 1, H, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((N, 1, H), f32),
+            jax.ShapeDtypeStruct((sm_parts, 8), i32),
+            jax.ShapeDtypeStruct((N + 1,), i32),
+            jax.ShapeDtypeStruct((N + sm_parts, 1, H), f32),
+            jax.ShapeDtypeStruct((N + sm_parts, 1, H, D), f32),
+        ),
+    )(
+        q[:, None],
+        pools[0],
+        part_ids[0],
+        pools[1 if extra else 0],
+        part_ids[1 if extra else 0],
+        jnp.asarray(sink, f32),
+        block_size=np.int32(pools[0].shape[1] // E),
+        extra_block_size=np.int32(pools[1].shape[1] // E if extra else 0),
+        scale=np.float32(scale),
+        with_sink=np.int32(len(pools) <= 2),
+    )[:2]
     if len(pools) <= 2:  # the sink is in
         return out[:, 0]
-    o, l = ref_partial(q, pools[2:], part_blocks[2:], rows[:, bounds[2] * BLOCK:], nvalid[:, bounds[2]:],
-                       storage=storage, scale=scale)
+    o, l = ref_partial(
+        q,
+        pools[2:],
+        part_blocks[2:],
+        rows[:, bounds[2] * BLOCK :],
+        nvalid[:, bounds[2] :],
+        storage=storage,
+        scale=scale,
+    )
     lse = jnp.where(lse[:, 0] == jnp.inf, -jnp.inf, lse[:, 0])  # FlashMLA's lse: +inf for no key
-    out = merge_partials(jnp.stack([out[:, 0].astype(f32), o], 1)[:, :, None], jnp.stack([lse, l], 1)[:, :, None],
-                         sink=sink)
+    out = merge_partials(
+        jnp.stack([out[:, 0].astype(f32), o], 1)[:, :, None], jnp.stack([lse, l], 1)[:, :, None], sink=sink
+    )
     return out[:, 0].astype(jnp.bfloat16)
 
 
@@ -458,10 +520,17 @@ def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage=
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
     scales = row_scales(pools, part_blocks, rows, storage)
-    out, lse = _partials(q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale),
-                         splits=splits)
+    out, lse = _partials(
+        q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale), splits=splits
+    )
     return _merge_splits(out, lse, q.shape[0], splits, sink)
 
 
-__all__ = ["pool_attention_cuda", "pool_attention_flashmla", "pool_attention_pallas", "ref_partial", "ref_pool_attention",
-           "row_scales"]
+__all__ = [
+    "pool_attention_cuda",
+    "pool_attention_flashmla",
+    "pool_attention_pallas",
+    "ref_partial",
+    "ref_pool_attention",
+    "row_scales",
+]

@@ -39,8 +39,8 @@ import numpy as np
 from jax import lax
 
 from jaxkv.cuda import register_ffi_targets
-from jaxkv.math.attention import merge_partials, ref_attention
 from jaxkv.kernels.launch import launch
+from jaxkv.math.attention import merge_partials, ref_attention
 
 BLOCK_Q = 64  # queries per compute warpgroup (the wgmma M tile); a program holds 2 x BLOCK_Q
 LOG2E = math.log2(math.e)
@@ -49,8 +49,10 @@ i32 = jnp.int32
 
 def _check(q, k, v, kv_len, splits):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
-        raise ValueError(f"q, k, v: expected [B, Tq, Hq, D] and two [B, T, H, D] alike, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v: expected [B, Tq, Hq, D] and two [B, T, H, D] alike, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, _, Hq, D = q.shape
     if k.shape[0] != B or k.shape[3] != D or Hq % k.shape[2]:
         raise ValueError(f"k: expected [{B}, T, H, {D}] with {Hq} a multiple of H, got {tuple(k.shape)}")
@@ -192,10 +194,12 @@ def _partials(q, k, v, kv_len, scale, splits):
 
     def entry(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref):
         tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-        smem = (plgpu.SMEM((2, BLOCK_Q, D), dtype, transforms=tiles),
-                plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiles),
-                plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiles),
-                plgpu.SMEM((2, BLOCK_Q), jnp.float32))
+        smem = (
+            plgpu.SMEM((2, BLOCK_Q, D), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiles),
+            plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiles),
+            plgpu.SMEM((2, BLOCK_Q), jnp.float32),
+        )
         pl.run_scoped(
             lambda *scoped: kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped),
             smem,
@@ -207,8 +211,10 @@ def _partials(q, k, v, kv_len, scale, splits):
 
     return plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((B * splits, Tq, Hq, D), dtype),
-                  jax.ShapeDtypeStruct((B * splits, Hq, Tq), jnp.float32)),
+        out_type=(
+            jax.ShapeDtypeStruct((B * splits, Tq, Hq, D), dtype),
+            jax.ShapeDtypeStruct((B * splits, Hq, Tq), jnp.float32),
+        ),
         grid=(Hq, Tq // (2 * BLOCK_Q), B * splits),
         grid_names=("heads", "q_tile", "chunk"),
         num_threads=3,
@@ -243,8 +249,10 @@ def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
     (the first use builds ``cuda/``)."""
     _check(q, k, v, kv_len, splits)
     if q.dtype != jnp.bfloat16 or q.shape[3] != CUDA_HEAD_DIM:
-        raise ValueError(f"q: expected bfloat16 with head_dim {CUDA_HEAD_DIM} for the cuda kernel, got {q.dtype} "
-                         f"with head_dim {q.shape[3]}")
+        raise ValueError(
+            f"q: expected bfloat16 with head_dim {CUDA_HEAD_DIM} for the cuda kernel, got {q.dtype} "
+            f"with head_dim {q.shape[3]}"
+        )
     register_ffi_targets()
     B, Tq, Hq, D = q.shape
     scale = D**-0.5 if scale is None else scale
@@ -252,8 +260,18 @@ def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
     part, lse = ((B * splits, Tq, Hq, D), (B * splits, Hq, Tq)) if splits > 1 else ((1, 1, 1, D), (1, 1, 1))
     out, _, _ = jax.ffi.ffi_call(
         "jaxkv_prefix_attention",
-        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(part, jnp.float32),
-         jax.ShapeDtypeStruct(lse, jnp.float32)),
-    )(q, k, v, kv_len, splits=np.int32(splits), scale=np.float32(scale),
-      **{name: np.int32(x) for name, x in launch("prefix_attention_cuda").items()})
+        (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct(part, jnp.float32),
+            jax.ShapeDtypeStruct(lse, jnp.float32),
+        ),
+    )(
+        q,
+        k,
+        v,
+        kv_len,
+        splits=np.int32(splits),
+        scale=np.float32(scale),
+        **{name: np.int32(x) for name, x in launch("prefix_attention_cuda").items()},
+    )
     return out

@@ -31,8 +31,9 @@ def ref_attention(q, k, v, mask, scale=None):
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32),
-                     precision=HIGHEST)
+    out = jnp.einsum(
+        "bhgqk,bkhd->bqhgd", p / jnp.where(denom > 0, denom, 1.0), v.astype(jnp.float32), precision=HIGHEST
+    )
     return out.reshape(B, Tq, Hq, D)
 
 

@@ -15,10 +15,13 @@ import numpy as np
 
 
 @functools.lru_cache(maxsize=16)
-def rope_freqs(dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int, beta_slow: int) -> np.ndarray:
+def rope_freqs(
+    dim: int, theta: float, factor: float, original_seq_len: int, beta_fast: int, beta_slow: int
+) -> np.ndarray:
     """float32[dim/2] angular frequencies; YaRN-interpolated when ``original_seq_len > 0``."""
     freqs = (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)))).astype(np.float32)
     if original_seq_len > 0:
+
         def corr(rot):
             return dim * math.log(original_seq_len / (rot * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -56,4 +59,4 @@ def hadamard(x):
         y = y.reshape(*x.shape[:-1], n // (2 * h), 2, h)
         y = jnp.concatenate([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], axis=-1)
         h *= 2
-    return y.reshape(x.shape) * np.float32(n ** -0.5)
+    return y.reshape(x.shape) * np.float32(n**-0.5)

@@ -19,7 +19,7 @@ FP8 weights with their block scales dequantized). Parity with upstream:
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -107,8 +107,11 @@ class V4Attention(nnx.Module):
         self.wkv = _linear(c.dim, D, bf16, rngs)
         self.kv_norm = nnx.Param(jnp.ones((D,), jnp.float32))
         group = c.num_heads * D // c.o_groups
-        self.wo_a = nnx.Param((jax.random.normal(rngs.params(), (c.o_groups, c.o_lora_rank, group), jnp.float32)
-                               * group**-0.5).astype(bf16))  # bf16[G, R, H * D / G]
+        self.wo_a = nnx.Param(
+            (jax.random.normal(rngs.params(), (c.o_groups, c.o_lora_rank, group), jnp.float32) * group**-0.5).astype(
+                bf16
+            )
+        )  # bf16[G, R, H * D / G]
         self.wo_b = _linear(c.o_groups * c.o_lora_rank, c.dim, bf16, rngs)
         self.sink = nnx.Param(jnp.zeros((c.num_heads,), jnp.float32))
         ratio = hc.compress_ratios[layer]
@@ -163,8 +166,9 @@ class V4Attention(nnx.Module):
         state = H.write_window(state, step, layer, kv)
 
         o = apply_rope_tail(o, pos[..., None], -freqs, rd)  # the inverse rotation
-        o = jnp.einsum("btgd,grd->btgr", o.reshape(B, T, c.o_groups, -1), self.wo_a[...],
-                       preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        o = jnp.einsum(
+            "btgd,grd->btgr", o.reshape(B, T, c.o_groups, -1), self.wo_a[...], preferred_element_type=jnp.float32
+        ).astype(jnp.bfloat16)
         return state, self.wo_b(o.reshape(B, T, -1))
 
 
@@ -172,12 +176,18 @@ class V4Attention(nnx.Module):
 # upstream's name (relative to its Attention module) -> this block's parameter, and whether it is
 # a linear weight ([out, in] there, a kernel [in, out] here)
 _NAMES = {
-    "wq_a.weight": ("wq_a.kernel", True), "q_norm.weight": ("q_norm", False), "wq_b.weight": ("wq_b.kernel", True),
-    "wkv.weight": ("wkv.kernel", True), "kv_norm.weight": ("kv_norm", False), "wo_a.weight": ("wo_a", False),
-    "wo_b.weight": ("wo_b.kernel", True), "attn_sink": ("sink", False),
+    "wq_a.weight": ("wq_a.kernel", True),
+    "q_norm.weight": ("q_norm", False),
+    "wq_b.weight": ("wq_b.kernel", True),
+    "wkv.weight": ("wkv.kernel", True),
+    "kv_norm.weight": ("kv_norm", False),
+    "wo_a.weight": ("wo_a", False),
+    "wo_b.weight": ("wo_b.kernel", True),
+    "attn_sink": ("sink", False),
     "compressor.wkv.weight": ("compressor.wkv.kernel", True),
     "compressor.wgate.weight": ("compressor.wgate.kernel", True),
-    "compressor.ape": ("compressor.ape", False), "compressor.norm.weight": ("compressor.norm", False),
+    "compressor.ape": ("compressor.ape", False),
+    "compressor.norm.weight": ("compressor.norm", False),
     "indexer.wq_b.weight": ("index_wq_b.kernel", True),
     "indexer.weights_proj.weight": ("index_weights.kernel", True),
     "indexer.compressor.wkv.weight": ("index_compressor.wkv.kernel", True),
@@ -213,7 +223,7 @@ def _weight(weights, name):
     if f"{name}.scale" not in weights:
         raise ValueError(f"weights: {name}.weight is FP8 but {name}.scale (its block scales) is missing")
     s = _numpy(weights[f"{name}.scale"]).astype(np.float32)
-    return w.astype(np.float32) * np.repeat(np.repeat(s, 128, 0), 128, 1)[:w.shape[0], :w.shape[1]]
+    return w.astype(np.float32) * np.repeat(np.repeat(s, 128, 0), 128, 1)[: w.shape[0], : w.shape[1]]
 
 
 def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
@@ -224,8 +234,10 @@ def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
     expected = {src for src, (dst, _) in _NAMES.items() if _variable(block, dst) is not None}
     given = {k for k in weights if not k.endswith(".scale")}
     if given != expected:
-        raise ValueError(f"weights: expected the {len(expected)} tensors of a {block.kind.upper()} layer, "
-                         f"missing {sorted(expected - given)}, unexpected {sorted(given - expected)}")
+        raise ValueError(
+            f"weights: expected the {len(expected)} tensors of a {block.kind.upper()} layer, "
+            f"missing {sorted(expected - given)}, unexpected {sorted(given - expected)}"
+        )
     values = {}
     G, R, Dg = block.wo_a.shape
     for src in sorted(expected):
@@ -233,7 +245,7 @@ def load_upstream(block: V4Attention, weights: Mapping[str, object]) -> None:
         var = _variable(block, dst)
         want = var.shape[::-1] if is_linear else (G * R, Dg) if src == "wo_a.weight" else var.shape
         # every ``.weight`` through _weight: FP8 ones (wo_a too, FP8 in DeepSeek's checkpoints) times their scales
-        value = _weight(weights, src[:-len(".weight")]) if src.endswith(".weight") else _numpy(weights[src])
+        value = _weight(weights, src[: -len(".weight")]) if src.endswith(".weight") else _numpy(weights[src])
         if value.shape != tuple(want):
             raise ValueError(f"weights: {src}: expected shape {tuple(want)}, got {tuple(value.shape)}")
         values[dst] = var, value.T if is_linear else value.reshape(var.shape)

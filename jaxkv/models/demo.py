@@ -21,20 +21,37 @@ def config_from_args(args) -> ReconstructorConfig:
     """The model the demo's flags describe (``--resolution`` is width x height)."""
     width, height = (int(x) for x in args.resolution.split("x"))
     return ReconstructorConfig(
-        height=height, width=width, dim=args.heads * args.head_dim, depth=args.layers, num_heads=args.heads,
-        num_registers=args.special - 2, scale_frames=args.scale_frames, sliding_window=args.window,
-        max_frames=max(args.frames, 1), keyframe_threshold=args.keyframe_threshold,
-        cache_dtype=args.dtype, impl=args.impl,
-        **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"))
+        height=height,
+        width=width,
+        dim=args.heads * args.head_dim,
+        depth=args.layers,
+        num_heads=args.heads,
+        num_registers=args.special - 2,
+        scale_frames=args.scale_frames,
+        sliding_window=args.window,
+        max_frames=max(args.frames, 1),
+        keyframe_threshold=args.keyframe_threshold,
+        cache_dtype=args.dtype,
+        impl=args.impl,
+        **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"),
+    )
 
 
 def cache_spec(config: ReconstructorConfig) -> frame.FrameSpec:
     """The FrameSpec of the cache ``StreamingReconstructor(config)`` holds (tests compare the two)."""
     c = config
     return frame.FrameSpec(
-        num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
-        num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
-        max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype)
+        num_layers=c.depth,
+        num_heads=c.num_heads,
+        head_dim=c.head_dim,
+        patches_per_frame=c.patches_per_frame,
+        num_special=c.num_special,
+        scale_frames=c.scale_frames,
+        sliding_window=c.sliding_window,
+        max_frames=c.max_frames,
+        num_streams=c.num_streams,
+        dtype=c.cache_dtype,
+    )
 
 
 def memory(config: ReconstructorConfig, frames: int) -> dict:
@@ -77,7 +94,7 @@ def run(args, config: ReconstructorConfig | None = None) -> dict:
         "frames in cache": int(np.asarray(state.num_frames)[0]),
         "visible tokens": int(np.asarray(state.num_valid)[0]),
         "model": f"{config.depth} x (frame + global) blocks, dim {config.dim}, {config.width}x{config.height} "
-                 f"(width x height), {config.tokens_per_frame} tokens/frame",
+        f"(width x height), {config.tokens_per_frame} tokens/frame",
         "cache memory": f"{cache_bytes / 2**20:.1f} MiB (K+V, {config.depth} global layers)",
         "ms/frame (median, after the first)": f"{np.median(steady) * 1e3:.2f}",
         "first frame (compile) ms": f"{times[0] * 1e3:.0f}",

@@ -45,20 +45,28 @@ def load_images(folder, patch_size: int = 14) -> tuple[list[pathlib.Path], np.nd
             raise ValueError(f"--images: cannot read {p} as an image ({type(e).__name__}: {e})") from None
         h, w = x.shape[:2]
         if h % patch_size or w % patch_size:
-            raise ValueError(f"--images: {p} is {w}x{h} (width x height); both must be multiples of "
-                             f"{patch_size} (the patch size): crop or resize the frames")
+            raise ValueError(
+                f"--images: {p} is {w}x{h} (width x height); both must be multiples of "
+                f"{patch_size} (the patch size): crop or resize the frames"
+            )
         if size is None:
             size = (h, w)
         elif (h, w) != size:
-            raise ValueError(f"--images: {p} is {w}x{h}, but {paths[0]} is {size[1]}x{size[0]}; "
-                             "all frames must share one size")
+            raise ValueError(
+                f"--images: {p} is {w}x{h}, but {paths[0]} is {size[1]}x{size[0]}; all frames must share one size"
+            )
         frames.append(x)
     return paths, np.stack(frames)
 
 
 # LingbotConfig's annotations -> (accepted JSON types, what the message says is expected)
-_TYPES = {"int": (int, "an int"), "float": ((int, float), "a number"), "bool": (bool, "true or false"),
-          "str": (str, "a string"), "tuple": (list, "a JSON list")}
+_TYPES = {
+    "int": (int, "an int"),
+    "float": ((int, float), "a number"),
+    "bool": (bool, "true or false"),
+    "str": (str, "a string"),
+    "tuple": (list, "a JSON list"),
+}
 
 
 def parse_overrides(items, flag: str = "--set") -> dict:
@@ -145,16 +153,26 @@ def prepare(args) -> Plan:
         try:
             if args.small:
                 scale = min(2, n)
-                config = LingbotConfig.small(**{**common, "img_size": width, "num_scale_frames": scale,
-                                                "kv_cache_scale_frames": scale, **overrides})
+                config = LingbotConfig.small(
+                    **{
+                        **common,
+                        "img_size": width,
+                        "num_scale_frames": scale,
+                        "kv_cache_scale_frames": scale,
+                        **overrides,
+                    }
+                )
             else:
-                config = LingbotConfig(**{**common, "num_scale_frames": min(LingbotConfig.num_scale_frames, n),
-                                          **overrides})
+                config = LingbotConfig(
+                    **{**common, "num_scale_frames": min(LingbotConfig.num_scale_frames, n), **overrides}
+                )
         except (ValueError, ArithmeticError) as e:
             raise ValueError(f"--set: {_config_error(e)}") from None
     if n > config.max_frame_num:
-        raise ValueError(f"--images: {n} frames, more than the model's max_frame_num={config.max_frame_num}; "
-                         f"use fewer frames or --set max_frame_num={n}")
+        raise ValueError(
+            f"--images: {n} frames, more than the model's max_frame_num={config.max_frame_num}; "
+            f"use fewer frames or --set max_frame_num={n}"
+        )
     memory = {"K/V caches": aggregator_spec(config).kv_bytes, "frames": frames.nbytes}
     if sd is not None:  # the state dict is in memory already (float32); the model holds it again
         memory["weights"] = sum(x.size for x in sd.values()) * config.compute_dtype.itemsize
@@ -176,8 +194,11 @@ def build_model(args, plan: Plan):
 
     if plan.state_dict is not None:
         return model_from_state_dict(plan.config, plan.state_dict, arg="--checkpoint")
-    warnings.warn("lingbot demo: random weights (no checkpoint given); the poses and depths it plots are "
-                  "meaningless. Pass --checkpoint with upstream's lingbot-map weights.", stacklevel=3)
+    warnings.warn(
+        "lingbot demo: random weights (no checkpoint given); the poses and depths it plots are "
+        "meaningless. Pass --checkpoint with upstream's lingbot-map weights.",
+        stacklevel=3,
+    )
     return LingbotMap(plan.config, rngs=nnx.Rngs(args.seed))
 
 
@@ -193,8 +214,11 @@ def timing(times, num_scale_frames: int) -> dict:
         rows[key] = f"none: all {len(times)} frames were scale frames (one call)"
         return rows
     rows["first streamed frame (compile) ms"] = f"{streamed[0] * 1e3:.0f}"
-    rows[key] = (f"{np.median(streamed[1:]) * 1e3:.1f}" if len(streamed) > 1
-                 else "none: one streamed frame, timed with its compile above")
+    rows[key] = (
+        f"{np.median(streamed[1:]) * 1e3:.1f}"
+        if len(streamed) > 1
+        else "none: one streamed frame, timed with its compile above"
+    )
     return rows
 
 
@@ -256,8 +280,9 @@ def run(args, plan: Plan | None = None) -> dict:
     stream = LingbotStream(model)
     outs, times = [], []
     t_prev = time.perf_counter()
-    for out in tqdm(stream.run(list(frames), keyframe_interval=args.keyframe_interval), total=n,
-                    unit="frame", desc="lingbot demo"):
+    for out in tqdm(
+        stream.run(list(frames), keyframe_interval=args.keyframe_interval), total=n, unit="frame", desc="lingbot demo"
+    ):
         out = jax.device_get(out)
         now = time.perf_counter()
         times.append(now - t_prev)

@@ -55,8 +55,9 @@ class ReconstructorConfig:
 
     def __post_init__(self):
         if self.height % self.patch_size or self.width % self.patch_size:
-            raise ValueError(f"height, width: expected multiples of patch_size={self.patch_size}, "
-                             f"got {self.height}x{self.width}")
+            raise ValueError(
+                f"height, width: expected multiples of patch_size={self.patch_size}, got {self.height}x{self.width}"
+            )
         if self.dim % self.num_heads:
             raise ValueError(f"dim: expected a multiple of num_heads={self.num_heads}, got {self.dim}")
 
@@ -82,8 +83,17 @@ class ReconstructorConfig:
 
 
 LINGBOT_518 = ReconstructorConfig()
-SMALL = ReconstructorConfig(height=42, width=56, dim=64, depth=2, num_heads=4, scale_frames=2,
-                            sliding_window=4, max_frames=128, cache_dtype="float32")
+SMALL = ReconstructorConfig(
+    height=42,
+    width=56,
+    dim=64,
+    depth=2,
+    num_heads=4,
+    scale_frames=2,
+    sliding_window=4,
+    max_frames=128,
+    cache_dtype="float32",
+)
 
 
 class Mlp(nnx.Module):
@@ -134,16 +144,37 @@ class StreamingReconstructor(nnx.Module):
         p = c.patch_size
         self.patch_embed = nnx.Linear(3 * p * p, c.dim, **kw)
         init = nnx.initializers.normal(0.02)
-        self.special_tokens = nnx.Param(init(rngs.params(), (c.num_special, c.dim), kw["param_dtype"]))  # camera, registers, scale
-        self.frame_blocks = nnx.List([Block(FrameAttention(c.dim, c.num_heads, **kw), c.dim, c.mlp_ratio, **kw)
-                                      for _ in range(c.depth)])
-        self.cache = FrameCacheModule(frame.FrameSpec(
-            num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim, patches_per_frame=c.patches_per_frame,
-            num_special=c.num_special, scale_frames=c.scale_frames, sliding_window=c.sliding_window,
-            max_frames=c.max_frames, num_streams=c.num_streams, dtype=c.cache_dtype))
-        self.global_blocks = nnx.List([Block(StreamingGlobalAttention(
-            c.dim, c.num_heads, cache=self.cache, layer=i, impl=c.impl, **kw), c.dim, c.mlp_ratio, **kw)
-            for i in range(c.depth)])
+        self.special_tokens = nnx.Param(
+            init(rngs.params(), (c.num_special, c.dim), kw["param_dtype"])
+        )  # camera, registers, scale
+        self.frame_blocks = nnx.List(
+            [Block(FrameAttention(c.dim, c.num_heads, **kw), c.dim, c.mlp_ratio, **kw) for _ in range(c.depth)]
+        )
+        self.cache = FrameCacheModule(
+            frame.FrameSpec(
+                num_layers=c.depth,
+                num_heads=c.num_heads,
+                head_dim=c.head_dim,
+                patches_per_frame=c.patches_per_frame,
+                num_special=c.num_special,
+                scale_frames=c.scale_frames,
+                sliding_window=c.sliding_window,
+                max_frames=c.max_frames,
+                num_streams=c.num_streams,
+                dtype=c.cache_dtype,
+            )
+        )
+        self.global_blocks = nnx.List(
+            [
+                Block(
+                    StreamingGlobalAttention(c.dim, c.num_heads, cache=self.cache, layer=i, impl=c.impl, **kw),
+                    c.dim,
+                    c.mlp_ratio,
+                    **kw,
+                )
+                for i in range(c.depth)
+            ]
+        )
         self.norm = nnx.LayerNorm(c.dim, **kw)
         self.camera_head = nnx.Linear(c.dim, 9, **kw)
         self.depth_head = nnx.Linear(c.dim, p * p, **kw)
@@ -154,8 +185,9 @@ class StreamingReconstructor(nnx.Module):
     def _check_images(self, images, batch_name: str):
         c = self.config
         if images.ndim != 4 or images.shape[1:] != (c.height, c.width, 3):
-            raise ValueError(f"images: expected f32[{batch_name}, {c.height}, {c.width}, 3], got "
-                             f"{images.dtype}{list(images.shape)}")
+            raise ValueError(
+                f"images: expected f32[{batch_name}, {c.height}, {c.width}, 3], got {images.dtype}{list(images.shape)}"
+            )
 
     def tokens(self, images):
         """f[N, H, W, 3] -> f[N, tokens_per_frame, dim]: specials, then patches in row-major order."""
@@ -175,8 +207,9 @@ class StreamingReconstructor(nnx.Module):
         c = self.config
         gh, gw = c.grid
         rows, cols = jnp.meshgrid(jnp.arange(gh) + 1, jnp.arange(gw) + 1, indexing="ij")
-        rc = jnp.concatenate([jnp.zeros((c.num_special, 2), jnp.int32),
-                              jnp.stack([rows.ravel(), cols.ravel()], -1).astype(jnp.int32)])
+        rc = jnp.concatenate(
+            [jnp.zeros((c.num_special, 2), jnp.int32), jnp.stack([rows.ravel(), cols.ravel()], -1).astype(jnp.int32)]
+        )
         f = jnp.broadcast_to(frame_index[:, None, None], (frame_index.shape[0], c.tokens_per_frame, 1))
         pos = jnp.concatenate([f, jnp.broadcast_to(rc, (frame_index.shape[0],) + rc.shape)], -1)
         return axial_rope(pos, c.head_dim, c.rope_theta)

@@ -32,8 +32,17 @@ def _trajectory(num_frames: int, hover_every: int, hover_len: int):
     return s, moving
 
 
-def synthetic_video(num_frames: int, height: int, width: int, *, seed: int = 0, speed: float = 0.25,
-                    hover_every: int = 6, hover_len: int = 3, fov_deg: float = 70.0) -> SyntheticVideo:
+def synthetic_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    seed: int = 0,
+    speed: float = 0.25,
+    hover_every: int = 6,
+    hover_len: int = 3,
+    fov_deg: float = 70.0,
+) -> SyntheticVideo:
     """Render ``num_frames`` frames of ``height`` x ``width`` pixels (see the module docstring)."""
     if num_frames < 1 or height < 1 or width < 1:
         raise ValueError(f"num_frames, height, width: expected positive ints, got {num_frames}, {height}, {width}")
@@ -73,5 +82,6 @@ def synthetic_video(num_frames: int, height: int, width: int, *, seed: int = 0, 
         fog = np.exp(-0.02 * t)[..., None]
         sky = np.stack([0.55 + 0.3 * d[..., 1], 0.7 + 0.2 * d[..., 1], np.full_like(u, 0.95)], -1)
         frames[i] = np.where(down[..., None], fog * ground + (1 - fog) * sky, sky).clip(0, 1)
-    return SyntheticVideo(frames=frames, positions=positions.astype(np.float32),
-                          yaw=yaw.astype(np.float32), moving=moving)
+    return SyntheticVideo(
+        frames=frames, positions=positions.astype(np.float32), yaw=yaw.astype(np.float32), moving=moving
+    )

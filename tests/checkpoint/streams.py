@@ -15,10 +15,20 @@ import numpy as np
 from jaxkv import checkpoint, frame
 from jaxkv import hybrid as H
 
-FRAME_SPEC = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=6, num_special=2,
-                             scale_frames=1, sliding_window=3, max_frames=16, dtype="bfloat16")
-HYBRID = H.HybridConfig(compress_ratios=(0, 4, 128), window=16, index_heads=2, top_k=8, block_size=8,
-                        max_requests=2, max_context=512)
+FRAME_SPEC = frame.FrameSpec(
+    num_layers=2,
+    num_heads=2,
+    head_dim=16,
+    patches_per_frame=6,
+    num_special=2,
+    scale_frames=1,
+    sliding_window=3,
+    max_frames=16,
+    dtype="bfloat16",
+)
+HYBRID = H.HybridConfig(
+    compress_ratios=(0, 4, 128), window=16, index_heads=2, top_k=8, block_size=8, max_requests=2, max_context=512
+)
 
 
 def frame_run(state, t0: int, t1: int):
@@ -46,8 +56,9 @@ def hybrid_run(state, t0: int, t1: int):  # noqa: D401
     outs = []
     for t in range(t0, t1):
         x = D.make_inputs(c, np.random.default_rng(2000 + t), c.max_requests, 1)
-        state, step = H.prepare_forward(state, jnp.arange(c.max_requests, dtype=jnp.int32),
-                                        jnp.full((c.max_requests,), t, jnp.int32), chunk=1)
+        state, step = H.prepare_forward(
+            state, jnp.arange(c.max_requests, dtype=jnp.int32), jnp.full((c.max_requests,), t, jnp.int32), chunk=1
+        )
         state, o, _ = D.model_step(state, step, x, params)
         outs.append(np.stack([np.asarray(o[l], np.float32) for l in range(c.num_layers)]))
     return state, np.stack(outs)
@@ -69,13 +80,20 @@ def main(kind: str, mode: str, path: str, t0: int, t1: int, out: str) -> None:
     if mode == "continue":
         state = checkpoint.restore(path)
     else:
-        state = frame.init(FRAME_SPEC) if kind == "frame" else H.init(
-            dataclasses.replace(HYBRID, storage=kind.split(":")[1]))
+        state = (
+            frame.init(FRAME_SPEC)
+            if kind == "frame"
+            else H.init(dataclasses.replace(HYBRID, storage=kind.split(":")[1]))
+        )
     state, outs = run(state, t0, t1)
     if mode == "part":
         checkpoint.save(path, state)
-    np.savez(out, outputs=outs, pending=np.asarray(getattr(state, "pending", np.zeros(1))),
-             **{f"leaf{i}": as_bytes(x) for i, x in enumerate(leaves(state).values())})
+    np.savez(
+        out,
+        outputs=outs,
+        pending=np.asarray(getattr(state, "pending", np.zeros(1))),
+        **{f"leaf{i}": as_bytes(x) for i, x in enumerate(leaves(state).values())},
+    )
 
 
 if __name__ == "__main__":

@@ -11,13 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import streams as S
 
 import jaxkv
 from jaxkv import checkpoint as C
 from jaxkv import frame
 from jaxkv import hybrid as H
-
-import streams as S
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -26,10 +25,18 @@ def _fresh(kind, mode, path, t0, t1, tmp_path):
     """One run of ``streams.py`` in a fresh process -> its npz."""
     out = tmp_path / f"{mode}.npz"
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"  # see streams.py
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
-           "XLA_FLAGS": flags.strip(), "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    p = subprocess.run([sys.executable, str(HERE / "streams.py"), kind, mode, str(path), str(t0), str(t1), str(out)],
-                       capture_output=True, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(HERE), str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
+        "XLA_FLAGS": flags.strip(),
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+    }
+    p = subprocess.run(
+        [sys.executable, str(HERE / "streams.py"), kind, mode, str(path), str(t0), str(t1), str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return np.load(out)
 
@@ -85,8 +92,11 @@ def test_restore_onto_like_and_errors(tmp_path, rng):
 
 
 def _data_files(path):
-    return sorted(p for p in (path / C.ARRAYS).rglob("*") if p.is_file() and p.stat().st_size > 64
-                  and "metadata" not in p.name.lower() and p.parent.name == "d")
+    return sorted(
+        p
+        for p in (path / C.ARRAYS).rglob("*")
+        if p.is_file() and p.stat().st_size > 64 and "metadata" not in p.name.lower() and p.parent.name == "d"
+    )
 
 
 def test_corrupted_checkpoints_are_refused(tmp_path, rng):
@@ -155,7 +165,10 @@ print("ok")
 def test_restore_across_meshes(tmp_path):
     """A state saved from one device restores replicated over a 4-device mesh, or sharded by
     stream as ``like`` is; a sharded state saves and restores onto one device (4 CPU devices)."""
-    env = {**os.environ, "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
-           "JAX_PLATFORMS": "cpu"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip(),
+        "JAX_PLATFORMS": "cpu",
+    }
     p = subprocess.run([sys.executable, "-c", MESH_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]

@@ -12,8 +12,16 @@ from jaxkv import frame
 
 pytest.importorskip("orbax.checkpoint")
 
-SPEC = frame.FrameSpec(num_layers=2, num_heads=1, head_dim=8, patches_per_frame=4, num_special=1, scale_frames=1,
-                       sliding_window=2, max_frames=8)
+SPEC = frame.FrameSpec(
+    num_layers=2,
+    num_heads=1,
+    head_dim=8,
+    patches_per_frame=4,
+    num_special=1,
+    scale_frames=1,
+    sliding_window=2,
+    max_frames=8,
+)
 
 
 def test_refused_restores_leave_no_read_behind(tmp_path, monkeypatch):
@@ -29,8 +37,9 @@ def test_refused_restores_leave_no_read_behind(tmp_path, monkeypatch):
     state = frame.init(SPEC)
     for i in range(4):
         path = jaxkv.save(tmp_path / f"ck{i}", state)
-        files = [f for f in (path / C.ARRAYS).rglob("*")
-                 if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64]
+        files = [
+            f for f in (path / C.ARRAYS).rglob("*") if f.is_file() and f.parent.name == "d" and f.stat().st_size > 64
+        ]
         assert files, "expected Orbax data files under arrays/d"
         for f in files:  # truncated: the arrays' reads fail one by one
             f.write_bytes(f.read_bytes()[: f.stat().st_size // 3])

@@ -85,8 +85,11 @@ def test_missing_nvcc_says_where_it_looked(monkeypatch, tmp_path):
     monkeypatch.delenv("NVCC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
-    with pytest.raises(BuildError, match=r"nvcc: expected the CUDA toolkit's nvcc in \$NVCC, on PATH or in "
-                                         r"\$CUDA_HOME/bin, found none \(NVCC=unset, CUDA_HOME=.*/cuda\)"):
+    with pytest.raises(
+        BuildError,
+        match=r"nvcc: expected the CUDA toolkit's nvcc in \$NVCC, on PATH or in "
+        r"\$CUDA_HOME/bin, found none \(NVCC=unset, CUDA_HOME=.*/cuda\)",
+    ):
         B.nvcc()
 
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import os
 
+import hybrid_driver as D
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +18,6 @@ from jaxkv import cuda
 from jaxkv import hybrid as H
 from jaxkv.hybrid import flush as F
 from jaxkv.math.compressor import CUR_A, CUR_B, PREV_B
-
-import hybrid_driver as D
 
 
 @pytest.mark.gpu
@@ -36,8 +35,13 @@ def test_shared_divisor_exhaustive():
         pytest.skip(str(e))
     arch = cuda.arch_of(jax.devices()[0].compute_capability)
     src = source_dir()
-    exe = executable("tests", "div_rn_check", [os.path.join(os.path.dirname(__file__), "div_rn_check.cu")],
-                     ["-O3", *gencode(arch), "-I", str(src)], headers=[src / "div_rn.cuh"])
+    exe = executable(
+        "tests",
+        "div_rn_check",
+        [os.path.join(os.path.dirname(__file__), "div_rn_check.cu")],
+        ["-O3", *gencode(arch), "-I", str(src)],
+        headers=[src / "div_rn.cuh"],
+    )
     p = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     lines = p.stdout.splitlines()
     assert p.returncode == 0 and len(lines) == 2, p.stdout + p.stderr
@@ -120,8 +124,10 @@ def _flush_case(rng, storage, csa, L=2, NB=40, bs=16, N=300):
     args = dict(x=jnp.asarray(x, jnp.bfloat16), block=jnp.asarray(block), slot=jnp.asarray(slot))
     if csa:
         kb = fmt.index_key_bytes(128)
-        args.update(index_pool=jnp.asarray(rng.integers(0, 256, size=(L, NB, bs * kb), dtype=np.uint8)),
-                    xi=jnp.asarray(xi, jnp.bfloat16))
+        args.update(
+            index_pool=jnp.asarray(rng.integers(0, 256, size=(L, NB, bs * kb), dtype=np.uint8)),
+            xi=jnp.asarray(xi, jnp.bfloat16),
+        )
     return pool, args
 
 
@@ -142,8 +148,10 @@ def test_flush_write_cuda_equals_jnp(rng, storage, csa):
 def test_cuda_tail_state_equals_jnp(rng):
     R = 64
     slots = jnp.asarray(np.concatenate([rng.permutation(R)[:20], [R, -3]]).astype(np.int32))
-    for streams, w, ref, kern in ((3, 640, F.ref_csa_rotate_state, F.csa_rotate_state_cuda),
-                                  (1, 512, F.ref_hca_reset_state, F.hca_reset_state_cuda)):
+    for streams, w, ref, kern in (
+        (3, 640, F.ref_csa_rotate_state, F.csa_rotate_state_cuda),
+        (1, 512, F.ref_hca_reset_state, F.hca_reset_state_cuda),
+    ):
         tails = _tails(rng, R, streams, w)
         want = jax.jit(ref)(tails, slots)
         got = jax.jit(kern, donate_argnums=0)(jnp.array(tails), slots)
@@ -154,8 +162,18 @@ def test_cuda_tail_state_equals_jnp(rng):
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_compress_cuda_equals_xla(rng, storage):
     """A prefill chunk then decode steps, rows at different positions: same cache bytes."""
-    c = dataclasses.replace(H.HybridConfig(compress_ratios=(4, 128), window=32, index_heads=4, top_k=16,
-                                           block_size=16, max_requests=3, max_context=1024), storage=storage)
+    c = dataclasses.replace(
+        H.HybridConfig(
+            compress_ratios=(4, 128),
+            window=32,
+            index_heads=4,
+            top_k=16,
+            block_size=16,
+            max_requests=3,
+            max_context=1024,
+        ),
+        storage=storage,
+    )
     params = D.make_params(c, rng)
     B = 3
     pre = D.make_inputs(c, rng, B, 300)
@@ -189,8 +207,15 @@ def test_torch_flush_write_on_jax_buffers(rng, storage):
     want_pool, want_index = jax.jit(functools.partial(F.ref_flush_write, layer=1, storage=storage))(pool, **args)
     jpool, jindex = jnp.array(pool), jnp.array(args["index_pool"])
     tp, ti = to_torch(jpool), to_torch(jindex)
-    K.flush_write(tp[1], to_torch(args["x"]), to_torch(args["block"]), to_torch(args["slot"]), storage=storage,
-                  index_pool=ti[1], xi=to_torch(args["xi"]))
+    K.flush_write(
+        tp[1],
+        to_torch(args["x"]),
+        to_torch(args["block"]),
+        to_torch(args["slot"]),
+        storage=storage,
+        index_pool=ti[1],
+        xi=to_torch(args["xi"]),
+    )
     torch.cuda.synchronize()
     np.testing.assert_array_equal(np.asarray(jpool), np.asarray(want_pool))  # the jax arrays see torch's writes
     np.testing.assert_array_equal(np.asarray(jindex), np.asarray(want_index))

@@ -26,8 +26,19 @@ from jaxkv.cuda import BuildError
 from jaxkv.cuda.build import nvcc
 
 ROOT = Path(__file__).resolve().parents[2]
-NOT_COPIED = shutil.ignore_patterns(".git", ".venv", ".upstream", ".seeds", ".whl", "build", "dist", "*.egg-info",
-                                    "__pycache__", ".pytest_cache", ".hypothesis")
+NOT_COPIED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    ".upstream",
+    ".seeds",
+    ".whl",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".pytest_cache",
+    ".hypothesis",
+)
 DEPENDENCIES = ("jax", "jaxlib", "numpy", "ml_dtypes", "tqdm")  # what `import jaxkv` needs
 
 CHECK = textwrap.dedent("""
@@ -83,7 +94,7 @@ def test_wheel_carries_and_compiles_its_kernels(tmp_path):
     shutil.copytree(ROOT, src, ignore=NOT_COPIED)
     offline = ["--no-build-isolation"] if _can_build_offline() else []
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *offline, "-w", str(wheels), str(src)])
-    wheel, = wheels.glob("jaxkv-*.whl")
+    (wheel,) = wheels.glob("jaxkv-*.whl")
 
     # a fresh venv holding the wheel alone; the dependencies are this interpreter's
     venv = tmp_path / "venv"
@@ -91,8 +102,7 @@ def test_wheel_carries_and_compiles_its_kernels(tmp_path):
     python = venv / "bin" / "python"
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     (Path(purelib) / "_jaxkv_test_dependencies.pth").write_text("\n".join(_dependency_dirs()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index",
-          str(wheel)])
+    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)])
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["JAXKV_CACHE_DIR"] = str(tmp_path / "cache")

@@ -9,10 +9,11 @@ import pytest
 
 nnx = pytest.importorskip("flax.nnx")
 
-import jaxkv  # noqa: E402
 from frame_model import FrameModel  # noqa: E402
-from jaxkv.frame import tuning as frame_tuning  # noqa: E402
+
+import jaxkv  # noqa: E402
 from jaxkv.flax import StreamingGlobalAttention, apply_rope, axial_rope, caches, check  # noqa: E402
+from jaxkv.frame import tuning as frame_tuning  # noqa: E402
 from jaxkv.models import SMALL, StreamingReconstructor, synthetic_video  # noqa: E402
 
 DIM, HEADS, P, NS = 32, 4, 6, 2
@@ -28,8 +29,18 @@ def float32_matmuls():
 
 
 def make_layer(seed=0, **kw):
-    kw = dict(patches_per_frame=P, num_special=NS, scale_frames=1, sliding_window=2, max_frames=64,
-              cache_dtype="float32", impl="reference") | kw
+    kw = (
+        dict(
+            patches_per_frame=P,
+            num_special=NS,
+            scale_frames=1,
+            sliding_window=2,
+            max_frames=64,
+            cache_dtype="float32",
+            impl="reference",
+        )
+        | kw
+    )
     return StreamingGlobalAttention(DIM, HEADS, rngs=nnx.Rngs(seed), **kw)
 
 
@@ -63,8 +74,10 @@ def stream_vs_dense(layer, xs, ropes, keeps):
         layer.resolve(keep)
         return y
 
-    outs = [step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
-            for t in range(len(keeps))]
+    outs = [
+        step(layer, xs[t][None], ropes[t][0][None], ropes[t][1][None], jnp.asarray(bool(keeps[t])))[0]
+        for t in range(len(keeps))
+    ]
     check(layer)
     s = layer.spec
     vis = seed_visibility(keeps, s.scale_frames, s.sliding_window, s.patches_per_frame, s.num_special, len(keeps))
@@ -111,8 +124,17 @@ def test_scan_over_stacked_layers_equals_unrolled(rng):
     @nnx.vmap(in_axes=0, out_axes=0)
     def make_stack(key):
         return StreamingGlobalAttention(
-            DIM, HEADS, patches_per_frame=P, num_special=NS, scale_frames=1, sliding_window=2,
-            max_frames=64, cache_dtype="float32", impl="xla", rngs=nnx.Rngs(key))
+            DIM,
+            HEADS,
+            patches_per_frame=P,
+            num_special=NS,
+            scale_frames=1,
+            sliding_window=2,
+            max_frames=64,
+            cache_dtype="float32",
+            impl="xla",
+            rngs=nnx.Rngs(key),
+        )
 
     stack = make_stack(keys)
     graphdef, params, rest = nnx.split(stack, nnx.Param, ...)
@@ -127,6 +149,7 @@ def test_scan_over_stacked_layers_equals_unrolled(rng):
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def body(layer, h):
             return layer(h, cos, sin)
+
         return body(stack, x)
 
     @nnx.jit
@@ -223,12 +246,28 @@ def test_layer_streaming_equals_dense_gpu_bf16(rng, impl):
     """The GPU backends over a bf16 cache against the float32 dense reference."""
     dim, heads, p, ns, F = 256, 4, 48, 6, 8
     keeps = [1, 1, 0, 1, 1, 0, 1, 1]
-    layer = StreamingGlobalAttention(dim, heads, patches_per_frame=p, num_special=ns, scale_frames=1,
-                                     sliding_window=3, max_frames=64, cache_dtype="bfloat16", impl=impl,
-                                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    layer = StreamingGlobalAttention(
+        dim,
+        heads,
+        patches_per_frame=p,
+        num_special=ns,
+        scale_frames=1,
+        sliding_window=3,
+        max_frames=64,
+        cache_dtype="bfloat16",
+        impl=impl,
+        dtype=jnp.bfloat16,
+        rngs=nnx.Rngs(0),
+    )
     xs = jnp.asarray(rng.normal(size=(F, p + ns, dim)), jnp.bfloat16)
-    pos = lambda t: np.stack([np.full(p + ns, t), np.r_[np.zeros(ns), np.arange(p) // 8 + 1],  # noqa: E731
-                              np.r_[np.zeros(ns), np.arange(p) % 8 + 1]], -1)
+    pos = lambda t: np.stack(
+        [
+            np.full(p + ns, t),
+            np.r_[np.zeros(ns), np.arange(p) // 8 + 1],  # noqa: E731
+            np.r_[np.zeros(ns), np.arange(p) % 8 + 1],
+        ],
+        -1,
+    )
     ropes = [axial_rope(jnp.asarray(pos(t), jnp.int32), dim // heads) for t in range(F)]
     got, want = stream_vs_dense(layer, xs, ropes, keeps)
     np.testing.assert_allclose(got, want, atol=3e-2, rtol=3e-2)
@@ -258,11 +297,22 @@ def test_shared_cache_layers(rng):
     from jaxkv import frame
     from jaxkv.flax import FrameCacheModule
 
-    spec = frame.FrameSpec(num_layers=2, num_heads=HEADS, head_dim=DIM // HEADS, patches_per_frame=P,
-                           num_special=NS, scale_frames=1, sliding_window=2, max_frames=64, dtype="float32")
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=HEADS,
+        head_dim=DIM // HEADS,
+        patches_per_frame=P,
+        num_special=NS,
+        scale_frames=1,
+        sliding_window=2,
+        max_frames=64,
+        dtype="float32",
+    )
     shared = FrameCacheModule(spec)
-    layers = [StreamingGlobalAttention(DIM, HEADS, cache=shared, layer=i, impl="reference", rngs=nnx.Rngs(i))
-              for i in range(2)]
+    layers = [
+        StreamingGlobalAttention(DIM, HEADS, cache=shared, layer=i, impl="reference", rngs=nnx.Rngs(i))
+        for i in range(2)
+    ]
     owned = [make_layer(seed=i) for i in range(2)]
     for i in range(2):
         nnx.update(owned[i], nnx.state(layers[i], nnx.Param))
@@ -271,8 +321,9 @@ def test_shared_cache_layers(rng):
         cos, sin = frame_rope(t)
         shared.begin_frame()
         for a, b in zip(layers, owned):
-            np.testing.assert_allclose(np.asarray(a(x, cos[None], sin[None])), np.asarray(b(x, cos[None], sin[None])),
-                                       rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                np.asarray(a(x, cos[None], sin[None])), np.asarray(b(x, cos[None], sin[None])), rtol=1e-5, atol=1e-6
+            )
     assert len(caches(nnx.List(layers))) == 1  # one state, shared
     with pytest.raises(ValueError, match="defer: a shared cache"):
         layers[0](x, cos[None], sin[None], defer=True)
@@ -290,8 +341,9 @@ def test_hybrid_cache_as_nnx_state(rng):
     """A DeepSeek-V4 hybrid cache held in an nnx.Cache updates in place under nnx.jit."""
     from jaxkv import hybrid as H
 
-    cfg = H.HybridConfig(compress_ratios=(0, 4, 16), window=8, index_heads=2, top_k=4, block_size=4,
-                         max_requests=2, max_context=64)
+    cfg = H.HybridConfig(
+        compress_ratios=(0, 4, 16), window=8, index_heads=2, top_k=4, block_size=4, max_requests=2, max_context=64
+    )
 
     class Decoder(nnx.Module):
         def __init__(self):
@@ -331,7 +383,9 @@ def test_model_caches_save_restore_and_continue(tmp_path):
     for i in range(N):
         step(first, frames[i : i + 1])
     path = jaxkv.flax.save_caches(tmp_path / "model", first)
-    assert sorted(p.name for p in path.iterdir()) == sorted([f"cache{i}" for i in range(len(caches(first)))] + ["others"])
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [f"cache{i}" for i in range(len(caches(first)))] + ["others"]
+    )
     second = StreamingReconstructor(cfg, rngs=nnx.Rngs(1))
     jaxkv.flax.restore_caches(path, second)
     for i in range(N, F):
@@ -341,5 +395,8 @@ def test_model_caches_save_restore_and_continue(tmp_path):
     with pytest.raises(FileExistsError, match="exists"):
         jaxkv.flax.save_caches(path, first)
     layer = make_layer(impl="xla")
-    with pytest.raises(jaxkv.CheckpointError, match=r"holds \d+ cache states and \d+ other cache variables, module StreamingGlobalAttention has 1 and 0"):
+    with pytest.raises(
+        jaxkv.CheckpointError,
+        match=r"holds \d+ cache states and \d+ other cache variables, module StreamingGlobalAttention has 1 and 0",
+    ):
         jaxkv.flax.restore_caches(path, layer)

@@ -174,10 +174,12 @@ def test_ds_mla_rejects_bad_input():
 
 # ------------------------------------------------------------------ FP4
 def test_e2m1_rounding_matches_ml_dtypes(rng):
-    y = np.concatenate([
-        rng.uniform(-8, 8, 4000).astype(np.float32),
-        np.array([0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 100, -0.25, -5.0, -0.0], np.float32),
-    ])
+    y = np.concatenate(
+        [
+            rng.uniform(-8, 8, 4000).astype(np.float32),
+            np.array([0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 100, -0.25, -5.0, -0.0], np.float32),
+        ]
+    )
     np.testing.assert_array_equal(np.asarray(F.e2m1_encode(jnp.asarray(y))), np_e2m1_codes(y))
     codes = np.arange(16, dtype=np.uint8)
     np.testing.assert_array_equal(np.asarray(F.e2m1_decode(jnp.asarray(codes))), codes.view(E2M1).astype(np.float32))
@@ -264,8 +266,9 @@ def test_div_rn_is_correctly_rounded(rng):
     got = np.asarray(jax.jit(div_rn)(jnp.asarray(x), jnp.asarray(y)))
     np.testing.assert_array_equal(got, want)
     assert got[4] == 5.0 and got[5] == 1.0
-    np.testing.assert_array_equal(np.asarray(div_rn(jnp.asarray(x[6:]), 448.0)),
-                                  (x[6:].astype(np.float64) / 448).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(div_rn(jnp.asarray(x[6:]), 448.0)), (x[6:].astype(np.float64) / 448).astype(np.float32)
+    )
 
 
 def test_fp8_encoder_matches_ml_dtypes_everywhere(rng):

@@ -8,17 +8,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from frame_model import FrameModel
 
 import jaxkv
 from jaxkv import frame
 from jaxkv.errors import CacheError, Fault
 
-from frame_model import FrameModel
-
 frame_tuning = importlib.import_module("jaxkv.frame.tuning")
 
-SMALL = dict(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=5, num_special=2,
-             scale_frames=2, sliding_window=3, max_frames=30, dtype="float32")
+SMALL = dict(
+    num_layers=2,
+    num_heads=2,
+    head_dim=8,
+    patches_per_frame=5,
+    num_special=2,
+    scale_frames=2,
+    sliding_window=3,
+    max_frames=30,
+    dtype="float32",
+)
 
 
 def rand_frame(rng, spec, per_layer=False):
@@ -36,8 +44,17 @@ def visible(state, b=0):
 
 def test_sanity_check_scenario():
     """The seed's _sanity_check: 100 frames of 256 + 6 tokens, S=8, W=64."""
-    spec = frame.FrameSpec(num_layers=2, num_heads=1, head_dim=8, patches_per_frame=256, num_special=6,
-                           scale_frames=8, sliding_window=64, max_frames=200, dtype="bfloat16")
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=1,
+        head_dim=8,
+        patches_per_frame=256,
+        num_special=6,
+        scale_frames=8,
+        sliding_window=64,
+        max_frames=200,
+        dtype="bfloat16",
+    )
     state = frame.init(spec)
     rng = np.random.default_rng(0)
     k, v = rand_frame(rng, spec)
@@ -90,8 +107,10 @@ def test_page_table_covers_visible_rows(rng):
         pt = frame.page_table(state)
         n = int(pt.num_pages[0])
         idx = np.asarray(pt.indices[0, :n])
-        rows = np.concatenate([np.arange(p * 5, p * 5 + 5) for p in idx[:-1]] +
-                              [np.arange(idx[-1] * 5, idx[-1] * 5 + int(pt.last_page_len[0]))])
+        rows = np.concatenate(
+            [np.arange(p * 5, p * 5 + 5) for p in idx[:-1]]
+            + [np.arange(idx[-1] * 5, idx[-1] * 5 + int(pt.last_page_len[0]))]
+        )
         ids = np.asarray(state.token_id[0])[rows]
         assert sorted(ids.tolist()) == visible(state)
 
@@ -107,7 +126,9 @@ def test_errors_are_sticky_and_leave_cache_unchanged(rng):
     assert int(after.error[0]) == Fault.SPECIAL_CAPACITY
     keep = slice(0, spec.trash_row)  # skipped writes land in the trash rows, nothing else moves
     for name in ("k", "v"):
-        np.testing.assert_array_equal(np.stack(getattr(after, name))[:, :, keep], np.stack(getattr(before, name))[:, :, keep])
+        np.testing.assert_array_equal(
+            np.stack(getattr(after, name))[:, :, keep], np.stack(getattr(before, name))[:, :, keep]
+        )
     np.testing.assert_array_equal(after.token_id[:, keep], before.token_id[:, keep])
     for name in ("num_frames", "num_special", "num_window", "window_head", "pending"):
         np.testing.assert_array_equal(getattr(after, name), getattr(before, name), err_msg=name)
@@ -315,8 +336,7 @@ def test_eager_cache_grows_and_raises(rng):
 def test_memory_target_after_1000_frames():
     """Patch memory is constant in stream length; at 1,000 frames the cache is within 5% of
     (8 + 64 + 1) frames of patches + 1,000 x 6 specials, for 24 layers (518x378)."""
-    spec = frame.FrameSpec(num_layers=24, num_heads=16, head_dim=64, patches_per_frame=999,
-                           max_frames=1000)
+    spec = frame.FrameSpec(num_layers=24, num_heads=16, head_dim=64, patches_per_frame=999, max_frames=1000)
     per_token = 2 * 24 * 16 * 64 * 2  # K+V bytes per row over all layers
     target = ((8 + 64 + 1) * 999 + 1000 * 6) * per_token
     assert abs(spec.kv_bytes - target) / target < 0.05

@@ -22,8 +22,16 @@ def rel_err(a, b):
 
 @pytest.mark.parametrize("patches,frames,defer_last", [(256, 90, False), (999, 12, True), (37, 20, True)])
 def test_fused_backends_match_reference(rng, patches, frames, defer_last):
-    spec = frame.FrameSpec(num_layers=2, num_heads=16, head_dim=64, patches_per_frame=patches,
-                           scale_frames=8, sliding_window=6, max_frames=128, num_streams=2)
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=16,
+        head_dim=64,
+        patches_per_frame=patches,
+        scale_frames=8,
+        sliding_window=6,
+        max_frames=128,
+        num_streams=2,
+    )
     state = frame.init(spec)
     shape = (2, 2, spec.tokens_per_frame, 16, 64)
     for t in range(frames):
@@ -151,8 +159,16 @@ def test_prefix_cuda_kernel_matches_reference(rng, splits, lengths, heads):
 def test_frame_step_has_no_host_control_flow(rng):
     """XLA GPU reads a cond / while predicate on the host: a frame step (append with
     deferral, attention of a frame and of one token, resolve) holds neither."""
-    spec = frame.FrameSpec(num_layers=2, num_heads=4, head_dim=64, patches_per_frame=37, num_special=6,
-                           scale_frames=2, sliding_window=3, max_frames=64)
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=4,
+        head_dim=64,
+        patches_per_frame=37,
+        num_special=6,
+        scale_frames=2,
+        sliding_window=3,
+        max_frames=64,
+    )
     k = jnp.asarray(rng.standard_normal((2, 1, spec.tokens_per_frame, 4, 64)), jnp.bfloat16)
     q = jnp.asarray(rng.standard_normal((1, spec.tokens_per_frame, 4, 64)), jnp.bfloat16)
 

@@ -3,14 +3,13 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import machine_settings
+from frame_model import FrameModel
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from conftest import machine_settings
 from jaxkv import frame
 from jaxkv.errors import Fault
-
-from frame_model import FrameModel
 
 B = 2
 
@@ -27,17 +26,31 @@ def dense_attention(q, keys, values):
 
 class FrameCacheMachine(RuleBasedStateMachine):
     # A few fixed shapes (each compiles once): (S, W, P, NS, max_frames, pow2)
-    @initialize(cfg=st.sampled_from([
-        (2, 3, 3, 2, 9, False),   # the common case, capacity faults reachable
-        (0, 2, 1, 1, 6, False),   # no scale frames, one-row patches
-        (3, 0, 3, 2, 7, True),    # no window at all; power-of-two pages with padding
-        (1, 1, 5, 0, 4, True),    # no specials
-    ]))
+    @initialize(
+        cfg=st.sampled_from(
+            [
+                (2, 3, 3, 2, 9, False),  # the common case, capacity faults reachable
+                (0, 2, 1, 1, 6, False),  # no scale frames, one-row patches
+                (3, 0, 3, 2, 7, True),  # no window at all; power-of-two pages with padding
+                (1, 1, 5, 0, 4, True),  # no specials
+            ]
+        )
+    )
     def setup(self, cfg):
         S, W, P, NS, max_frames, pow2 = cfg
-        self.spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=4, patches_per_frame=P, num_special=NS,
-                                    scale_frames=S, sliding_window=W, max_frames=max_frames, num_streams=B,
-                                    dtype="float32", pow2_pages=pow2)
+        self.spec = frame.FrameSpec(
+            num_layers=2,
+            num_heads=2,
+            head_dim=4,
+            patches_per_frame=P,
+            num_special=NS,
+            scale_frames=S,
+            sliding_window=W,
+            max_frames=max_frames,
+            num_streams=B,
+            dtype="float32",
+            pow2_pages=pow2,
+        )
         self.state = frame.init(self.spec)
         self.models = [FrameModel(S, W, P, NS, max_frames) for _ in range(B)]
         self.kv = [dict() for _ in range(B)]  # token id -> (k [L,H,D], v [L,H,D]) of every append ever
@@ -69,7 +82,8 @@ class FrameCacheMachine(RuleBasedStateMachine):
                     self.kv[b][frame_idx * s.tokens_per_frame + j] = (k[:, b, j], v[:, b, j])
             else:
                 self.expected_error[b] |= (Fault.APPEND_WHILE_PENDING if was_pending else 0) | (
-                    Fault.SPECIAL_CAPACITY if full else 0)
+                    Fault.SPECIAL_CAPACITY if full else 0
+                )
                 self._assert_stream_unchanged(before, b)
 
     @rule(keep=st.lists(st.booleans(), min_size=B, max_size=B))
@@ -127,8 +141,10 @@ class FrameCacheMachine(RuleBasedStateMachine):
         s = self.spec
         q = self.rng.standard_normal((B, 3, s.num_heads, s.head_dim)).astype(np.float32)
         for layer in range(s.num_layers):
-            outs = {impl: np.asarray(frame.attention(self.state, layer, jnp.asarray(q), impl=impl))
-                    for impl in ("reference", "xla")}
+            outs = {
+                impl: np.asarray(frame.attention(self.state, layer, jnp.asarray(q), impl=impl))
+                for impl in ("reference", "xla")
+            }
             for b, m in enumerate(self.models):
                 ids = m.visible_ids()
                 keys = np.array([self.kv[b][i][0][layer] for i in ids], np.float64).reshape(-1, s.num_heads, s.head_dim)

@@ -5,12 +5,12 @@ compress / write_window with random inputs, requests at different positions."""
 import dataclasses
 import importlib
 
+import hybrid_driver as D
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
 from jaxkv.hybrid.ops import entry_address, ring_item, ring_positions
@@ -19,8 +19,9 @@ from jaxkv.kernels.pool_attention import ref_pool_attention
 attention = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
 HEADS = 64 if is_hopper() else 2  # the kernel takes heads by 64; the CPU tests run its reference
-CFG = H.HybridConfig(compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k=24, block_size=32,
-                     max_requests=4, max_context=512)
+CFG = H.HybridConfig(
+    compress_ratios=(0, 4, 16), window=32, index_heads=4, top_k=24, block_size=32, max_requests=4, max_context=512
+)
 
 
 LENGTHS = (40, 7, 100)
@@ -58,8 +59,15 @@ def _layer_inputs(state, rng, step, T, params, layer):
     q = jnp.asarray(rng.normal(size=(B, T, HEADS, c.head_dim)), jnp.bfloat16)
     idx = None
     if c.kind(layer) == H.CSA:
-        state = H.compress(state, step, layer, x["ckv"], x["cscore"], params[layer]["main"],
-                           index=(x["ikv"], x["iscore"], params[layer]["index"]))
+        state = H.compress(
+            state,
+            step,
+            layer,
+            x["ckv"],
+            x["cscore"],
+            params[layer]["main"],
+            index=(x["ikv"], x["iscore"], params[layer]["index"]),
+        )
         idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
     elif c.kind(layer) == H.HCA:
         state = H.compress(state, step, layer, x["ckv"], x["cscore"], params[layer]["main"])
@@ -69,7 +77,7 @@ def _layer_inputs(state, rng, step, T, params, layer):
 def _steps(filled, chunk=True):
     """Yields (state, step, T, params) for a decode step and (``chunk``) a ragged prefill chunk."""
     state0, params = filled
-    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37))[:1 + chunk]:
+    for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37))[: 1 + chunk]:
         state, step = H.prepare_forward(_copy(state0), jnp.arange(3), jnp.array(LENGTHS), jnp.array(counts), chunk=T)
         yield state, step, T, params
 
@@ -77,12 +85,17 @@ def _steps(filled, chunk=True):
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
+
     def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
         return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
+
     monkeypatch.setattr(attention, "pool_attention_pallas", ref)
     choose = attention._backend.choose
-    monkeypatch.setattr(attention._backend, "choose",
-                        lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw))
+    monkeypatch.setattr(
+        attention._backend,
+        "choose",
+        lambda op, impl, **kw: impl if op == "hybrid.attention" else choose(op, impl, **kw),
+    )
 
 
 def _missing(impl):
@@ -93,7 +106,7 @@ def _missing(impl):
 def _valid_rows(out, step):
     """Only rows of real tokens carry meaning."""
     n = np.asarray(step.num_tokens)
-    return [np.asarray(out[b, :n[b]], np.float32) for b in range(out.shape[0])]
+    return [np.asarray(out[b, : n[b]], np.float32) for b in range(out.shape[0])]
 
 
 def _assert_paths_agree(rng, filled, impl="pallas"):
@@ -123,7 +136,7 @@ def test_xla_path_is_the_driver_reference(rng, filled):
     for layer in range(3):
         st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, layer)
         sink = params[layer]["sink"]
-        q2 = q[:, :, :D.Q_HEADS]
+        q2 = q[:, :, : D.Q_HEADS]
         keys, pos = H.window_keys(st, step, layer, kv)
         parts = [(keys, H.window_mask(pos, step, 1, st.config.window))]
         if idx is not None:
@@ -131,7 +144,7 @@ def test_xla_path_is_the_driver_reference(rng, filled):
         elif st.config.compress_ratios[layer]:
             ent, _ = H.all_entries(st, step, layer)
             parts.append((ent, H.causal_entry_mask(ent.shape[1], step, 1, st.config.compress_ratios[layer])))
-        ref = H.sparse_attention(q2, parts, sink, 512 ** -0.5)
+        ref = H.sparse_attention(q2, parts, sink, 512**-0.5)
         out = H.attention(st, step, layer, q2, sink, kv, idx, impl="xla")
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=1e-2, rtol=1e-2)
 
@@ -192,7 +205,9 @@ def _decode_step(state, slots, inputs, params, q, ordered):
         x, p = inputs[layer], params[layer]
         idx = None
         if c.kind(layer) == H.CSA:
-            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"]))
+            state = H.compress(
+                state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"])
+            )
             idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
         elif c.kind(layer) == H.HCA:
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])
@@ -217,8 +232,11 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     pools = {tuple(x.shape) for x in (state.window, *state.entries, state.index_keys)}
     step = jax.jit(_decode_step, donate_argnums=0, static_argnames="ordered")
     text = step.lower(_copy(state), slots, inputs, params, q, ordered=True).compile().as_text()
-    copies = [line for line in text.splitlines() if " copy(" in line and any(
-        f"u8[{','.join(map(str, s))}]" in line for s in pools)]
+    copies = [
+        line
+        for line in text.splitlines()
+        if " copy(" in line and any(f"u8[{','.join(map(str, s))}]" in line for s in pools)
+    ]
     assert not copies, copies[:3]
     out = jnp.asarray(rng.normal(size=(3, 1, D.Q_HEADS, c.head_dim)), jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(H.after_reads(_copy(state), out))):
@@ -227,8 +245,9 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     plain_state, outs0 = step(_copy(state), slots, inputs, params, q, ordered=False)
     # two compiled programs: XLA may fuse the attention's sums differently around after_reads'
     # ordering (on an H100 one output of 9216 came out one bf16 step apart), so one step is allowed
-    np.testing.assert_allclose(np.asarray(outs.astype(jnp.float32)), np.asarray(outs0.astype(jnp.float32)),
-                               rtol=2.0 ** -7, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(outs.astype(jnp.float32)), np.asarray(outs0.astype(jnp.float32)), rtol=2.0**-7, atol=1e-6
+    )
     assert float(jnp.max(jnp.abs(outs.astype(jnp.float32)))) > 0.01
     for a, b in zip(jax.tree.leaves(ordered_state), jax.tree.leaves(plain_state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -240,8 +259,13 @@ def test_ring_and_entry_addresses(rng):
     entry e sits at item e % bs of block table[slot, e // bs] (-1: none)."""
     W = 8
     start = rng.integers(0, 40, size=6).astype(np.int32)
-    step = H.Step(slot=jnp.zeros(6, jnp.int32), write_slot=jnp.zeros(6, jnp.int32), start=jnp.asarray(start),
-                  num_tokens=jnp.ones(6, jnp.int32), active=jnp.ones(6, bool))
+    step = H.Step(
+        slot=jnp.zeros(6, jnp.int32),
+        write_slot=jnp.zeros(6, jnp.int32),
+        start=jnp.asarray(start),
+        num_tokens=jnp.ones(6, jnp.int32),
+        active=jnp.ones(6, bool),
+    )
     pos = np.asarray(ring_positions(step, W))
     for b, s in enumerate(start):
         want = [max([p for p in range(s) if p % W == i], default=-1) for i in range(W)]
@@ -266,8 +290,13 @@ def test_visibility_rules(rng):
     definitions: ``p - window < pos <= p``; ``0 <= s < (p + 1) // ratio``."""
     B, T, W, ratio = 3, 5, 6, 4
     start = rng.integers(0, 30, size=B).astype(np.int32)
-    step = H.Step(slot=jnp.zeros(B, jnp.int32), write_slot=jnp.zeros(B, jnp.int32), start=jnp.asarray(start),
-                  num_tokens=jnp.full(B, T, jnp.int32), active=jnp.ones(B, bool))
+    step = H.Step(
+        slot=jnp.zeros(B, jnp.int32),
+        write_slot=jnp.zeros(B, jnp.int32),
+        start=jnp.asarray(start),
+        num_tokens=jnp.full(B, T, jnp.int32),
+        active=jnp.ones(B, bool),
+    )
     p = start[:, None] + np.arange(T)[None, :]
     key_pos = rng.integers(-1, 40, size=(B, 9)).astype(np.int32)
     want = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] > p[..., None] - W) & (key_pos[:, None, :] <= p[..., None])
@@ -276,5 +305,7 @@ def test_visibility_rules(rng):
     e = rng.integers(-1, 12, size=(B, T, 7)).astype(np.int32)
     want = (e >= 0) & (e < ((p + 1) // ratio)[..., None])
     np.testing.assert_array_equal(np.asarray(attention.entry_visible(jnp.asarray(e), step, T, ratio)), want)
-    np.testing.assert_array_equal(np.asarray(H.causal_entry_mask(12, step, T, ratio)),
-                                  np.arange(12)[None, None, :] < ((p + 1) // ratio)[..., None])
+    np.testing.assert_array_equal(
+        np.asarray(H.causal_entry_mask(12, step, T, ratio)),
+        np.arange(12)[None, None, :] < ((p + 1) // ratio)[..., None],
+    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import hybrid_driver as D
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,14 +15,13 @@ import jaxkv
 from jaxkv import hybrid as H
 from jaxkv.errors import CacheError, Fault
 from jaxkv.formats import pack_ds_mla, quantize_mxfp4
+from jaxkv.formats.storage import STORAGES, read_items, write_items
 from jaxkv.math.compressor import empty_tail, fold_chunk, next_tail
 from jaxkv.math.rotation import apply_rope, hadamard, rope_freqs
-from jaxkv.formats.storage import STORAGES, read_items, write_items
 
-import hybrid_driver as D
-
-SMALL = H.HybridConfig(compress_ratios=(0, 4, 128), window=32, index_heads=4, top_k=16, block_size=16,
-                       max_requests=3, max_context=2048)
+SMALL = H.HybridConfig(
+    compress_ratios=(0, 4, 128), window=32, index_heads=4, top_k=16, block_size=16, max_requests=3, max_context=2048
+)
 
 
 # --- config --------------------------------------------------------------------------------------
@@ -29,7 +29,15 @@ def test_presets_and_bytes_per_token():
     f, p = H.V4_FLASH, H.V4_PRO
     assert f.num_layers == 43 and f.compress_ratios[:4] == (0, 0, 4, 128) and f.compress_ratios[-1] == 4
     assert p.num_layers == 61 and p.compress_ratios[:4] == (128, 128, 4, 128)
-    assert (f.top_k, p.top_k, f.head_dim, f.rope_dim, f.window, f.index_heads, f.index_dim) == (512, 1024, 512, 64, 128, 64, 128)
+    assert (f.top_k, p.top_k, f.head_dim, f.rope_dim, f.window, f.index_heads, f.index_dim) == (
+        512,
+        1024,
+        512,
+        64,
+        128,
+        64,
+        128,
+    )
     fmt = f.storage_format
     assert fmt.entry_bytes == 584 and fmt.index_key_bytes(128) == 68
     n_csa, n_hca = f.compress_ratios.count(4), f.compress_ratios.count(128)
@@ -41,15 +49,18 @@ def test_presets_and_bytes_per_token():
     assert H.bytes_per_token(per_entry) == pytest.approx(n_csa * (580 + 76) / 4 + n_hca * 580 / 128)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(compress_ratios=()), "compress_ratios"),
-    (dict(compress_ratios=(0, 1)), "compress_ratios"),
-    (dict(compress_ratios=(4,), storage="fp16"), "storage"),
-    (dict(compress_ratios=(4,), head_dim=256), "head_dim"),
-    (dict(compress_ratios=(4,), index_dim=96), "index_dim"),
-    (dict(compress_ratios=(4,), index_dim=64), "index_dim: expected 128"),
-    (dict(compress_ratios=(4,), max_requests=0), "max_requests"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(compress_ratios=()), "compress_ratios"),
+        (dict(compress_ratios=(0, 1)), "compress_ratios"),
+        (dict(compress_ratios=(4,), storage="fp16"), "storage"),
+        (dict(compress_ratios=(4,), head_dim=256), "head_dim"),
+        (dict(compress_ratios=(4,), index_dim=96), "index_dim"),
+        (dict(compress_ratios=(4,), index_dim=64), "index_dim: expected 128"),
+        (dict(compress_ratios=(4,), max_requests=0), "max_requests"),
+    ],
+)
 def test_config_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         H.HybridConfig(**kw)
@@ -91,7 +102,10 @@ def test_seed_entry_roundtrip(rng):
     y = np.asarray(codec.decode(b), np.float32)
     xf = np.asarray(x, np.float32)
     np.testing.assert_array_equal(y[:, 448:], xf[:, 448:])  # RoPE dims stay bf16
-    assert np.all(np.abs(y[:, :448] - xf[:, :448]) <= 0.0625 * np.abs(xf[:, :448]) + np.abs(xf).max(1, keepdims=True) / 448 * 2 ** -9)
+    assert np.all(
+        np.abs(y[:, :448] - xf[:, :448])
+        <= 0.0625 * np.abs(xf[:, :448]) + np.abs(xf).max(1, keepdims=True) / 448 * 2**-9
+    )
 
 
 # --- rope / hadamard --------------------------------------------------------------------------------
@@ -110,7 +124,9 @@ def test_rope_interleaved_pairs(rng):
     ang = (pos[:, None].astype(np.float32) * freqs).astype(np.float64)  # float32 angles, as DeepSeek's reference
     z = (x[:, 0::2] + 1j * x[:, 1::2]) * np.exp(1j * ang)
     want = np.stack([z.real, z.imag], -1).reshape(4, 64)
-    np.testing.assert_allclose(np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs)), want, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(
+        np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(pos), freqs)), want, rtol=2e-4, atol=2e-4
+    )
 
 
 # --- compressor equations -----------------------------------------------------------------------------
@@ -144,7 +160,12 @@ def test_compressor_matches_equations(rng, m, overlap):
     score = (2 * rng.normal(size=(N, coff * c))).astype(np.float32)
     bias = rng.normal(size=(m, coff * c)).astype(np.float32)
     want = numpy_pool(kv, score, bias, m, overlap)
-    np.testing.assert_allclose(np.asarray(H.ref_pool_sequence(jnp.asarray(kv), jnp.asarray(score), jnp.asarray(bias), m, overlap)), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(H.ref_pool_sequence(jnp.asarray(kv), jnp.asarray(score), jnp.asarray(bias), m, overlap)),
+        want,
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
     z = score + bias[np.arange(N) % m]
     if overlap:  # fold_chunk takes per-stream rows: a = [c:], b = [:c]
@@ -162,12 +183,16 @@ def test_compressor_matches_equations(rng, m, overlap):
     got, tail, pos = [], tail0, 0
     for size in (1, m - 1, 2, 3 * m + 1, N - (m + 3 + 3 * m + 1) + 1):
         size = min(size, N - pos)
-        wins, pooled, complete = jax.jit(one)(tail, jnp.asarray(kv[pos:pos + size]), jnp.asarray(z[pos:pos + size]), pos, size)
+        wins, pooled, complete = jax.jit(one)(
+            tail, jnp.asarray(kv[pos : pos + size]), jnp.asarray(z[pos : pos + size]), pos, size
+        )
         got += [p for p, ok in zip(np.asarray(pooled), np.asarray(complete)) if ok]
         tail = next_tail(tail, wins, pos, size, m, overlap)
         pos += size
     assert pos == N
-    np.testing.assert_array_equal(np.stack(got), np.asarray(jax.jit(one)(tail0, jnp.asarray(kv), jnp.asarray(z), 0, N)[1])[: N // m])
+    np.testing.assert_array_equal(
+        np.stack(got), np.asarray(jax.jit(one)(tail0, jnp.asarray(kv), jnp.asarray(z), 0, N)[1])[: N // m]
+    )
 
 
 def numpy_entry(pooled, i, m, norm_w, config):
@@ -175,7 +200,9 @@ def numpy_entry(pooled, i, m, norm_w, config):
     x = np.asarray(jnp.asarray(pooled, jnp.bfloat16), np.float64)
     y = x / np.sqrt((x * x).mean() + config.norm_eps) * norm_w
     y = np.asarray(jnp.asarray(y.astype(np.float32), jnp.bfloat16), np.float64)
-    f = rope_freqs(64, config.rope_theta, config.rope_factor, config.original_seq_len, config.beta_fast, config.beta_slow)
+    f = rope_freqs(
+        64, config.rope_theta, config.rope_factor, config.original_seq_len, config.beta_fast, config.beta_slow
+    )
     zc = (y[448::2] + 1j * y[449::2]) * np.exp(1j * (np.float32(i * m) * f).astype(np.float64))
     y[448::2], y[449::2] = zc.real, zc.imag
     return y
@@ -203,9 +230,12 @@ def test_stored_entries_match_numpy_pipeline(rng, storage):
             # FP8 E4M3: half a step of 2**-3 relative (normal range), half a subnormal step
             # 2**-9 * scale below it; the scale is per 64-tile (official) or per entry (seed);
             # plus one bf16 step of the normed value, which the backends may round apart.
-            group_amax = (np.abs(want[:448]).reshape(7, 64).max(1).repeat(64) if storage == "official"
-                          else np.abs(want[:448]).max())
-            bound = (2 ** -4 + 2 ** -7) * np.abs(want[:448]) + group_amax / 448 * 2 ** -9 + 1e-6
+            group_amax = (
+                np.abs(want[:448]).reshape(7, 64).max(1).repeat(64)
+                if storage == "official"
+                else np.abs(want[:448]).max()
+            )
+            bound = (2**-4 + 2**-7) * np.abs(want[:448]) + group_amax / 448 * 2**-9 + 1e-6
             assert np.all(np.abs(got[i, :448] - want[:448]) <= bound), (layer, i)
             np.testing.assert_allclose(got[i, 448:], want[448:], rtol=2e-2, atol=2e-2)
 
@@ -237,7 +267,7 @@ def _prefill(state, inputs, params, chunks):
     return state, {l: cat(*[o[l] for o in outs]) for l in outs[0]}, {l: cat(*[i[l] for i in idxs]) for l in idxs[0]}
 
 
-def same_bytes(a, b, decode, what, step=2 ** -3):
+def same_bytes(a, b, decode, what, step=2**-3):
     """Stored entries from two paths. The pooled values are folded in the same order in
     both, but the last bit of a value can still move — XLA's vectorised and scalar sin/cos
     differ (RoPE), and on a GPU a multiply-add may be contracted into an FMA in one fusion
@@ -249,7 +279,7 @@ def same_bytes(a, b, decode, what, step=2 ** -3):
         assert rows_same.mean() >= 0.95, f"{what}: only {rows_same.mean():.1%} of entries bit-identical"
     x = np.asarray(decode(jnp.asarray(a)), np.float32)
     y = np.asarray(decode(jnp.asarray(b)), np.float32)
-    tol = step * np.maximum(np.abs(x), np.abs(y)) + 2 ** -9 * np.abs(x).max(-1, keepdims=True)
+    tol = step * np.maximum(np.abs(x), np.abs(y)) + 2**-9 * np.abs(x).max(-1, keepdims=True)
     assert np.all(np.abs(x - y) <= tol), f"{what}: entries differ by more than one quantization step"
 
 
@@ -262,16 +292,27 @@ def test_decode_equals_prefill(rng):
     inputs = D.make_inputs(cfg, rng, 1, N_TOKENS)
     dec_state, (dec_out, dec_idx) = _decode_all(H.init(cfg), inputs, params, N_TOKENS)
     jaxkv.check(dec_state)
-    runs = {"whole": _prefill(H.init(cfg), inputs, params, (N_TOKENS,)),
-            "chunks": _prefill(H.init(cfg), inputs, params, (333, 1, 1000, 666))}
+    runs = {
+        "whole": _prefill(H.init(cfg), inputs, params, (N_TOKENS,)),
+        "chunks": _prefill(H.init(cfg), inputs, params, (333, 1, 1000, 666)),
+    }
     for name, (pre_state, pre_out, pre_idx) in runs.items():
         jaxkv.check(pre_state)
         for layer in (1, 2):
             cnt = N_TOKENS // cfg.compress_ratios[layer]
-            same_bytes(D.entries_bytes(dec_state, layer, 0, cnt), D.entries_bytes(pre_state, layer, 0, cnt),
-                       cfg.storage_format.entry.decode, f"{name}: layer {layer} entries")
-        same_bytes(D.index_key_bytes(dec_state, 1, 0, N_TOKENS // 4), D.index_key_bytes(pre_state, 1, 0, N_TOKENS // 4),
-                   cfg.storage_format.index_key(cfg.index_dim).decode, f"{name}: index keys", step=0.5)
+            same_bytes(
+                D.entries_bytes(dec_state, layer, 0, cnt),
+                D.entries_bytes(pre_state, layer, 0, cnt),
+                cfg.storage_format.entry.decode,
+                f"{name}: layer {layer} entries",
+            )
+        same_bytes(
+            D.index_key_bytes(dec_state, 1, 0, N_TOKENS // 4),
+            D.index_key_bytes(pre_state, 1, 0, N_TOKENS // 4),
+            cfg.storage_format.index_key(cfg.index_dim).decode,
+            f"{name}: index keys",
+            step=0.5,
+        )
         # top-k: the same entries, except where two scores tie to within float noise
         got = np.asarray(dec_idx[1])[:, 0, 0]  # [t, k]
         want = np.asarray(pre_idx[1])[0]
@@ -303,8 +344,17 @@ def test_attention_reference_is_dense_softmax(rng):
     k = rng.normal(size=(B, T, K, Dd)).astype(np.float32)
     mask = rng.uniform(size=(B, T, K)) > 0.3
     sink = rng.normal(size=(Hh,)).astype(np.float32)
-    got = np.asarray(H.sparse_attention(jnp.asarray(q), [(jnp.asarray(k[:, :, :3]), jnp.asarray(mask[:, :, :3])),
-                                                          (jnp.asarray(k[:, :, 3:]), jnp.asarray(mask[:, :, 3:]))], jnp.asarray(sink), 0.25))
+    got = np.asarray(
+        H.sparse_attention(
+            jnp.asarray(q),
+            [
+                (jnp.asarray(k[:, :, :3]), jnp.asarray(mask[:, :, :3])),
+                (jnp.asarray(k[:, :, 3:]), jnp.asarray(mask[:, :, 3:])),
+            ],
+            jnp.asarray(sink),
+            0.25,
+        )
+    )
     l = np.einsum("bthd,btkd->bthk", q, k) * 0.25
     l = np.where(mask[:, :, None], l, -np.inf)
     mx = np.maximum(l.max(-1), sink)
@@ -334,7 +384,7 @@ def test_batch_requests_at_different_positions(rng):
             for key in seqs[0][l]:
                 rows = []
                 for r in range(3):
-                    a = seqs[r][l][key][:, pos[r]:pos[r] + counts[r]]
+                    a = seqs[r][l][key][:, pos[r] : pos[r] + counts[r]]
                     rows.append(jnp.concatenate([a, jnp.full((1, T - a.shape[1]) + a.shape[2:], 7.0, a.dtype)], axis=1))
                 batch[l][key] = jnp.concatenate(rows, axis=0)
         before = [p // 4 for p in pos]
@@ -350,14 +400,23 @@ def test_batch_requests_at_different_positions(rng):
     for r, slot in enumerate(slots):
         alone = H.init(cfg)
         alone, step = H.prepare_forward(alone, jnp.array([0]), jnp.array([0]), jnp.array([lengths[r]]), chunk=320)
-        padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.ones((1, 320 - a.shape[1]) + a.shape[2:], a.dtype)], 1), seqs[r])
+        padded = jax.tree.map(
+            lambda a: jnp.concatenate([a, jnp.ones((1, 320 - a.shape[1]) + a.shape[2:], a.dtype)], 1), seqs[r]
+        )
         alone, _, _ = D.model_step(alone, step, padded, params)
         for layer in (1, 2):
             cnt = lengths[r] // cfg.compress_ratios[layer]
-            np.testing.assert_array_equal(D.entries_bytes(state, layer, slot, cnt), D.entries_bytes(alone, layer, 0, cnt))
+            np.testing.assert_array_equal(
+                D.entries_bytes(state, layer, slot, cnt), D.entries_bytes(alone, layer, 0, cnt)
+            )
     # typed views: each row's table and count, pools read in place (the same bytes)
-    last = H.Step(slot=jnp.array(slots), write_slot=jnp.array(slots), start=jnp.array(lengths), num_tokens=jnp.zeros(3, jnp.int32),
-                  active=jnp.ones(3, bool))
+    last = H.Step(
+        slot=jnp.array(slots),
+        write_slot=jnp.array(slots),
+        start=jnp.array(lengths),
+        num_tokens=jnp.zeros(3, jnp.int32),
+        active=jnp.ones(3, bool),
+    )
     v = H.layer_view(state, last, 1)
     assert v.kind == H.CSA and v.ratio == 4 and v.index_keys is not None
     np.testing.assert_array_equal(np.asarray(v.num_entries), [n // 4 for n in lengths])
@@ -392,13 +451,15 @@ def test_faults_leave_requests_untouched(rng):
         ((1, 1), (8, 8), Fault.SLOT_REPEATED, cfg.max_requests),
     ]
     for slots, positions, fault, owner in cases:
-        s2, step = H.prepare_forward(jax.tree.map(jnp.asarray, snapshot), jnp.array(slots), jnp.array(positions), chunk=8)
+        s2, step = H.prepare_forward(
+            jax.tree.map(jnp.asarray, snapshot), jnp.array(slots), jnp.array(positions), chunk=8
+        )
         s2, _, _ = D.model_step(s2, step, x, params)
         err = np.asarray(s2.error)
         assert err[owner] & fault, (fault, err)
         with pytest.raises(CacheError, match="request slot|bad slot"):
             jaxkv.check(s2)
-        for r, (sl, ok) in enumerate(zip(slots, np.asarray(step.active))):
+        for _r, (sl, ok) in enumerate(zip(slots, np.asarray(step.active))):
             if not ok and 0 <= sl < cfg.max_requests and slots.count(sl) == 1:  # refused row: its request unchanged
                 assert int(s2.position[sl]) == snapshot.position[sl]
                 np.testing.assert_array_equal(np.asarray(s2.window[:, sl]), snapshot.window[:, sl])
@@ -409,7 +470,9 @@ def test_faults_leave_requests_untouched(rng):
                 assert int(s2.position[sl]) == snapshot.position[sl] + 8
 
     # too many tokens for the context, and a count beyond the chunk
-    s2, step = H.prepare_forward(jax.tree.map(jnp.asarray, snapshot), jnp.array([0, 1]), jnp.array([8, 8]), jnp.array([9, 2]), chunk=8)
+    s2, step = H.prepare_forward(
+        jax.tree.map(jnp.asarray, snapshot), jnp.array([0, 1]), jnp.array([8, 8]), jnp.array([9, 2]), chunk=8
+    )
     assert np.asarray(step.active).tolist() == [False, True] and np.asarray(s2.error)[0] & Fault.CONTEXT_EXHAUSTED
 
 
@@ -420,7 +483,9 @@ def test_pool_exhausted(rng):
     state = H.init(cfg)
     T = 64 * (nb - 1)
     x = D.make_inputs(cfg, rng, 3, T)
-    state, step = H.prepare_forward(state, jnp.array([0, 1, 2]), jnp.zeros(3, jnp.int32), jnp.array([T, 64, 64]), chunk=T)
+    state, step = H.prepare_forward(
+        state, jnp.array([0, 1, 2]), jnp.zeros(3, jnp.int32), jnp.array([T, 64, 64]), chunk=T
+    )
     assert np.asarray(step.active).tolist() == [True, True, False]
     assert np.asarray(state.error)[2] & Fault.POOL_EXHAUSTED and not np.asarray(state.error)[:2].any()
     assert int(state.position[2]) == 0 and int(state.alloc[0].num_free) == 0

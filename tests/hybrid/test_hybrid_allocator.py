@@ -12,16 +12,17 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from conftest import machine_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import jaxkv
-from conftest import machine_settings
 from jaxkv import hybrid as H
 from jaxkv.errors import Fault
 
-CFG = H.HybridConfig(compress_ratios=(0, 4, 8, 4), window=8, block_size=2, max_requests=4, max_context=64,
-                     pool_tokens=96)
+CFG = H.HybridConfig(
+    compress_ratios=(0, 4, 8, 4), window=8, block_size=2, max_requests=4, max_context=64, pool_tokens=96
+)
 CHUNK = 12
 R = CFG.max_requests
 
@@ -41,7 +42,9 @@ class Allocator(RuleBasedStateMachine):
         """All slots in one batch (a slot at position 0 is admitted by its first tokens)."""
         counts = [n if self.pos[s] + n <= CFG.max_context else 0 for s, n in enumerate(counts)]
         before_err = np.asarray(self.state.error).copy()
-        self.state, step = H.prepare_forward(self.state, jnp.arange(R), jnp.asarray(self.pos), jnp.asarray(counts), chunk=CHUNK)
+        self.state, step = H.prepare_forward(
+            self.state, jnp.arange(R), jnp.asarray(self.pos), jnp.asarray(counts), chunk=CHUNK
+        )
         # model: rows in order; a row fits if the running total of needs fits every ratio
         running = {r: 0 for r in CFG.ratios}
         want_active = []
@@ -82,7 +85,7 @@ class Allocator(RuleBasedStateMachine):
             used = []
             for s in range(R):
                 assert owned[s] == self.blocks_for(r, self.pos[s])  # the table covers the entries, no more
-                assert (table[s, : owned[s]] >= 0).all() and (table[s, owned[s]:] == -1).all()
+                assert (table[s, : owned[s]] >= 0).all() and (table[s, owned[s] :] == -1).all()
                 used += table[s, : owned[s]].tolist()
             assert len(set(used)) == len(used), "a block owned twice"
             assert sorted(free + used) == list(range(nb)), "free + used != all blocks"

@@ -10,18 +10,19 @@ byte for byte (its neighbours, its chunking and its slot changed nothing).
 
 from __future__ import annotations
 
+import hybrid_driver as D
 import jax.numpy as jnp
 import numpy as np
+from conftest import machine_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-import hybrid_driver as D
 import jaxkv
-from conftest import machine_settings
 from jaxkv import hybrid as H
 
-CFG = H.HybridConfig(compress_ratios=(0, 4, 8), window=8, index_heads=2, top_k=4, block_size=2, max_requests=3,
-                     max_context=48)
+CFG = H.HybridConfig(
+    compress_ratios=(0, 4, 8), window=8, index_heads=2, top_k=4, block_size=2, max_requests=3, max_context=48
+)
 CHUNK = 6
 R = CFG.max_requests
 PARAMS = D.make_params(CFG, np.random.default_rng(0))
@@ -33,7 +34,7 @@ def _replay_alone(tokens):
     n = next(iter(tokens[0].values())).shape[1]
     for t0 in range(0, n, CHUNK):
         k = min(CHUNK, n - t0)
-        x = {l: {key: _pad(a[:, t0:t0 + k]) for key, a in xl.items()} for l, xl in tokens.items()}
+        x = {l: {key: _pad(a[:, t0 : t0 + k]) for key, a in xl.items()} for l, xl in tokens.items()}
         state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([t0]), jnp.array([k]), chunk=CHUNK)
         state, _, _ = D.model_step(state, step, x, PARAMS)
     jaxkv.check(state)
@@ -57,16 +58,20 @@ class HybridMachine(RuleBasedStateMachine):
         counts = [n if self.pos[s] + n <= CFG.max_context else 0 for s, n in enumerate(counts)]
         self.seed += 1
         x = D.make_inputs(CFG, np.random.default_rng(self.seed), R, CHUNK)
-        self.state, step = H.prepare_forward(self.state, jnp.arange(R), jnp.asarray(self.pos), jnp.asarray(counts),
-                                             chunk=CHUNK)
+        self.state, step = H.prepare_forward(
+            self.state, jnp.arange(R), jnp.asarray(self.pos), jnp.asarray(counts), chunk=CHUNK
+        )
         self.state, _, _ = D.model_step(self.state, step, x, PARAMS)
         jaxkv.check(self.state)  # the pool holds every request's whole context: no fault
         for s, n in enumerate(counts):
             if n:
-                new = {l: {k: a[s:s + 1, :n] for k, a in xl.items()} for l, xl in x.items()}
+                new = {l: {k: a[s : s + 1, :n] for k, a in xl.items()} for l, xl in x.items()}
                 old = self.tokens[s]
-                self.tokens[s] = new if old is None else {
-                    l: {k: jnp.concatenate([old[l][k], new[l][k]], axis=1) for k in new[l]} for l in new}
+                self.tokens[s] = (
+                    new
+                    if old is None
+                    else {l: {k: jnp.concatenate([old[l][k], new[l][k]], axis=1) for k in new[l]} for l in new}
+                )
                 self.pos[s] += n
 
     @rule(slot=st.integers(0, R - 1))
@@ -76,11 +81,15 @@ class HybridMachine(RuleBasedStateMachine):
             for layer, ratio in enumerate(CFG.compress_ratios):
                 if ratio:
                     cnt = self.pos[slot] // ratio
-                    np.testing.assert_array_equal(D.entries_bytes(self.state, layer, slot, cnt),
-                                                  D.entries_bytes(alone, layer, 0, cnt), err_msg=f"layer {layer}")
+                    np.testing.assert_array_equal(
+                        D.entries_bytes(self.state, layer, slot, cnt),
+                        D.entries_bytes(alone, layer, 0, cnt),
+                        err_msg=f"layer {layer}",
+                    )
                     if CFG.kind(layer) == H.CSA:
-                        np.testing.assert_array_equal(D.index_key_bytes(self.state, layer, slot, cnt),
-                                                      D.index_key_bytes(alone, layer, 0, cnt))
+                        np.testing.assert_array_equal(
+                            D.index_key_bytes(self.state, layer, slot, cnt), D.index_key_bytes(alone, layer, 0, cnt)
+                        )
         self.state = H.finish(self.state, jnp.array([slot]))
         jaxkv.check(self.state)
         self.pos[slot], self.tokens[slot] = 0, None

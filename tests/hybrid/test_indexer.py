@@ -5,12 +5,12 @@ compress with random inputs, requests at different positions."""
 
 import dataclasses
 
+import hybrid_driver as D
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import hybrid_driver as D
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
 from jaxkv.hybrid import indexer
@@ -18,8 +18,9 @@ from jaxkv.hybrid.indexer import _top_k
 from jaxkv.kernels.index_scores import ref_index_scores
 
 # index heads and block size as the kernel takes them (by 64); two pages of entries a request
-CFG = H.HybridConfig(compress_ratios=(0, 4), window=32, index_heads=64, top_k=24, block_size=64,
-                     max_requests=4, max_context=512)
+CFG = H.HybridConfig(
+    compress_ratios=(0, 4), window=32, index_heads=64, top_k=24, block_size=64, max_requests=4, max_context=512
+)
 LENGTHS = (300, 7, 130)
 
 
@@ -38,8 +39,9 @@ def filled(request):
 def _steps(state):
     """(step, T) for a decode step and a ragged prefill chunk (a request with no new entry)."""
     for counts, T in (([1, 1, 1], 1), ([20, 3, 37], 37)):
-        _, step = H.prepare_forward(jax.tree.map(jnp.copy, state), jnp.arange(3), jnp.array(LENGTHS),
-                                    jnp.array(counts), chunk=T)
+        _, step = H.prepare_forward(
+            jax.tree.map(jnp.copy, state), jnp.arange(3), jnp.array(LENGTHS), jnp.array(counts), chunk=T
+        )
         yield step, T
 
 
@@ -78,8 +80,9 @@ def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: wiring on CPU."""
     monkeypatch.setattr(indexer, "score_kernel", ref_index_scores)
     choose = indexer._backend.choose
-    monkeypatch.setattr(indexer._backend, "choose",
-                        lambda op, impl, **ctx: "pallas" if impl == "pallas" else choose(op, impl, **ctx))
+    monkeypatch.setattr(
+        indexer._backend, "choose", lambda op, impl, **ctx: "pallas" if impl == "pallas" else choose(op, impl, **ctx)
+    )
 
 
 def _real(step, T, *arrays):
@@ -91,8 +94,9 @@ def _real(step, T, *arrays):
 def _assert_paths_agree(state, step, T, q, w):
     """impl="pallas" and impl="xla" scores: -inf at the same entries, float32 sums in another
     order elsewhere (real rows); returns how many finite scores were compared."""
-    got, want = _real(step, T, H.index_scores(state, step, 1, q, w, impl="pallas"),
-                      H.index_scores(state, step, 1, q, w, impl="xla"))
+    got, want = _real(
+        step, T, H.index_scores(state, step, 1, q, w, impl="pallas"), H.index_scores(state, step, 1, q, w, impl="xla")
+    )
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
     np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=1e-5 * np.abs(want[fin]).max())
@@ -113,8 +117,9 @@ def test_kernel_equals_xla_on_gpu(rng, filled):
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
         _assert_paths_agree(state, step, T, q, w)
-        top, ref = _real(step, T, H.index_topk(state, step, 1, q, w, impl="pallas"),
-                         H.index_topk(state, step, 1, q, w, impl="xla"))
+        top, ref = _real(
+            step, T, H.index_topk(state, step, 1, q, w, impl="pallas"), H.index_topk(state, step, 1, q, w, impl="xla")
+        )
         np.testing.assert_array_equal(top < 0, ref < 0)
         assert (top == ref).mean() > 0.99  # the same entries, but for near-ties
 

@@ -43,7 +43,8 @@ INFERENCE = Path(SRC) / "inference" if SRC else None
 pytestmark = pytest.mark.skipif(
     INFERENCE is None or not (INFERENCE / "model.py").is_file(),
     reason="needs DeepSeek-V4's inference code in $DSV4_SRC (a checkout holding inference/model.py, "
-           "e.g. github.com/Nicooo-Wang/DeepSeek-V4-Pro-code)")
+    "e.g. github.com/Nicooo-Wang/DeepSeek-V4-Pro-code)",
+)
 
 B, WINDOW, TOP_K, HEADS = 2, 32, 6, 64
 RATIOS = (0, 4, 8)  # SWA, CSA (indexer), HCA (8 here: any ratio but 4 is HCA)
@@ -106,10 +107,24 @@ def _hadamard(x, scale):
 
 def _modules(model, seed, top_k=TOP_K):
     """Upstream's Attention for each layer of RATIOS, with random weights."""
-    args = model.ModelArgs(max_batch_size=B, max_seq_len=MAX_LEN, dtype="bf16", scale_fmt="ue8m0", expert_dtype=None,
-                           scale_dtype="fp32", dim=64, n_heads=HEADS, q_lora_rank=32, o_groups=2, o_lora_rank=16,
-                           window_size=WINDOW, compress_ratios=RATIOS, index_n_heads=4, index_topk=top_k,
-                           original_seq_len=64)  # small: YaRN's interpolation shows at these positions
+    args = model.ModelArgs(
+        max_batch_size=B,
+        max_seq_len=MAX_LEN,
+        dtype="bf16",
+        scale_fmt="ue8m0",
+        expert_dtype=None,
+        scale_dtype="fp32",
+        dim=64,
+        n_heads=HEADS,
+        q_lora_rank=32,
+        o_groups=2,
+        o_lora_rank=16,
+        window_size=WINDOW,
+        compress_ratios=RATIOS,
+        index_n_heads=4,
+        index_topk=top_k,
+        original_seq_len=64,
+    )  # small: YaRN's interpolation shows at these positions
     torch.manual_seed(seed)
     layers = []
     for layer in range(len(RATIOS)):
@@ -168,11 +183,22 @@ class _Recorder:
 
 
 def _config(args):
-    return H.HybridConfig(compress_ratios=RATIOS, window=WINDOW, index_heads=args.index_n_heads,
-                          index_dim=args.index_head_dim, top_k=args.index_topk, block_size=BLOCK, max_requests=B,
-                          max_context=MAX_LEN, storage="official", rope_theta=args.compress_rope_theta,
-                          rope_factor=args.rope_factor, original_seq_len=args.original_seq_len,
-                          beta_fast=args.beta_fast, beta_slow=args.beta_slow)
+    return H.HybridConfig(
+        compress_ratios=RATIOS,
+        window=WINDOW,
+        index_heads=args.index_n_heads,
+        index_dim=args.index_head_dim,
+        top_k=args.index_topk,
+        block_size=BLOCK,
+        max_requests=B,
+        max_context=MAX_LEN,
+        storage="official",
+        rope_theta=args.compress_rope_theta,
+        rope_factor=args.rope_factor,
+        original_seq_len=args.original_seq_len,
+        beta_fast=args.beta_fast,
+        beta_slow=args.beta_slow,
+    )
 
 
 def _j(t, dtype=None):
@@ -200,7 +226,7 @@ def _picked(got, T, start, ratio):
     ids = _np(got["idx"][..., wlen:]).astype(np.int64)
     ids = np.where(ids >= 0, ids - offset, -1)
     out = np.full((B, T, TOP_K), -1, np.int32)
-    out[..., :ids.shape[-1]] = ids
+    out[..., : ids.shape[-1]] = ids
     return jnp.asarray(out)
 
 
@@ -221,8 +247,11 @@ IMPLS = [i for i in choices("hybrid.attention") if i != "auto"]
 
 
 def _skip_missing(impl):
-    if impl != "xla" and (why := OPERATIONS["hybrid.attention"].missing[impl](
-            heads=HEADS, block_size=BLOCK, window=WINDOW, storage="official")):
+    if impl != "xla" and (
+        why := OPERATIONS["hybrid.attention"].missing[impl](
+            heads=HEADS, block_size=BLOCK, window=WINDOW, storage="official"
+        )
+    ):
         pytest.skip(why)
 
 
@@ -246,7 +275,7 @@ def test_layers_match_upstream(impl, schedule):
     start = 0
     for T in [prefill] + [1] * decode:
         state, step = H.prepare_forward(state, jnp.arange(B), jnp.full((B,), start), chunk=T)
-        x = x_all[:, start:start + T]
+        x = x_all[:, start : start + T]
         for layer, (attn, rec) in enumerate(zip(layers, recorders)):
             got = rec.run(x, start)
             ratio, where = RATIOS[layer], f"layer {layer} (ratio {RATIOS[layer]}), tokens {start}..{start + T - 1}"
@@ -256,27 +285,40 @@ def test_layers_match_upstream(impl, schedule):
                 index = None
                 if getattr(attn, "indexer", None) is not None:
                     index = (_j(got["ikv"]), _j(got["iscore"]), _params(attn.indexer.compressor))
-                state = compress(state, step, layer, _j(got["ckv"]), _j(got["cscore"]), _params(attn.compressor),
-                                 index)
+                state = compress(state, step, layer, _j(got["ckv"]), _j(got["cscore"]), _params(attn.compressor), index)
                 n = (start + T) // ratio
                 entries, _ = H.all_entries(state, step, layer)
-                _assert_entries_match(_np(attn.kv_cache[:, WINDOW:WINDOW + n]), entries[:, :n], f"entries, {where}")
+                _assert_entries_match(_np(attn.kv_cache[:, WINDOW : WINDOW + n]), entries[:, :n], f"entries, {where}")
             if getattr(attn, "indexer", None) is not None:
                 ix = attn.indexer
-                _assert_entries_match(_np(ix.kv_cache[:, :n]), H.index_keys(state, step, layer)[0][:, :n],
-                                      f"indexer keys, {where}")
+                _assert_entries_match(
+                    _np(ix.kv_cache[:, :n]), H.index_keys(state, step, layer)[0][:, :n], f"indexer keys, {where}"
+                )
                 iq = H.index_query(state, _j(got["iq"], jnp.bfloat16))
-                np.testing.assert_array_equal(np.asarray(iq, np.float32), _np(got["iq_fp4"]),
-                                              err_msg=f"indexer queries, {where}")
+                np.testing.assert_array_equal(
+                    np.asarray(iq, np.float32), _np(got["iq_fp4"]), err_msg=f"indexer queries, {where}"
+                )
                 iw = _j(got["iw"] * (ix.softmax_scale * ix.n_heads**-0.5))
-                _assert_topk(scores(state, step, layer, iq, iw), topk(state, step, layer, iq, iw),
-                             _np(got["iq_fp4"]).astype(np.float64), _np(ix.kv_cache[:, :n]).astype(np.float64),
-                             np.asarray(iw, np.float64), start, T, ratio, where)
+                _assert_topk(
+                    scores(state, step, layer, iq, iw),
+                    topk(state, step, layer, iq, iw),
+                    _np(got["iq_fp4"]).astype(np.float64),
+                    _np(ix.kv_cache[:, :n]).astype(np.float64),
+                    np.asarray(iw, np.float64),
+                    start,
+                    T,
+                    ratio,
+                    where,
+                )
                 idx = _picked(got, T, start, ratio)
             out = attend(state, step, layer, _j(got["q"], jnp.bfloat16), _j(attn.attn_sink), kv, idx, impl=impl)
             want = _np(got["out"])
-            np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-2 * np.abs(want).max() + 1e-3,
-                                       err_msg=f"attention output, {where}")
+            np.testing.assert_allclose(
+                np.asarray(out, np.float32),
+                want,
+                atol=2e-2 * np.abs(want).max() + 1e-3,
+                err_msg=f"attention output, {where}",
+            )
             state = write(state, step, layer, kv)
         start += T
     jaxkv.check(state)  # no fault recorded on the way
@@ -293,8 +335,13 @@ def _assert_topk(s, picked, q, keys, w, start, T, ratio, where):
     want = np.where(visible[None], want, -np.inf)
     n = keys.shape[1]
     tol = 1e-5 * np.abs(np.where(np.isfinite(want), want, 0)).max(initial=0) + 1e-6
-    np.testing.assert_allclose(np.where(np.isfinite(want), s[..., :n], 0), np.where(np.isfinite(want), want, 0),
-                               atol=tol, rtol=1e-5, err_msg=f"indexer scores, {where}")
+    np.testing.assert_allclose(
+        np.where(np.isfinite(want), s[..., :n], 0),
+        np.where(np.isfinite(want), want, 0),
+        atol=tol,
+        rtol=1e-5,
+        err_msg=f"indexer scores, {where}",
+    )
     assert np.all(np.isneginf(s[..., :n][~np.isfinite(want)])), f"indexer scores of unseen entries, {where}"
     for b in range(B):
         for t in range(T):
@@ -319,9 +366,16 @@ def test_attention_block_matches_upstream(impl):
     # top-k above the entries a request reaches: both pick every visible entry. Upstream scores in
     # bf16, so near-ties pick differently (test_layers_match_upstream checks the picks)
     args, layers = _modules(model, seed=1, top_k=64)
-    cfg = V4AttentionConfig(cache=_config(args), dim=args.dim, num_heads=HEADS, q_lora_rank=args.q_lora_rank,
-                            o_groups=args.o_groups, o_lora_rank=args.o_lora_rank, rope_theta=args.rope_theta,
-                            norm_eps=args.norm_eps)
+    cfg = V4AttentionConfig(
+        cache=_config(args),
+        dim=args.dim,
+        num_heads=HEADS,
+        q_lora_rank=args.q_lora_rank,
+        o_groups=args.o_groups,
+        o_lora_rank=args.o_lora_rank,
+        rope_theta=args.rope_theta,
+        norm_eps=args.norm_eps,
+    )
     blocks = []
     for layer, attn in enumerate(layers):
         block = V4Attention(cfg, layer, rngs=nnx.Rngs(layer))
@@ -341,12 +395,16 @@ def test_attention_block_matches_upstream(impl):
     start = 0
     for T in [PREFILL] + [1] * DECODE:
         state, step = H.prepare_forward(state, jnp.arange(B), jnp.full((B,), start), chunk=T)
-        x = x_all[:, start:start + T]
+        x = x_all[:, start : start + T]
         state, outs = run([p for _, p in blocks], state, step, _j(x, jnp.bfloat16))
         for layer, (attn, y) in enumerate(zip(layers, outs)):
             with torch.no_grad():
                 want = _np(attn(x, start))
-            np.testing.assert_allclose(np.asarray(y, np.float32), want, atol=2e-2 * np.abs(want).max(),
-                                       err_msg=f"layer {layer} (ratio {RATIOS[layer]}), tokens {start}..{start + T - 1}")
+            np.testing.assert_allclose(
+                np.asarray(y, np.float32),
+                want,
+                atol=2e-2 * np.abs(want).max(),
+                err_msg=f"layer {layer} (ratio {RATIOS[layer]}), tokens {start}..{start + T - 1}",
+            )
         start += T
     jaxkv.check(state)

@@ -11,8 +11,9 @@ import pytest
 def _decode_run(c, params, x, slots, pos0, steps, impl, drop_block=None):
     """Prefill with the XLA path to ``pos0``, then ``steps`` decode steps (all layers) with
     ``impl``; ``drop_block = (slot, block)`` clears a table cell before every decode flush."""
-    from jaxkv import hybrid as H
     import hybrid_driver as D
+
+    from jaxkv import hybrid as H
 
     B = len(pos0)
     T = max(pos0)
@@ -41,26 +42,38 @@ def test_compress_decode_fused_matches_xla(rng, storage):
     cache: CSA and HCA flushes on different steps, a request whose flush finds no block
     (POOL_EXHAUSTED recorded, nothing written for it), and tokens holding a NaN or Inf
     (the kernels' own check: NONFINITE_KV recorded, nothing written for that token)."""
-    from jaxkv import hybrid as H
-    from jaxkv.errors import Fault
     import hybrid_driver as D
 
-    c = H.HybridConfig(compress_ratios=(4, 128, 0), window=32, index_heads=4, top_k=16, block_size=16,
-                       max_requests=5, max_context=512, storage=storage)
+    from jaxkv import hybrid as H
+    from jaxkv.errors import Fault
+
+    c = H.HybridConfig(
+        compress_ratios=(4, 128, 0),
+        window=32,
+        index_heads=4,
+        top_k=16,
+        block_size=16,
+        max_requests=5,
+        max_context=512,
+        storage=storage,
+    )
     params = D.make_params(c, rng)
     pos0 = [130, 61, 127, 3, 20]
     x = D.make_inputs(c, rng, len(pos0), max(pos0) + 9)
     T = max(pos0)  # decode step t reads token T + t
-    for layer, name, b, t, value in ((2, "kv", 1, 2, np.nan),  # SWA-only layer's window
-                                     (0, "iscore", 4, 7, np.inf),  # CSA indexer, on request 4's flush step
-                                     (1, "ckv", 0, 3, -np.inf)):  # HCA (request 2's flush at t = 0 stays)
+    for layer, name, b, t, value in (
+        (2, "kv", 1, 2, np.nan),  # SWA-only layer's window
+        (0, "iscore", 4, 7, np.inf),  # CSA indexer, on request 4's flush step
+        (1, "ckv", 0, 3, -np.inf),
+    ):  # HCA (request 2's flush at t = 0 stays)
         x[layer][name] = x[layer][name].at[b, T + t, 5].set(value)
     slots = jnp.asarray([0, 1, 2, 3, 4], jnp.int32)
     want_before, want = _decode_run(c, params, x, slots, pos0, 9, "xla", drop_block=(3, 0))
     _, got = _decode_run(c, params, x, slots, pos0, 9, "cuda", drop_block=(3, 0))
     leaves = jax.tree_util.tree_leaves_with_path
-    for (path, w), g, b in zip(leaves(want), jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want_before),
-                               strict=True):
+    for (path, w), g, b in zip(
+        leaves(want), jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want_before), strict=True
+    ):
         w, g, b = np.asarray(w), np.asarray(g), np.asarray(b)
         name = jax.tree_util.keystr(path)
         if w.dtype == np.float32:  # tails: same math, float32 rounding order may differ
@@ -79,8 +92,13 @@ def test_compress_decode_fused_matches_xla(rng, storage):
     # the dropped request's CSA entries stay as the prefill left them (it had none)
     assert int(got.alloc[0].owned[3]) >= 1
     # the entries read back equal (dequantized)
-    step = H.Step(slot=slots, write_slot=slots, start=jnp.asarray(pos0) + 9, num_tokens=jnp.zeros(5, jnp.int32),
-                  active=jnp.ones(5, bool))
+    step = H.Step(
+        slot=slots,
+        write_slot=slots,
+        start=jnp.asarray(pos0) + 9,
+        num_tokens=jnp.zeros(5, jnp.int32),
+        active=jnp.ones(5, bool),
+    )
     for layer in (0, 1):
         (we, cnt), (ge, _) = H.all_entries(want, step, layer, impl="xla"), H.all_entries(got, step, layer, impl="xla")
         assert int(cnt.sum()) > 0
@@ -98,8 +116,21 @@ def test_compress_decode_bad_inputs(rng):
     c = H.HybridConfig(compress_ratios=(128,), max_requests=2, max_context=256, block_size=16, storage="per_entry")
     st, step = H.prepare_forward(H.init(c), jnp.arange(2), jnp.zeros(2, jnp.int32), chunk=1)
     kv = jnp.asarray(rng.normal(size=(2, 512)), jnp.float32)
-    args = (st.tails[0], kv, kv, jnp.ones((128, 512)), jnp.ones(512), step.slot, step.write_slot, step.start,
-            step.num_tokens, st.alloc[0].table, st.entries[0], st.error, jnp.ones(32))
+    args = (
+        st.tails[0],
+        kv,
+        kv,
+        jnp.ones((128, 512)),
+        jnp.ones(512),
+        step.slot,
+        step.write_slot,
+        step.start,
+        step.num_tokens,
+        st.alloc[0].table,
+        st.entries[0],
+        st.error,
+        jnp.ones(32),
+    )
     kw = dict(layer=0, ratio=128, eps=1e-6)
     with pytest.raises(ValueError, match=r"pool: expected u8\[1, NB, bs \* 584\] \(official storage\), got uint8"):
         compress_decode(*args, storage="official", **kw)
@@ -115,19 +146,32 @@ def test_compress_decode_bad_inputs(rng):
 def test_stacked_rows_equal_slices(rng, impl):
     """Layer inputs and compressor params passed as ``Stacked`` rows of per-kind stacks
     (read in place by the kernels) give the same cache bytes as the sliced arrays."""
-    from jaxkv import hybrid as H
     import hybrid_driver as D
 
-    c = H.HybridConfig(compress_ratios=(0, 4, 128, 4, 128), window=32, index_heads=4, top_k=16, block_size=16,
-                       max_requests=3, max_context=512)
+    from jaxkv import hybrid as H
+
+    c = H.HybridConfig(
+        compress_ratios=(0, 4, 128, 4, 128),
+        window=32,
+        index_heads=4,
+        top_k=16,
+        block_size=16,
+        max_requests=3,
+        max_context=512,
+    )
     params = D.make_params(c, rng)
     pos0 = [3, 126, 127]  # flushes of both ratios on the decode steps
     x = D.make_inputs(c, rng, 3, 2)
     slots = jnp.arange(3, dtype=jnp.int32)
     kinds = {k: [l for l in c.compressed_layers if c.kind(l) == k] for k in (H.CSA, H.HCA)}
     kv_all = jnp.stack([x[l]["kv"] for l in range(c.num_layers)])  # bf16[L, B, T, D]
-    stacks = {k: (jax.tree.map(lambda *a: jnp.stack(a), *[x[l] for l in ls]),
-                  jax.tree.map(lambda *a: jnp.stack(a), *[params[l] for l in ls])) for k, ls in kinds.items()}
+    stacks = {
+        k: (
+            jax.tree.map(lambda *a: jnp.stack(a), *[x[l] for l in ls]),
+            jax.tree.map(lambda *a: jnp.stack(a), *[params[l] for l in ls]),
+        )
+        for k, ls in kinds.items()
+    }
     states = []
     for stacked in (False, True):
         st = H.init(c)
@@ -137,10 +181,12 @@ def test_stacked_rows_equal_slices(rng, impl):
             st, step = H.prepare_forward(st, slots, jnp.asarray(pos), chunk=1)
             for layer in range(c.num_layers):
                 xl, p = D.slice_tokens(x, t, t + 1)[layer], params[layer]
-                kv = H.Stacked(kv_all[:, :, t:t + 1], layer) if stacked else xl["kv"]
+                kv = H.Stacked(kv_all[:, :, t : t + 1], layer) if stacked else xl["kv"]
                 keys, _ = H.window_keys(st, step, layer, kv)
-                np.testing.assert_array_equal(np.asarray(keys[:, -1], np.float32), np.asarray(
-                    H.window_keys(st, step, layer, xl["kv"], impl="xla")[0][:, -1], np.float32))
+                np.testing.assert_array_equal(
+                    np.asarray(keys[:, -1], np.float32),
+                    np.asarray(H.window_keys(st, step, layer, xl["kv"], impl="xla")[0][:, -1], np.float32),
+                )
                 st = H.write_window(st, step, layer, kv, impl=impl)
                 if not c.compress_ratios[layer]:
                     continue
@@ -150,10 +196,14 @@ def test_stacked_rows_equal_slices(rng, impl):
                     xs, ps = stacks[kind]
 
                     def rowof(a, i=i):
-                        return H.Stacked(a[:, :, t:t + 1], i) if a.ndim == 4 else H.Stacked(a, i)
+                        return H.Stacked(a[:, :, t : t + 1], i) if a.ndim == 4 else H.Stacked(a, i)
+
                     xl = {k: rowof(v) for k, v in xs.items()}
-                    p = {k: H.CompressorParams(H.Stacked(v.bias, i), H.Stacked(v.norm, i)) for k, v in ps.items()
-                         if k != "sink"}
+                    p = {
+                        k: H.CompressorParams(H.Stacked(v.bias, i), H.Stacked(v.norm, i))
+                        for k, v in ps.items()
+                        if k != "sink"
+                    }
                 index = (xl["ikv"], xl["iscore"], p["index"]) if "index" in p else None
                 st = H.compress(st, step, layer, xl["ckv"], xl["cscore"], p["main"], index, impl=impl)
             pos += 1
@@ -164,5 +214,12 @@ def test_stacked_rows_equal_slices(rng, impl):
     with pytest.raises(ValueError, match=r"kv: expected Stacked.index a static int in \[0, 5\)"):
         H.write_window(st, step, 0, H.Stacked(kv_all[:, :, :1], 5), impl=impl)
     with pytest.raises(ValueError, match=r"params.bias: expected Stacked.index"):
-        H.compress(st, step, 2, x[2]["ckv"][:, :1], x[2]["cscore"][:, :1],
-                   H.CompressorParams(H.Stacked(stacks[H.HCA][1]["main"].bias, 2), params[2]["main"].norm), impl=impl)
+        H.compress(
+            st,
+            step,
+            2,
+            x[2]["ckv"][:, :1],
+            x[2]["cscore"][:, :1],
+            H.CompressorParams(H.Stacked(stacks[H.HCA][1]["main"].bias, 2), params[2]["main"].norm),
+            impl=impl,
+        )

@@ -31,11 +31,20 @@ def test_dequant_gather_matches_reference(rng, m, storage):
 def test_reads_cuda_equal_xla(rng, storage):
     """window_keys, gather_entries and all_entries through the dequant-gather kernel: the
     jnp reads' values, in both storage families."""
-    from jaxkv import hybrid as H
     import hybrid_driver as D
 
-    c = H.HybridConfig(compress_ratios=(4, 128), window=32, index_heads=4, top_k=16, block_size=16, max_requests=2,
-                       max_context=512, storage=storage)
+    from jaxkv import hybrid as H
+
+    c = H.HybridConfig(
+        compress_ratios=(4, 128),
+        window=32,
+        index_heads=4,
+        top_k=16,
+        block_size=16,
+        max_requests=2,
+        max_context=512,
+        storage=storage,
+    )
     x = D.make_inputs(c, rng, 2, 140)
     st = H.init(c)
     st, step = H.prepare_forward(st, jnp.arange(2), jnp.zeros(2, jnp.int32), jnp.asarray([140, 61]), chunk=140)
@@ -45,12 +54,16 @@ def test_reads_cuda_equal_xla(rng, storage):
     st, step = H.prepare_forward(st, jnp.arange(2), jnp.asarray([140, 61]), chunk=1)
     kv = jnp.asarray(rng.normal(size=(2, 1, 512)), jnp.bfloat16)
     idx = jnp.asarray(rng.integers(-1, 36, size=(2, 1, 8)), jnp.int32)
-    for read in (lambda impl: H.window_keys(st, step, 0, kv, impl=impl)[0],
-                 lambda impl: H.gather_entries(st, step, 0, idx, impl=impl),
-                 lambda impl: H.all_entries(st, step, 1, impl=impl)[0]):
+    for read in (
+        lambda impl: H.window_keys(st, step, 0, kv, impl=impl)[0],
+        lambda impl: H.gather_entries(st, step, 0, idx, impl=impl),
+        lambda impl: H.all_entries(st, step, 1, impl=impl)[0],
+    ):
         want, got = np.asarray(read("xla"), np.float32), np.asarray(read("cuda"), np.float32)
         np.testing.assert_array_equal(got, want)
         assert want.any()
     with pytest.warns(DeprecationWarning, match="impl='pallas' for hybrid.gather is now impl='cuda'"):
-        np.testing.assert_array_equal(np.asarray(H.gather_entries(st, step, 0, idx, impl="pallas"), np.float32),
-                                      np.asarray(H.gather_entries(st, step, 0, idx, impl="xla"), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(H.gather_entries(st, step, 0, idx, impl="pallas"), np.float32),
+            np.asarray(H.gather_entries(st, step, 0, idx, impl="xla"), np.float32),
+        )

@@ -16,8 +16,9 @@ def _keys(rng, n, d=128, dtype=jnp.float32):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n,d,dtype", [(5, 128, jnp.float32), (77, 128, jnp.float32), (40, 64, jnp.bfloat16),
-                                       (9, 96, jnp.float16)])
+@pytest.mark.parametrize(
+    "n,d,dtype", [(5, 128, jnp.float32), (77, 128, jnp.float32), (40, 64, jnp.bfloat16), (9, 96, jnp.float16)]
+)
 def test_mxfp4_pack_matches_reference(rng, n, d, dtype):
     from jaxkv.kernels import quantize_mxfp4, ref_quantize_mxfp4
 
@@ -68,8 +69,10 @@ def test_nvfp4_pack_matches_reference(rng, n, d, dtype, per_row):
         got = quantize_nvfp4(x[2:-1])  # finite rows: a finite tensor-wide scale
         want = ref_quantize_nvfp4(x[2:-1])
     for a, b in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype != np.float32 else np.asarray(a),
-                                      np.asarray(b).view(np.uint8) if b.dtype != np.float32 else np.asarray(b))
+        np.testing.assert_array_equal(
+            np.asarray(a).view(np.uint8) if a.dtype != np.float32 else np.asarray(a),
+            np.asarray(b).view(np.uint8) if b.dtype != np.float32 else np.asarray(b),
+        )
     assert np.asarray(got[0]).any()
     with pytest.raises(ValueError, match=r"global_scale: expected f32\[\] or f32\["):
         quantize_nvfp4(x, jnp.ones(3))

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import HAS_GPU
+
 from jaxkv.kernels import ref_write_frame, write_frame
 
 
@@ -44,8 +44,9 @@ def test_frame_append_bad_inputs(rng):
     with pytest.raises(ValueError, match="k_bufs, v_bufs: expected 2 buffers"):
         write_frame(kb[:1], vb, k, v, sr, sr, num_special=6, page_size=10)
     with pytest.raises(ValueError, match="patch_row: expected int32"):
-        write_frame(kb, vb, k, v, sr, sr.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16),
-                    num_special=6, page_size=10)
+        write_frame(
+            kb, vb, k, v, sr, sr.astype(jnp.int64 if jax.config.x64_enabled else jnp.int16), num_special=6, page_size=10
+        )
     with pytest.raises(ValueError, match="page_size"):
         write_frame(kb, vb, k, v, sr, sr, num_special=6, page_size=9)
 
@@ -67,8 +68,18 @@ def test_frame_append_impls_agree(rng, pow2):
     """frame.append with the Pallas writer equals the XLA writer through fills, evictions, rollbacks."""
     from jaxkv import frame
 
-    spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=12, num_special=3,
-                           scale_frames=1, sliding_window=2, max_frames=16, num_streams=2, pow2_pages=pow2)
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        patches_per_frame=12,
+        num_special=3,
+        scale_frames=1,
+        sliding_window=2,
+        max_frames=16,
+        num_streams=2,
+        pow2_pages=pow2,
+    )
     states = {impl: frame.init(spec) for impl in ("xla", "pallas")}
     for t in range(6):
         k, v = (jnp.asarray(rng.normal(size=(2, 2, spec.tokens_per_frame, 2, 16)), jnp.bfloat16) for _ in range(2))
@@ -88,8 +99,16 @@ def test_frame_append_kernel_needs_hopper(rng):
     from jaxkv import frame
 
     assert frame.ops.default_append_impl() == "xla"
-    spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=16, patches_per_frame=4, num_special=1,
-                           scale_frames=1, sliding_window=2, max_frames=8)
+    spec = frame.FrameSpec(
+        num_layers=2,
+        num_heads=2,
+        head_dim=16,
+        patches_per_frame=4,
+        num_special=1,
+        scale_frames=1,
+        sliding_window=2,
+        max_frames=8,
+    )
     st = frame.init(spec)
     k, v = (jnp.asarray(rng.normal(size=(2, 1, spec.tokens_per_frame, 2, 16)), jnp.bfloat16) for _ in range(2))
     with pytest.raises(ValueError, match="impl='pallas' for frame.append: expected an NVIDIA Hopper GPU"):

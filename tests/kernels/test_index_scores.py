@@ -23,7 +23,7 @@ def _case(rng, storage, *, B=3, T=1, H=64, bs=64, pages=3, layers=2, counts=None
     pool = pool.reshape(layers, P, -1)
     q = jnp.asarray(rng.normal(size=(B * T, H, 128)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(B * T, H)), jnp.float32)
-    table = jnp.asarray(rng.permutation(P)[:B * pages].reshape(B, pages), jnp.int32)
+    table = jnp.asarray(rng.permutation(P)[: B * pages].reshape(B, pages), jnp.int32)
     if counts is None:
         full = pages * bs
         counts = rng.choice([0, 1, 63, 64, 65, bs + 7, full - 1, full], size=B * T)
@@ -43,8 +43,10 @@ def test_multipliers_rebuild_the_decoded_keys(rng, storage):
     codes = pool[1, table, : bs * 64].reshape(B, NP * bs, 64)
     vals = e2m1_decode(unpack_nibbles(codes))  # [B, K, 128]
     keys = (vals.reshape(B, NP * bs, G, -1) * mult.transpose(0, 2, 1)[..., None]).reshape(B, NP * bs, 128)
-    segs = [pool[1, table, o:o + z * bs].reshape(B, NP * bs, z)
-            for o, z in zip(segment_offsets(codec.segments, bs), codec.segments)]
+    segs = [
+        pool[1, table, o : o + z * bs].reshape(B, NP * bs, z)
+        for o, z in zip(segment_offsets(codec.segments, bs), codec.segments)
+    ]
     want = codec.decode(jnp.concatenate(segs, axis=-1)).astype(jnp.float32)
     np.testing.assert_array_equal(np.asarray(keys.astype(jnp.bfloat16).astype(jnp.float32)), np.asarray(want))
 

@@ -68,8 +68,9 @@ def test_pool_block_is_the_kernels():
     assert L.POOL_BLOCK == BLOCK
 
 
-@pytest.mark.parametrize("heads, splits, parts", [(64, 1, 1), (64, 2, 1), (64, 4, 4), (128, 2, 2), (192, 2, 1),
-                                                  (128, 3, 3)])
+@pytest.mark.parametrize(
+    "heads, splits, parts", [(64, 1, 1), (64, 2, 1), (64, 4, 4), (128, 2, 2), (192, 2, 1), (128, 3, 3)]
+)
 def test_pool_cuda_parts(heads, splits, parts):
     """Two splits over an odd number of 64-head groups merge in the kernel (a 2-CTA cluster)."""
     assert L.pool_cuda_parts(heads, splits) == parts

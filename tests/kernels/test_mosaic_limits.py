@@ -49,8 +49,11 @@ def row_scatter(x, rows):
         plgpu.copy_smem_to_gmem(xs, o_ref.at[plgpu.load(ids, (), layout=plgpu.Layout.TMA_INDICES)])
         plgpu.wait_smem_to_gmem(0)
 
-    scratch = (plgpu.SMEM((32, 256), jnp.uint8), plgpu.SMEM((32,), jnp.uint32),
-               plgpu.Barrier(num_arrivals=2, num_barriers=1))
+    scratch = (
+        plgpu.SMEM((32, 256), jnp.uint8),
+        plgpu.SMEM((32,), jnp.uint32),
+        plgpu.Barrier(num_arrivals=2, num_barriers=1),
+    )
     return plgpu.kernel(body, out_type=S((1024, 256), jnp.uint8), scratch_types=(scratch,))(x, rows)
 
 

@@ -37,8 +37,15 @@ def _lower(fn, *args):
 def test_frame_append_lowers(L, B, NS, P, page, HD):
     bufs = [S((B, 160, HD), bf16)] * L
     frame = S((L, B, NS + P, HD), bf16)
-    text = _lower(lambda kb, vb, k, v, sr, pr: write_frame(kb, vb, k, v, sr, pr, num_special=NS, page_size=page),
-                  bufs, bufs, frame, frame, S((B,), i32), S((B,), i32))
+    text = _lower(
+        lambda kb, vb, k, v, sr, pr: write_frame(kb, vb, k, v, sr, pr, num_special=NS, page_size=page),
+        bufs,
+        bufs,
+        frame,
+        frame,
+        S((B,), i32),
+        S((B,), i32),
+    )
     assert "stablehlo.copy" not in text  # the buffers go in as Refs, with no copy around the call
 
 
@@ -48,23 +55,41 @@ def test_index_scores_lowers(storage, rows_per_request, heads, block_size):
     Kb = STORAGES[storage].index_key(128).bytes
     B, NP = 3, 4
     N = B * rows_per_request
-    args = (S((N, heads, 128), bf16), S((N, heads), f32), S((2, 20, block_size * Kb), u8), S((B, NP), i32),
-            S((N,), i32))
+    args = (
+        S((N, heads, 128), bf16),
+        S((N, heads), f32),
+        S((2, 20, block_size * Kb), u8),
+        S((B, NP), i32),
+        S((N,), i32),
+    )
     _lower(lambda q, w, pool, pages, count: index_scores(q, w, pool, 1, pages, count, storage=storage), *args)
 
 
-@pytest.mark.xfail(jax.__version_info__[:2] < POOL_ATTENTION_JAX, raises=NotImplementedError, strict=True,
-                   reason="this jax's Mosaic GPU refuses copies under 128 bytes (the kernel's per-row copies), so "
-                          "hybrid.attention's auto rule asks for jax >= 0.11")
+@pytest.mark.xfail(
+    jax.__version_info__[:2] < POOL_ATTENTION_JAX,
+    raises=NotImplementedError,
+    strict=True,
+    reason="this jax's Mosaic GPU refuses copies under 128 bytes (the kernel's per-row copies), so "
+    "hybrid.attention's auto rule asks for jax >= 0.11",
+)
 @pytest.mark.parametrize("heads,top_k,splits", [(64, 512, 1), (128, 1024, 2)])
 def test_pool_attention_lowers(heads, top_k, splits):
     E = STORAGES["official"].entry_bytes
     B, bs, window = 4, 64, 128
     part_blocks = (top_k // 64, window // 64)
-    args = (S((B, heads, 512), bf16), (S((64, bs * E), u8), S((B, window * E), u8)),
-            S((B, top_k + window), i32), S((B, sum(part_blocks)), i32), S((heads,), f32))
-    _lower(lambda q, pools, rows, nvalid, sink: pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink,
-                                                                splits=splits), *args)
+    args = (
+        S((B, heads, 512), bf16),
+        (S((64, bs * E), u8), S((B, window * E), u8)),
+        S((B, top_k + window), i32),
+        S((B, sum(part_blocks)), i32),
+        S((heads,), f32),
+    )
+    _lower(
+        lambda q, pools, rows, nvalid, sink: pool_attention_pallas(
+            q, pools, part_blocks, rows, nvalid, sink, splits=splits
+        ),
+        *args,
+    )
 
 
 @pytest.mark.parametrize("dtype,splits", [(bf16, 1), (jnp.float16, 2)])

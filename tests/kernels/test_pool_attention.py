@@ -8,8 +8,16 @@ import pytest
 
 from jaxkv._backend import _flashmla_missing, _pool_cuda_missing, is_hopper
 from jaxkv.formats.storage import STORAGES, pack_items
-from jaxkv.kernels.pool_attention import (BLOCK, _decode_rows, pool_attention_cuda, pool_attention_flashmla,
-                                          pool_attention_pallas, ref_partial, ref_pool_attention, row_scales)
+from jaxkv.kernels.pool_attention import (
+    BLOCK,
+    _decode_rows,
+    pool_attention_cuda,
+    pool_attention_flashmla,
+    pool_attention_pallas,
+    ref_partial,
+    ref_pool_attention,
+    row_scales,
+)
 from jaxkv.math import merge_partials
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
@@ -67,8 +75,18 @@ def test_partials_merge_into_the_reference(rng):
     q, pools, pb, rows, nvalid, sink = _case(rng, "official", 5, 64, [(6, 64, 2), (3, 128, 1), (2, 32, 1)])
     nvalid = nvalid.at[0, 2:].set(0)  # row 0: its second and third parts are empty
     bounds = np.cumsum((0,) + pb)
-    outs, lses = zip(*(ref_partial(q, pools[p:p + 1], pb[p:p + 1], rows[:, bounds[p] * BLOCK: bounds[p + 1] * BLOCK],
-                                   nvalid[:, bounds[p]: bounds[p + 1]]) for p in range(3)))
+    outs, lses = zip(
+        *(
+            ref_partial(
+                q,
+                pools[p : p + 1],
+                pb[p : p + 1],
+                rows[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK],
+                nvalid[:, bounds[p] : bounds[p + 1]],
+            )
+            for p in range(3)
+        )
+    )
     assert bool(jnp.all(lses[1][0] == -jnp.inf)) and bool(jnp.all(jnp.isfinite(lses[0][:-1])))
     merged = merge_partials(jnp.stack(outs, 1)[:, :, None], jnp.stack(lses, 1)[:, :, None], sink=sink)[:, 0]
     ref = ref_pool_attention(q, pools, pb, rows, nvalid, sink)
@@ -177,8 +195,9 @@ def test_cuda_kernel_decodes_rows_exactly(rng, storage, splits):
     rows = jnp.asarray(rng.integers(0, N * 64, size=(N, 2 * BLOCK)), jnp.int32)
     nvalid = jnp.asarray(np.tile([[1, 0]], (N, 1)), jnp.int32)
     q = jnp.asarray(rng.normal(size=(N, 64, 512)) * 2.0**-110, jnp.bfloat16)
-    out = pool_attention_cuda(q, pools, (2,), rows, nvalid, jnp.full((64,), -jnp.inf, jnp.float32),
-                              storage=storage, splits=splits)
+    out = pool_attention_cuda(
+        q, pools, (2,), rows, nvalid, jnp.full((64,), -jnp.inf, jnp.float32), storage=storage, splits=splits
+    )
     dec = _decode_rows(pools, (2,), rows[:, :1], storage)  # bf16[N, 1, 512]
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.broadcast_to(np.asarray(dec, np.float32), out.shape))
 

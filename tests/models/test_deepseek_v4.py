@@ -15,8 +15,16 @@ import jaxkv  # noqa: E402
 from jaxkv import hybrid as H  # noqa: E402
 from jaxkv.models.deepseek_v4 import V4Attention, V4AttentionConfig, load_upstream  # noqa: E402
 
-CACHE = H.HybridConfig(compress_ratios=(0, 4, 8), window=16, index_heads=4, top_k=32, block_size=8,
-                       max_requests=2, max_context=128, original_seq_len=64)
+CACHE = H.HybridConfig(
+    compress_ratios=(0, 4, 8),
+    window=16,
+    index_heads=4,
+    top_k=32,
+    block_size=8,
+    max_requests=2,
+    max_context=128,
+    original_seq_len=64,
+)
 CFG = V4AttentionConfig(cache=CACHE, dim=32, num_heads=2, q_lora_rank=16, o_groups=2, o_lora_rank=8)
 LENGTH = 60
 
@@ -28,7 +36,11 @@ def _blocks(seed=0):
         block = V4Attention(CFG, layer, rngs=nnx.Rngs(seed + layer))
         for i, (path, v) in enumerate(nnx.to_flat_state(nnx.state(block, nnx.Param))):
             x = jax.random.normal(jax.random.key(1000 * layer + i), v.get_value().shape, jnp.float32)
-            x = 1 + 0.1 * x if "norm" in path[-1] else x * (v.get_value().shape[0] ** -0.5 if path[-1] == "kernel" else 1)
+            x = (
+                1 + 0.1 * x
+                if "norm" in path[-1]
+                else x * (v.get_value().shape[0] ** -0.5 if path[-1] == "kernel" else 1)
+            )
             v.set_value(x.astype(v.get_value().dtype))
         blocks.append(nnx.split(block))
     return blocks
@@ -54,11 +66,11 @@ def _run(blocks, x, schedule, chunk):
     for counts in schedule:
         rows = np.zeros((B, chunk, CFG.dim), np.float32)
         for b, n in enumerate(counts):
-            rows[b, :n] = x[b, done[b]:done[b] + n]
+            rows[b, :n] = x[b, done[b] : done[b] + n]
         state, step = H.prepare_forward(state, jnp.arange(B), jnp.asarray(done), jnp.asarray(counts), chunk=chunk)
         state, y = run(params, state, step, jnp.asarray(rows, jnp.bfloat16))
         for b, n in enumerate(counts):
-            out[:, b, done[b]:done[b] + n] = np.asarray(y[:, b, :n], np.float32)
+            out[:, b, done[b] : done[b] + n] = np.asarray(y[:, b, :n], np.float32)
         done += counts
     jaxkv.check(state)
     assert list(done) == [LENGTH] * B
@@ -84,21 +96,39 @@ def _upstream_weights(block, rng, fp8=()):
     named in ``fp8`` as FP8 E4M3 with E8M0 scales per 128 x 128 block."""
     c, hc = CFG, CACHE
     D, G = hc.head_dim, c.o_groups
-    shapes = {"wq_a.weight": (c.q_lora_rank, c.dim), "q_norm.weight": (c.q_lora_rank,),
-              "wq_b.weight": (c.num_heads * D, c.q_lora_rank), "wkv.weight": (D, c.dim), "kv_norm.weight": (D,),
-              "wo_a.weight": (G * c.o_lora_rank, c.num_heads * D // G), "wo_b.weight": (c.dim, G * c.o_lora_rank),
-              "attn_sink": (c.num_heads,)}
+    shapes = {
+        "wq_a.weight": (c.q_lora_rank, c.dim),
+        "q_norm.weight": (c.q_lora_rank,),
+        "wq_b.weight": (c.num_heads * D, c.q_lora_rank),
+        "wkv.weight": (D, c.dim),
+        "kv_norm.weight": (D,),
+        "wo_a.weight": (G * c.o_lora_rank, c.num_heads * D // G),
+        "wo_b.weight": (c.dim, G * c.o_lora_rank),
+        "attn_sink": (c.num_heads,),
+    }
     ratio = hc.compress_ratios[block.layer]
     if ratio:
         coff = 2 if block.kind == H.CSA else 1
-        shapes.update({"compressor.wkv.weight": (coff * D, c.dim), "compressor.wgate.weight": (coff * D, c.dim),
-                       "compressor.ape": (ratio, coff * D), "compressor.norm.weight": (D,)})
+        shapes.update(
+            {
+                "compressor.wkv.weight": (coff * D, c.dim),
+                "compressor.wgate.weight": (coff * D, c.dim),
+                "compressor.ape": (ratio, coff * D),
+                "compressor.norm.weight": (D,),
+            }
+        )
     if block.kind == H.CSA:
         i = hc.index_dim
-        shapes.update({"indexer.wq_b.weight": (hc.index_heads * i, c.q_lora_rank),
-                       "indexer.weights_proj.weight": (hc.index_heads, c.dim),
-                       "indexer.compressor.wkv.weight": (2 * i, c.dim), "indexer.compressor.wgate.weight": (2 * i, c.dim),
-                       "indexer.compressor.ape": (ratio, 2 * i), "indexer.compressor.norm.weight": (i,)})
+        shapes.update(
+            {
+                "indexer.wq_b.weight": (hc.index_heads * i, c.q_lora_rank),
+                "indexer.weights_proj.weight": (hc.index_heads, c.dim),
+                "indexer.compressor.wkv.weight": (2 * i, c.dim),
+                "indexer.compressor.wgate.weight": (2 * i, c.dim),
+                "indexer.compressor.ape": (ratio, 2 * i),
+                "indexer.compressor.norm.weight": (i,),
+            }
+        )
     out = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
     for name in fp8:
         w = out[f"{name}.weight"]
@@ -117,31 +147,41 @@ def test_load_upstream_places_every_tensor():
         block = V4Attention(CFG, layer, rngs=nnx.Rngs(0))
         w = _upstream_weights(block, rng, fp8=("wq_b", "wo_b"))
         load_upstream(block, w)
-        np.testing.assert_array_equal(np.asarray(block.wq_a.kernel[...], np.float32),
-                                      np.asarray(jnp.asarray(w["wq_a.weight"].T, jnp.bfloat16), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(block.wq_a.kernel[...], np.float32),
+            np.asarray(jnp.asarray(w["wq_a.weight"].T, jnp.bfloat16), np.float32),
+        )
         scale = np.repeat(np.repeat(w["wq_b.scale"].astype(np.float32), 128, 0), 128, 1)
-        want = w["wq_b.weight"].astype(np.float32) * scale[:w["wq_b.weight"].shape[0], :w["wq_b.weight"].shape[1]]
-        np.testing.assert_array_equal(np.asarray(block.wq_b.kernel[...], np.float32),
-                                      np.asarray(jnp.asarray(want.T, jnp.bfloat16), np.float32))
+        want = w["wq_b.weight"].astype(np.float32) * scale[: w["wq_b.weight"].shape[0], : w["wq_b.weight"].shape[1]]
+        np.testing.assert_array_equal(
+            np.asarray(block.wq_b.kernel[...], np.float32), np.asarray(jnp.asarray(want.T, jnp.bfloat16), np.float32)
+        )
         G, R, Dg = block.wo_a.shape
-        np.testing.assert_array_equal(np.asarray(block.wo_a[1, 2], np.float32),
-                                      np.asarray(jnp.asarray(w["wo_a.weight"][R + 2], jnp.bfloat16), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(block.wo_a[1, 2], np.float32),
+            np.asarray(jnp.asarray(w["wo_a.weight"][R + 2], jnp.bfloat16), np.float32),
+        )
         np.testing.assert_array_equal(np.asarray(block.sink[...]), w["attn_sink"])
         if block.compressor is not None:
-            np.testing.assert_array_equal(np.asarray(block.compressor.wgate.kernel[...]), w["compressor.wgate.weight"].T)
+            np.testing.assert_array_equal(
+                np.asarray(block.compressor.wgate.kernel[...]), w["compressor.wgate.weight"].T
+            )
             np.testing.assert_array_equal(np.asarray(block.compressor.ape[...]), w["compressor.ape"])
         if block.kind == H.CSA:
-            np.testing.assert_array_equal(np.asarray(block.index_compressor.norm[...]),
-                                          w["indexer.compressor.norm.weight"])
+            np.testing.assert_array_equal(
+                np.asarray(block.index_compressor.norm[...]), w["indexer.compressor.norm.weight"]
+            )
     # wo_a, not a linear here, is FP8 in DeepSeek's checkpoints: dequantized by its scales too
     block = V4Attention(CFG, 0, rngs=nnx.Rngs(0))
     w = _upstream_weights(block, rng, fp8=("wo_a",))
     load_upstream(block, w)
     scale = np.repeat(np.repeat(w["wo_a.scale"].astype(np.float32), 128, 0), 128, 1)
-    want = w["wo_a.weight"].astype(np.float32) * scale[:w["wo_a.weight"].shape[0], :w["wo_a.weight"].shape[1]]
+    want = w["wo_a.weight"].astype(np.float32) * scale[: w["wo_a.weight"].shape[0], : w["wo_a.weight"].shape[1]]
     G, R, Dg = block.wo_a.shape
-    np.testing.assert_array_equal(np.asarray(block.wo_a[...], np.float32).reshape(G * R, Dg),
-                                  np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(block.wo_a[...], np.float32).reshape(G * R, Dg),
+        np.asarray(jnp.asarray(want, jnp.bfloat16), np.float32),
+    )
 
 
 def test_load_upstream_torch_tensors():
@@ -150,8 +190,10 @@ def test_load_upstream_torch_tensors():
     block = V4Attention(CFG, 1, rngs=nnx.Rngs(0))
     w = _upstream_weights(block, rng)
     load_upstream(block, {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in w.items()})
-    np.testing.assert_array_equal(np.asarray(block.index_weights.kernel[...], np.float32),
-                                  np.asarray(jnp.asarray(w["indexer.weights_proj.weight"].T, jnp.bfloat16), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(block.index_weights.kernel[...], np.float32),
+        np.asarray(jnp.asarray(w["indexer.weights_proj.weight"].T, jnp.bfloat16), np.float32),
+    )
 
 
 def test_bad_inputs():

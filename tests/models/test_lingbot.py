@@ -9,10 +9,13 @@ jax = pytest.importorskip("jax")
 nnx = pytest.importorskip("flax.nnx")
 pytest.importorskip("safetensors")
 
-import jax.numpy as jnp  # noqa: E402
 
-from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream  # noqa: E402
-from jaxkv.models.lingbot import convert  # noqa: E402
+from jaxkv.models.lingbot import (  # noqa: E402
+    LingbotConfig,
+    LingbotMap,
+    LingbotStream,
+    convert,
+)
 from jaxkv.models.lingbot.layers import bicubic_aa_matrix, bilinear_matrix  # noqa: E402
 
 TINY = LingbotConfig.small(depth=4, selected_idx=(0, 1, 2, 3), camera_num_iterations=2)
@@ -46,11 +49,14 @@ def test_resampling_matches_torch(n_in, n_out):
     torch = pytest.importorskip("torch")
     x = torch.randn(1, 2, n_in, n_in + 1, dtype=torch.float64)
     aa = torch.nn.functional.interpolate(x, size=(n_out, n_out + 2), mode="bicubic", antialias=True)
-    ours = np.einsum("ih,nchw,jw->ncij", bicubic_aa_matrix(n_in, n_out), x.numpy(), bicubic_aa_matrix(n_in + 1, n_out + 2))
+    ours = np.einsum(
+        "ih,nchw,jw->ncij", bicubic_aa_matrix(n_in, n_out), x.numpy(), bicubic_aa_matrix(n_in + 1, n_out + 2)
+    )
     np.testing.assert_allclose(ours, aa.numpy(), rtol=1e-10, atol=1e-10)
     bl = torch.nn.functional.interpolate(x.float(), size=(n_out, n_out + 2), mode="bilinear", align_corners=True)
-    ours = np.einsum("ih,nchw,jw->ncij", bilinear_matrix(n_in, n_out), x.float().numpy(),
-                     bilinear_matrix(n_in + 1, n_out + 2))
+    ours = np.einsum(
+        "ih,nchw,jw->ncij", bilinear_matrix(n_in, n_out), x.float().numpy(), bilinear_matrix(n_in + 1, n_out + 2)
+    )
     np.testing.assert_allclose(ours, bl.numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -71,7 +77,11 @@ def test_outputs_shapes_and_finite(model):
     outs = _run(model, _frames(4, seed=3))
     c = TINY
     assert outs[0]["pose_enc"].shape == (1, 9)
-    assert outs[-1]["depth"].shape == (1, c.height, c.width, 1) and outs[-1]["depth_conf"].shape == (1, c.height, c.width)
+    assert outs[-1]["depth"].shape == (1, c.height, c.width, 1) and outs[-1]["depth_conf"].shape == (
+        1,
+        c.height,
+        c.width,
+    )
     assert all(np.isfinite(o[k]).all() for o in outs for k in o)
     assert (outs[-1]["depth"] > 0).all() and (outs[-1]["depth_conf"] > 1).all()
 
@@ -102,12 +112,22 @@ def test_torch_pickle_both_layouts(model, tmp_path):
     for i, obj in enumerate(({"model": sd}, sd)):
         torch.save(obj, tmp_path / f"ckpt{i}.pt")
         with pytest.warns(UserWarning, match="mask_token"):
-            m = convert.load_lingbot_checkpoint(tmp_path / f"ckpt{i}.pt", depth=4, selected_idx=(0, 1, 2, 3),
-                                                camera_num_iterations=2, height=42, width=56, dtype="float32",
-                                                num_scale_frames=2, kv_cache_scale_frames=2,
-                                                kv_cache_sliding_window=3, max_frame_num=64)
-        np.testing.assert_array_equal(np.asarray(m.aggregator.camera_token[...]),
-                                      np.asarray(model.aggregator.camera_token[...]))
+            m = convert.load_lingbot_checkpoint(
+                tmp_path / f"ckpt{i}.pt",
+                depth=4,
+                selected_idx=(0, 1, 2, 3),
+                camera_num_iterations=2,
+                height=42,
+                width=56,
+                dtype="float32",
+                num_scale_frames=2,
+                kv_cache_scale_frames=2,
+                kv_cache_sliding_window=3,
+                max_frame_num=64,
+            )
+        np.testing.assert_array_equal(
+            np.asarray(m.aggregator.camera_token[...]), np.asarray(model.aggregator.camera_token[...])
+        )
 
 
 def test_torch_pickle_without_torch_is_a_clear_error(tmp_path, monkeypatch):

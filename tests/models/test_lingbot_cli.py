@@ -70,8 +70,9 @@ def test_demo_bad_inputs_are_clean_errors(tmp_path, capsys):
     assert "broken.png" in _error(capsys, "demo", "--lingbot", "--images", str(bad))
 
     assert "--images" in _error(capsys, "demo", "--lingbot")
-    assert "--keyframe-interval" in _error(capsys, "demo", "--lingbot", "--images", str(FRAMES),
-                                           "--keyframe-interval", "0")
+    assert "--keyframe-interval" in _error(
+        capsys, "demo", "--lingbot", "--images", str(FRAMES), "--keyframe-interval", "0"
+    )
     assert "--set" in _error(capsys, "demo", "--lingbot", "--images", str(FRAMES), "--small", "--set", "nope=1")
     assert "--checkpoint" in _error(capsys, "demo", "--checkpoint", "x.pt")
 
@@ -86,17 +87,33 @@ def test_convert_lingbot_round_trip(tmp_path, capsys):
     config = LingbotConfig.small(depth=4, selected_idx=(0, 1, 2, 3), camera_num_iterations=2)
     model = LingbotMap(config, rngs=nnx.Rngs(3))
     flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    sd = {upstream_key(p): torch.from_numpy(np.array(to_upstream(p, np.asarray(v.get_value()))))
-          for p, v in flat}
+    sd = {upstream_key(p): torch.from_numpy(np.array(to_upstream(p, np.asarray(v.get_value())))) for p, v in flat}
     torch.save({"model": sd}, tmp_path / "ckpt.pt")
     out = tmp_path / "lingbot.safetensors"
-    assert main(["convert-lingbot", str(tmp_path / "ckpt.pt"), str(out), "--height", "42", "--width", "56",
-                 "--set", "selected_idx=[0,1,2,3]", "--set", "camera_num_iterations=2"]) == 0
+    assert (
+        main(
+            [
+                "convert-lingbot",
+                str(tmp_path / "ckpt.pt"),
+                str(out),
+                "--height",
+                "42",
+                "--width",
+                "56",
+                "--set",
+                "selected_idx=[0,1,2,3]",
+                "--set",
+                "camera_num_iterations=2",
+            ]
+        )
+        == 0
+    )
     assert str(out) in capsys.readouterr().out
     again = load_lingbot_checkpoint(out)
     assert (again.config.height, again.config.width, again.config.depth) == (42, 56, 4)
-    np.testing.assert_array_equal(np.asarray(again.aggregator.camera_token[...]),
-                                  np.asarray(model.aggregator.camera_token[...]))
+    np.testing.assert_array_equal(
+        np.asarray(again.aggregator.camera_token[...]), np.asarray(model.aggregator.camera_token[...])
+    )
 
     missing = tmp_path / "missing.pt"
     err = _error(capsys, "convert-lingbot", str(missing), str(tmp_path / "x.safetensors"))

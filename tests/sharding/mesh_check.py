@@ -22,11 +22,15 @@ from jax.sharding import Mesh
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: hybrid_driver
 
 import hybrid_driver as D  # noqa: E402
-import jaxkv  # noqa: E402
-from jaxkv import frame, hybrid as H  # noqa: E402
 
-COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter|collective-broadcast)"
-                         r"(-start)?\(")
+import jaxkv  # noqa: E402
+from jaxkv import frame  # noqa: E402
+from jaxkv import hybrid as H
+
+COLLECTIVES = re.compile(
+    r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter|collective-broadcast)"
+    r"(-start)?\("
+)
 
 
 def collectives(text: str) -> list[str]:
@@ -57,8 +61,17 @@ def equal(a, b, what):
 
 
 # ------------------------------------------------------------------------------- frame
-FSPEC = frame.FrameSpec(num_layers=2, num_heads=4, head_dim=8, patches_per_frame=5, num_special=2, num_streams=8,
-                        scale_frames=1, sliding_window=2, max_frames=12)
+FSPEC = frame.FrameSpec(
+    num_layers=2,
+    num_heads=4,
+    head_dim=8,
+    patches_per_frame=5,
+    num_special=2,
+    num_streams=8,
+    scale_frames=1,
+    sliding_window=2,
+    max_frames=12,
+)
 
 
 def frame_run(state, ops, rng):
@@ -66,8 +79,10 @@ def frame_run(state, ops, rng):
     s, B, L = FSPEC, FSPEC.num_streams, FSPEC.num_layers
     outs = []
     for t in range(4):
-        kv = lambda *lead: jnp.asarray(rng.normal(size=lead + (B, s.tokens_per_frame, s.num_heads, s.head_dim)),  # noqa: E731
-                                       jnp.bfloat16)
+        kv = lambda *lead: jnp.asarray(
+            rng.normal(size=lead + (B, s.tokens_per_frame, s.num_heads, s.head_dim)),  # noqa: E731
+            jnp.bfloat16,
+        )
         defer = jnp.asarray(rng.random(B) < 0.5)
         if t % 2 == 0:
             state = ops("append", lambda st, k, v, d: frame.append(st, k, v, d, impl="xla"), state, kv(L), kv(L), defer)
@@ -75,16 +90,19 @@ def frame_run(state, ops, rng):
             state = ops("begin_frame", frame.begin_frame, state, defer)
             state = ops("write_layer", lambda st, k, v: frame.write_layer(st, 0, k, v), state, kv(), kv())
             state = ops("write_layer(traced)", frame.write_layer, state, jnp.int32(1), kv(), kv())
-        q = jnp.asarray(rng.normal(size=(B, 3, 2 * s.num_heads, s.head_dim)), jnp.bfloat16)  # GQA: 2 q heads per kv head
+        q = jnp.asarray(
+            rng.normal(size=(B, 3, 2 * s.num_heads, s.head_dim)), jnp.bfloat16
+        )  # GQA: 2 q heads per kv head
         for impl in ("xla", "reference"):
             outs.append(ops(f"attention({impl})", lambda st, q, i=impl: frame.attention(st, 1, q, impl=i), state, q))
-        outs.append(ops("attention(traced)", lambda st, l, q: frame.attention(st, l, q, impl="xla"), state,
-                        jnp.int32(0), q))
+        outs.append(
+            ops("attention(traced)", lambda st, l, q: frame.attention(st, l, q, impl="xla"), state, jnp.int32(0), q)
+        )
         state = ops("resolve", frame.resolve, state, jnp.asarray(rng.random(B) < 0.5))
     return outs, state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def frame_reference(seed):
     return frame_run(frame.init(FSPEC), Ops(False), np.random.default_rng(seed))
 
@@ -98,7 +116,9 @@ def check_frame(mesh, seed=0):
     T = FSPEC.trash_row  # skipped writes land past it: never read, not compared
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(st), strict=True):
         a, b = np.asarray(a), np.asarray(b)
-        np.testing.assert_array_equal(a[:, :T] if a.ndim > 1 else a, b[:, :T] if b.ndim > 1 else b, err_msg="frame state")
+        np.testing.assert_array_equal(
+            a[:, :T] if a.ndim > 1 else a, b[:, :T] if b.ndim > 1 else b, err_msg="frame state"
+        )
     # the eager whole-state ops and the views keep every array where it was, with the one-device values
     half = jnp.arange(FSPEC.num_streams) % 2 == 0
     for name, fn in (("reset", lambda s: frame.reset(s, half)), ("grow", lambda s: frame.grow(s, 24))):
@@ -115,8 +135,9 @@ def check_frame(mesh, seed=0):
 
 
 # ------------------------------------------------------------------------------- hybrid
-HCFG = H.HybridConfig(compress_ratios=(0, 4, 8), max_requests=8, max_context=256, top_k=6, block_size=8,
-                      index_heads=4, window=8)
+HCFG = H.HybridConfig(
+    compress_ratios=(0, 4, 8), max_requests=8, max_context=256, top_k=6, block_size=8, index_heads=4, window=8
+)
 
 
 def hybrid_layers(state, step, x, params, ops):
@@ -124,26 +145,62 @@ def hybrid_layers(state, step, x, params, ops):
     c, outs = HCFG, []
     for layer in range(c.num_layers):
         xl, p = x[layer], params[layer]
-        outs.append(ops(f"window_keys/{layer}", lambda st, sp, kv, l=layer: H.window_keys(st, sp, l, kv),
-                        state, step, xl["kv"]))
+        outs.append(
+            ops(f"window_keys/{layer}", lambda st, sp, kv, l=layer: H.window_keys(st, sp, l, kv), state, step, xl["kv"])
+        )
         state = ops(f"after_reads/{layer}", lambda st, keys: H.after_reads(st, keys), state, outs[-1][0])
-        state = ops(f"write_window/{layer}", lambda st, sp, kv, l=layer: H.write_window(st, sp, l, kv, impl="xla"),
-                    state, step, xl["kv"])
+        state = ops(
+            f"write_window/{layer}",
+            lambda st, sp, kv, l=layer: H.write_window(st, sp, l, kv, impl="xla"),
+            state,
+            step,
+            xl["kv"],
+        )
         if c.kind(layer) == H.CSA:
-            state = ops(f"compress/{layer}", lambda st, sp, a, b, pm, i, l=layer: H.compress(
-                st, sp, l, a, b, pm, index=i, impl="xla"), state, step, xl["ckv"], xl["cscore"], p["main"],
-                (xl["ikv"], xl["iscore"], p["index"]))
+            state = ops(
+                f"compress/{layer}",
+                lambda st, sp, a, b, pm, i, l=layer: H.compress(st, sp, l, a, b, pm, index=i, impl="xla"),
+                state,
+                step,
+                xl["ckv"],
+                xl["cscore"],
+                p["main"],
+                (xl["ikv"], xl["iscore"], p["index"]),
+            )
             iq = ops("index_query", lambda st, q: H.index_query(st, q, impl="xla"), state, xl["iq"])
-            idx = ops(f"index_topk/{layer}", lambda st, sp, q, w, l=layer: H.index_topk(st, sp, l, q, w),
-                      state, step, iq, xl["iw"])
-            outs += [iq, idx, ops(f"gather_entries/{layer}", lambda st, sp, i, l=layer: H.gather_entries(
-                st, sp, l, i, impl="xla"), state, step, idx),
-                ops(f"index_keys/{layer}", lambda st, sp, l=layer: H.index_keys(st, sp, l), state, step)]
+            idx = ops(
+                f"index_topk/{layer}",
+                lambda st, sp, q, w, l=layer: H.index_topk(st, sp, l, q, w),
+                state,
+                step,
+                iq,
+                xl["iw"],
+            )
+            outs += [
+                iq,
+                idx,
+                ops(
+                    f"gather_entries/{layer}",
+                    lambda st, sp, i, l=layer: H.gather_entries(st, sp, l, i, impl="xla"),
+                    state,
+                    step,
+                    idx,
+                ),
+                ops(f"index_keys/{layer}", lambda st, sp, l=layer: H.index_keys(st, sp, l), state, step),
+            ]
         elif c.kind(layer) == H.HCA:
-            state = ops(f"compress/{layer}", lambda st, sp, a, b, pm, l=layer: H.compress(
-                st, sp, l, a, b, pm, impl="xla"), state, step, xl["ckv"], xl["cscore"], p["main"])
-            outs.append(ops(f"all_entries/{layer}", lambda st, sp, l=layer: H.all_entries(st, sp, l, impl="xla"),
-                            state, step))
+            state = ops(
+                f"compress/{layer}",
+                lambda st, sp, a, b, pm, l=layer: H.compress(st, sp, l, a, b, pm, impl="xla"),
+                state,
+                step,
+                xl["ckv"],
+                xl["cscore"],
+                p["main"],
+            )
+            outs.append(
+                ops(f"all_entries/{layer}", lambda st, sp, l=layer: H.all_entries(st, sp, l, impl="xla"), state, step)
+            )
     return state, outs
 
 
@@ -163,8 +220,9 @@ def hybrid_run(state, ops, rng, params):
         x = D.make_inputs(c, rng, B, T)
 
         def step_fn(st, p, n, x, T=T, ops=ops if T == 1 else _direct):
-            st, step = ops(f"prepare_forward(T={T})", lambda st, s, p, n: H.prepare_forward(st, s, p, n, chunk=T),
-                           st, slots, p, n)
+            st, step = ops(
+                f"prepare_forward(T={T})", lambda st, s, p, n: H.prepare_forward(st, s, p, n, chunk=T), st, slots, p, n
+            )
             st, o = hybrid_layers(st, step, x, params, ops)
             return st, [step] + o
 
@@ -178,7 +236,7 @@ def hybrid_run(state, ops, rng, params):
     return outs, state
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hybrid_reference(seed):
     params = D.make_params(HCFG, np.random.default_rng(seed + 1))
     return params, hybrid_run(H.init(HCFG), Ops(False), np.random.default_rng(seed), params)
@@ -191,7 +249,8 @@ def check_hybrid(mesh, seed=0):
     equal(ref_outs, outs, "hybrid outputs")
     equal((ref.position, ref.window, ref.tails), (st.position, st.window, st.tails), "hybrid per-request state")
     assert sum(int(x) for x in np.asarray(st.alloc[0].num_free)) == int(ref.alloc[0].num_free) + (
-        st.entries[0].shape[1] - ref.entries[0].shape[1])
+        st.entries[0].shape[1] - ref.entries[0].shape[1]
+    )
     return ops.seen
 
 
@@ -222,8 +281,11 @@ def check_bad_input(devices):
     raises(lambda: frame.attention(moved, 0, q), "'data': 4", "'data': 2")
     raises(lambda: frame.resolve(moved, True), "'data': 4", "'data': 2")
     moved = jax.tree.map(lambda x: jax.device_put(x, jax.sharding.NamedSharding(m24, x.sharding.spec)), st)
-    raises(lambda: H.prepare_forward(moved, jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32)), "'model': 2",
-           "'model': 4")
+    raises(
+        lambda: H.prepare_forward(moved, jnp.arange(8, dtype=jnp.int32), jnp.zeros(8, jnp.int32)),
+        "'model': 2",
+        "'model': 4",
+    )
     # rows naming a slot another shard owns are refused (a fault on their shard), the others proceed
     slots = jnp.asarray([2, 1, 0, 3, 4, 5, 6, 7], jnp.int32)  # 4 shards of 2 rows / 2 slots: rows 0 and 2 swapped
     st, step = H.prepare_forward(st, slots, jnp.zeros(8, jnp.int32))
@@ -249,8 +311,11 @@ def main(shapes):
             continue
         mesh = Mesh(devices.reshape(d, m), ("data", "model"))
         seen = {**check_frame(mesh), **check_hybrid(mesh)}
-        print(f"mesh {shape}: {len(seen)} ops compiled, collectives: "
-              + ", ".join(f"{k}={v or 'none'}" for k, v in sorted(seen.items())), flush=True)
+        print(
+            f"mesh {shape}: {len(seen)} ops compiled, collectives: "
+            + ", ".join(f"{k}={v or 'none'}" for k, v in sorted(seen.items())),
+            flush=True,
+        )
     print("ok")
 
 

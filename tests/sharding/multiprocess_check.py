@@ -18,18 +18,21 @@ jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=2, process_
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))  # tests/: hybrid_driver
 
 import hybrid_driver as D  # noqa: E402
-from jaxkv import frame, hybrid as H  # noqa: E402
+
+from jaxkv import frame  # noqa: E402
+from jaxkv import hybrid as H
 
 assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
 mesh = Mesh(np.array(jax.devices()), ("data",))
 rows = NamedSharding(mesh, P("data"))
 me = jax.process_index()
-half = lambda x: np.asarray(x)[2 * me * (x.shape[0] // 4): 2 * (me + 1) * (x.shape[0] // 4)]  # noqa: E731
+half = lambda x: np.asarray(x)[2 * me * (x.shape[0] // 4) : 2 * (me + 1) * (x.shape[0] // 4)]  # noqa: E731
 local = lambda x: jax.make_array_from_process_local_data(rows, half(x))  # noqa: E731 - my half of a batch
 
 
@@ -45,8 +48,9 @@ one = jax.local_devices()[0]
 rng = np.random.default_rng(0)  # the same inputs in both processes; each feeds its half
 
 # the hybrid cache: 8 requests, 2 per device; steps of up to 4 tokens
-cfg = H.HybridConfig(compress_ratios=(0, 4, 8), max_requests=8, max_context=128, top_k=4, block_size=8,
-                     index_heads=2, window=8)
+cfg = H.HybridConfig(
+    compress_ratios=(0, 4, 8), max_requests=8, max_context=128, top_k=4, block_size=8, index_heads=2, window=8
+)
 params = jax.tree.map(np.asarray, D.make_params(cfg, rng))
 st = H.init(cfg, mesh=mesh)
 with jax.default_device(one):
@@ -65,8 +69,17 @@ for T in (4, 4, 4):  # one shape: one compile
 mine_equal((ref.position, ref.window, ref.tails), (st.position, st.window, st.tails), "hybrid state")
 
 # the frame cache: 4 streams, one per device
-spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=5, num_special=2, num_streams=4,
-                       scale_frames=1, sliding_window=2, max_frames=8)
+spec = frame.FrameSpec(
+    num_layers=2,
+    num_heads=2,
+    head_dim=8,
+    patches_per_frame=5,
+    num_special=2,
+    num_streams=4,
+    scale_frames=1,
+    sliding_window=2,
+    max_frames=8,
+)
 fs = frame.init(spec, mesh=mesh)
 with jax.default_device(one):
     fref = frame.init(spec)
@@ -75,7 +88,7 @@ for t in range(4):
     q = rng.normal(size=(4, 3, 2, 8)).astype(jnp.bfloat16)
     defer = rng.random(4) < 0.5
     kv_rows = NamedSharding(mesh, P(None, "data"))
-    kl, vl = (jax.make_array_from_process_local_data(kv_rows, a[:, 2 * me: 2 * me + 2]) for a in (k, v))
+    kl, vl = (jax.make_array_from_process_local_data(kv_rows, a[:, 2 * me : 2 * me + 2]) for a in (k, v))
     fs = frame.append(fs, kl, vl, local(defer))
     out = frame.attention(fs, 1, local(q), impl="xla")
     fs = frame.resolve(fs, local(~defer))

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from jaxkv import frame, hybrid as H, sharding
+from jaxkv import frame, sharding
+from jaxkv import hybrid as H
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -31,8 +32,13 @@ def test_meshes_no_collectives_bit_identical():
     """On meshes 8x1, 4x2 and 2x4 every per-step op of both caches compiles with no
     collective and gives the one-device outputs bit for bit; bad meshes and a state moved
     to another mesh raise ValueErrors naming the axis and the dimension / both meshes."""
-    p = subprocess.run([sys.executable, str(HERE / "mesh_check.py"), "bad", "8x1", "4x2", "2x4"],
-                       capture_output=True, text=True, env=_env(8), timeout=900)
+    p = subprocess.run(
+        [sys.executable, str(HERE / "mesh_check.py"), "bad", "8x1", "4x2", "2x4"],
+        capture_output=True,
+        text=True,
+        env=_env(8),
+        timeout=900,
+    )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-5000:]
     lines = [l for l in p.stdout.splitlines() if l.startswith("mesh ")]
     assert len(lines) == 3 and all("=[" not in l for l in lines), lines
@@ -48,8 +54,16 @@ def test_two_processes_lockstep():
     """Two processes (jax.distributed on CPU, 2 devices each) each hold half the requests and
     streams, feed their half of every batch, and get the one-device results for it."""
     port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, str(HERE / "multiprocess_check.py"), port, str(i)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(2)) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "multiprocess_check.py"), port, str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(2),
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     for i, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"process {i}: ok" in out, out[-2000:] + err[-5000:]
@@ -64,7 +78,9 @@ def test_layout_rules():
     mesh = _mesh1()
     lay = sharding.layout(mesh, {"heads": None})
     assert lay.spec("streams", None, "heads") == jax.sharding.PartitionSpec("data", None, None)
-    assert sharding.layout(Mesh(np.array(jax.devices()[:1]), ("x",))).spec("streams") == jax.sharding.PartitionSpec(None)
+    assert sharding.layout(Mesh(np.array(jax.devices()[:1]), ("x",))).spec("streams") == jax.sharding.PartitionSpec(
+        None
+    )
     with pytest.raises(ValueError, match="rules: expected logical axes among"):
         sharding.layout(mesh, {"layers": "data"})
     with pytest.raises(ValueError, match="mesh axis 'tp'"):
@@ -75,19 +91,30 @@ def test_layout_rules():
 
 def test_one_device_mesh_equals_no_mesh(rng):
     """A 1x1 mesh runs the sharded code path; its results equal the plain state's."""
-    spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=8, patches_per_frame=4, num_special=1, num_streams=2,
-                           scale_frames=1, sliding_window=1, max_frames=8)
+    spec = frame.FrameSpec(
+        num_layers=1,
+        num_heads=2,
+        head_dim=8,
+        patches_per_frame=4,
+        num_special=1,
+        num_streams=2,
+        scale_frames=1,
+        sliding_window=1,
+        max_frames=8,
+    )
     a, b = frame.init(spec), frame.init(spec, mesh=_mesh1())
     assert b.layout is not None and a.layout is None
     for t in range(3):
         k = jnp.asarray(rng.normal(size=(1, 2, 5, 2, 8)), jnp.bfloat16)
         a, b = frame.append(a, k, -k, defer=t == 1), frame.append(b, k, -k, defer=t == 1)
         q = jnp.asarray(rng.normal(size=(2, 3, 2, 8)), jnp.bfloat16)
-        np.testing.assert_array_equal(np.asarray(frame.attention(a, 0, q, impl="xla")),
-                                      np.asarray(frame.attention(b, 0, q, impl="xla")))
+        np.testing.assert_array_equal(
+            np.asarray(frame.attention(a, 0, q, impl="xla")), np.asarray(frame.attention(b, 0, q, impl="xla"))
+        )
         a, b = frame.commit(a), frame.commit(b)
-    cfg = H.HybridConfig(compress_ratios=(0, 4), max_requests=2, max_context=64, top_k=4, block_size=8, index_heads=2,
-                         window=8)
+    cfg = H.HybridConfig(
+        compress_ratios=(0, 4), max_requests=2, max_context=64, top_k=4, block_size=8, index_heads=2, window=8
+    )
     s1, s2 = H.init(cfg), H.init(cfg, mesh=_mesh1())
     assert s2.alloc[0].num_free.shape == (1,) and s2.error.shape == s1.error.shape
     s1, st1 = H.prepare_forward(s1, jnp.arange(2), jnp.zeros(2, jnp.int32), chunk=3)

@@ -31,8 +31,6 @@ def _why_not():
     return None
 
 
-
-
 def test_model1_entry_is_the_official_family():
     assert flashmla.MODEL1_ENTRY_BYTES == storage.entry_bytes("official")
     assert CODEC.segments == (flashmla.MODEL1_ENTRY_BYTES - 8, 8)  # [data], [7 UE8M0 + pad]: FlashMLA's block
@@ -121,8 +119,9 @@ def _reference(q, keys, valid, sink, scale):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
-@pytest.mark.parametrize("H,T,block_size,lengths", [(64, 1, 64, False), (128, 1, 64, False), (128, 2, 32, True),
-                                                    (64, 1, 2, True)])
+@pytest.mark.parametrize(
+    "H,T,block_size,lengths", [(64, 1, 64, False), (128, 1, 64, False), (128, 2, 32, True), (64, 1, 2, True)]
+)
 def test_sparse_decode_matches_reference(rng, H, T, block_size, lengths):
     dev = torch.device("cuda")
     B, K, W, blocks_per_req = 5, 128, 128, 6
@@ -160,15 +159,35 @@ def test_sparse_decode_matches_reference(rng, H, T, block_size, lengths):
 
     q = torch.tensor(rng.standard_normal((B, T, H, DIM)), dtype=torch.bfloat16, device=dev)
     sink = torch.tensor(rng.standard_normal(H) * 2, dtype=torch.float32, device=dev)
-    scale = DIM ** -0.5
+    scale = DIM**-0.5
     torch.full((B * T * H * DIM * 4,), torch.nan, device=dev)  # poison memory the outputs may reuse
     sched = flashmla.Schedule()
-    out, lse = flashmla.sparse_decode(q, pool, ids, block_size=block_size, sink=sink, scale=scale, window=window,
-                                      window_indices=w_ids, topk_length=topk_length, window_length=window_length,
-                                      schedule=sched)
-    again, _ = flashmla.sparse_decode(q, pool, ids, block_size=block_size, sink=sink, scale=scale, window=window,
-                                      window_indices=w_ids, topk_length=topk_length, window_length=window_length,
-                                      schedule=sched)  # the schedule reused
+    out, lse = flashmla.sparse_decode(
+        q,
+        pool,
+        ids,
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        window=window,
+        window_indices=w_ids,
+        topk_length=topk_length,
+        window_length=window_length,
+        schedule=sched,
+    )
+    again, _ = flashmla.sparse_decode(
+        q,
+        pool,
+        ids,
+        block_size=block_size,
+        sink=sink,
+        scale=scale,
+        window=window,
+        window_indices=w_ids,
+        topk_length=topk_length,
+        window_length=window_length,
+        schedule=sched,
+    )  # the schedule reused
     torch.cuda.synchronize()
     assert out.shape == (B, T, H, DIM) and out.dtype == torch.bfloat16 and lse.shape == (B, H, T)
     assert torch.isfinite(out).all()

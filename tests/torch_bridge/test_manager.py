@@ -12,12 +12,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from frame_model import FrameModel  # noqa: E402
+
 from jaxkv.frame import NONE  # noqa: E402
 from torch_bridge import FlashInferKVCacheManager, kernels  # noqa: E402
 from torch_bridge import backends as B  # noqa: E402
 from torch_bridge import pages as P  # noqa: E402
-
-from frame_model import FrameModel  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HAS_FLASHINFER_GPU = DEVICE == "cuda" and B.FLASHINFER_AVAILABLE
@@ -57,9 +57,20 @@ def _sanity_check_scenario(tokens_per_frame, backend="auto"):
     page_size = tokens_per_frame - num_special
     if backend == "flashinfer-paged-fa3":
         page_size = 1 << (page_size - 1).bit_length()
-    mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=88, tokens_per_frame=tokens_per_frame, num_heads=16,
-                                   head_dim=64, dtype=torch.bfloat16, device=DEVICE, num_special_tokens=num_special,
-                                   scale_frames=8, sliding_window=64, max_total_frames=200, backend=backend)
+    mgr = FlashInferKVCacheManager(
+        num_blocks=2,
+        max_num_frames=88,
+        tokens_per_frame=tokens_per_frame,
+        num_heads=16,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        num_special_tokens=num_special,
+        scale_frames=8,
+        sliding_window=64,
+        max_total_frames=200,
+        backend=backend,
+    )
     gen = torch.Generator(device=DEVICE).manual_seed(tokens_per_frame)
     kv = {}
 
@@ -81,7 +92,7 @@ def _sanity_check_scenario(tokens_per_frame, backend="auto"):
         visible = mgr.build_visible_page_table(block)
         assert len(visible) == n_scale + n_window + n_spec
         assert all(pid < mgr.max_patch_pages for pid in visible[: n_scale + n_window])
-        assert all(pid >= mgr.max_patch_pages for pid in visible[n_scale + n_window:])
+        assert all(pid >= mgr.max_patch_pages for pid in visible[n_scale + n_window :])
         assert len(set(visible)) == len(visible)
     return mgr, kv, rand
 
@@ -118,8 +129,9 @@ def test_seed_sanity_check_scenario(backend):
         assert out.shape == (tpf, 16, 64)
         k, v = _visible_kv(kv, block, model, mgr)
         np.testing.assert_allclose(_np(out), _dense(_np(q), k, v), atol=2e-2, rtol=2e-2)
-    assert mgr.get_cache_stats(1) == dict(frame_count=100, scale_pages=8, live_pages=64, free_pages=0,
-                                          special_tokens=600)
+    assert mgr.get_cache_stats(1) == dict(
+        frame_count=100, scale_pages=8, live_pages=64, free_pages=0, special_tokens=600
+    )
     mgr.reset()
     assert mgr.frame_count[0] == 0 and mgr.num_frames == 0 and mgr.compute_last_page_len(0) == tpf - 6
     assert mgr.get_cache_stats() == dict(frame_count=0, scale_pages=0, live_pages=0, free_pages=72, special_tokens=0)
@@ -143,11 +155,24 @@ class StandIn:
         def __init__(self, workspace, kv_layout, backend):
             assert kv_layout == "NHD" and backend in ("fa2", "fa3")
 
-        def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim_qk,
-                 page_size, causal, pos_encoding_mode, q_data_type):
+        def plan(
+            self,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            *,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            page_size,
+            causal,
+            pos_encoding_mode,
+            q_data_type,
+        ):
             assert not causal and pos_encoding_mode == "NONE" and qo_indptr.device.type == "cpu"
             StandIn.plans += 1
-            self.pages = kv_indices[int(kv_indptr[0]): int(kv_indptr[1])].tolist()
+            self.pages = kv_indices[int(kv_indptr[0]) : int(kv_indptr[1])].tolist()
             self.rows = (len(self.pages) - 1) * page_size + int(last_page_len[0])
 
         def run(self, q, paged_kv):
@@ -156,8 +181,9 @@ class StandIn:
 
 
 def _sdpa(q, k, v):
-    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                                           v.transpose(0, 1)[None])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    )
     return out[0].transpose(0, 1).contiguous()
 
 
@@ -195,9 +221,16 @@ STAND_INS = [f"stand-in:{b}" for b in B.BACKENDS if b not in ("auto", "sdpa")]
 # (backend, storage dtype, force_fp32): bf16 and fp16 on every backend, float32 (the seed's
 # force_fp32 path) on "sdpa", the only float32 one; on CPU the FlashInfer backends' code
 # paths with stand-in kernels.
-CASES = [(b, dt, False) for b in BACKENDS_HERE for dt in (torch.bfloat16, torch.float16)
-         if b != "cuda" or dt == torch.bfloat16] + \
-        [("sdpa", torch.float32, True)] + ([] if DEVICE == "cuda" else [(b, torch.bfloat16, False) for b in STAND_INS])
+CASES = (
+    [
+        (b, dt, False)
+        for b in BACKENDS_HERE
+        for dt in (torch.bfloat16, torch.float16)
+        if b != "cuda" or dt == torch.bfloat16
+    ]
+    + [("sdpa", torch.float32, True)]
+    + ([] if DEVICE == "cuda" else [(b, torch.bfloat16, False) for b in STAND_INS])
+)
 
 
 @pytest.mark.parametrize("backend, dtype, force_fp32", CASES)
@@ -210,11 +243,23 @@ def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32, 
         backend = backend.split(":", 1)[1]
     L, H, D, P, NS, S, W = 3, 2, 64, 12, 2, 2, 3  # head_dim 64: FlashInfer has no FA2 kernel for 16
     tpf = P + NS
-    mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
-                                   dtype=dtype, device=DEVICE, num_special_tokens=NS, scale_frames=S,
-                                   sliding_window=W, max_total_frames=4, force_fp32=force_fp32, backend=backend)
+    mgr = FlashInferKVCacheManager(
+        num_blocks=L,
+        max_num_frames=8,
+        tokens_per_frame=tpf,
+        num_heads=H,
+        head_dim=D,
+        dtype=dtype,
+        device=DEVICE,
+        num_special_tokens=NS,
+        scale_frames=S,
+        sliding_window=W,
+        max_total_frames=4,
+        force_fp32=force_fp32,
+        backend=backend,
+    )
     assert mgr.dtype == dtype and mgr.backend == backend
-    model = FrameModel(S, W, P, NS, 10 ** 6)
+    model = FrameModel(S, W, P, NS, 10**6)
     rs = np.random.default_rng(7 + force_fp32)
     kv = {}
     tol = 1e-5 if dtype == torch.float32 else (2e-2 if dtype == torch.bfloat16 else 4e-3)
@@ -222,7 +267,7 @@ def test_attention_equals_dense_over_visible_tokens(backend, dtype, force_fp32, 
     def rand():  # float32 in, rounded to the storage dtype as the manager stores it
         return torch.tensor(rs.normal(size=(tpf, H, D)), dtype=torch.float32, device=DEVICE)
 
-    for step in range(24):  # more frames than max_total_frames: the special capacity grows
+    for _step in range(24):  # more frames than max_total_frames: the special capacity grows
         defer = bool(rs.random() < 0.4)
         mgr._defer_eviction = defer
         f = model.count
@@ -297,10 +342,21 @@ def test_visible_keys_are_one_prefix():
 
     L, H, D, P, NS, S, W = 2, 1, 8, 5, 3, 2, 3
     tpf = P + NS
-    mgr = FlashInferKVCacheManager(num_blocks=L, max_num_frames=8, tokens_per_frame=tpf, num_heads=H, head_dim=D,
-                                   dtype=torch.float32, device=DEVICE, num_special_tokens=NS, scale_frames=S,
-                                   sliding_window=W, max_total_frames=4, force_fp32=True)
-    model = FrameModel(S, W, P, NS, 10 ** 6)
+    mgr = FlashInferKVCacheManager(
+        num_blocks=L,
+        max_num_frames=8,
+        tokens_per_frame=tpf,
+        num_heads=H,
+        head_dim=D,
+        dtype=torch.float32,
+        device=DEVICE,
+        num_special_tokens=NS,
+        scale_frames=S,
+        sliding_window=W,
+        max_total_frames=4,
+        force_fp32=True,
+    )
+    model = FrameModel(S, W, P, NS, 10**6)
     rs = np.random.default_rng(3)
     kv = {}
 
@@ -322,7 +378,7 @@ def test_visible_keys_are_one_prefix():
                 want = np.stack([_np(kv[b, i // tpf][kind][i % tpf]) for i in ids[:n]] or [got[:0]])
                 np.testing.assert_array_equal(got, want.reshape(got.shape))
 
-    for step in range(30):
+    for _step in range(30):
         defer = bool(rs.random() < 0.4)
         mgr._defer_eviction = defer
         f = model.count
@@ -336,8 +392,11 @@ def test_visible_keys_are_one_prefix():
         if defer:
             keep = bool(rs.random() < 0.5)
             for b in range(L):
-                (mgr.execute_deferred_eviction(b, scale_frames=S, sliding_window=W) if keep
-                 else mgr.rollback_last_frame(b))
+                (
+                    mgr.execute_deferred_eviction(b, scale_frames=S, sliding_window=W)
+                    if keep
+                    else mgr.rollback_last_frame(b)
+                )
             model.resolve(keep)
             mgr._defer_eviction = False
             check()
@@ -353,8 +412,17 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
     from jaxkv import frame
     from jaxkv.frame import ops
 
-    spec = frame.FrameSpec(num_layers=1, num_heads=1, head_dim=8, patches_per_frame=5, num_special=3,
-                           scale_frames=S, sliding_window=W, max_frames=64, pow2_pages=pow2)
+    spec = frame.FrameSpec(
+        num_layers=1,
+        num_heads=1,
+        head_dim=8,
+        patches_per_frame=5,
+        num_special=3,
+        scale_frames=S,
+        sliding_window=W,
+        max_frames=64,
+        pow2_pages=pow2,
+    )
     meta = frame.init(spec).replace(k=(), v=())
     start, calls = meta, []
     pages = P.Pages(spec)
@@ -385,25 +453,42 @@ def test_host_mirror_equals_device_bookkeeping(S, W, pow2):
         n = pages.visible_rows()
         assert n == int(meta.num_valid[0])
         tid = np.asarray(meta.token_id[0, :n])
-        pad = (np.arange(n) < frame.plan.slots(pages.c) * spec.page_size) & \
-            (np.arange(n) % spec.page_size >= spec.patches_per_frame)
+        pad = (np.arange(n) < frame.plan.slots(pages.c) * spec.page_size) & (
+            np.arange(n) % spec.page_size >= spec.patches_per_frame
+        )
         np.testing.assert_array_equal(tid >= 0, ~pad)
     assert int(jnp.max(meta.error)) == 0
     # The manager replays its queued bookkeeping in one batched call: the same state.
     padded = np.zeros((P.REPLAY, 2), np.int32)
     padded[: len(calls)] = calls
     replayed = P.replay(start, padded)
-    for name in ("token_id", "num_frames", "num_scale", "num_window", "window_head", "num_special", "pending",
-                 "write_patch_row", "write_special_row", "error"):
-        np.testing.assert_array_equal(np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)),
-                                      err_msg=name)
+    for name in (
+        "token_id",
+        "num_frames",
+        "num_scale",
+        "num_window",
+        "window_head",
+        "num_special",
+        "pending",
+        "write_patch_row",
+        "write_special_row",
+        "error",
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(replayed, name)), np.asarray(getattr(meta, name)), err_msg=name
+        )
 
 
 def _snapshot(mgr):
     """Everything a failed call must leave alone: host counters, jaxkv's state, K/V."""
     st = mgr.state_dict()
-    return (tuple(mgr._pages.c), mgr._pages.version, list(mgr.frame_count), mgr._defer_eviction,
-            {k: v.clone() for k, v in st.items() if k != "spec"})
+    return (
+        tuple(mgr._pages.c),
+        mgr._pages.version,
+        list(mgr.frame_count),
+        mgr._defer_eviction,
+        {k: v.clone() for k, v in st.items() if k != "spec"},
+    )
 
 
 def _same(a, b):
@@ -420,13 +505,25 @@ def test_nonfinite_kv_goes_to_the_trash_as_a_sticky_fault(backend, poison):
     from jaxkv import CacheError, Fault
 
     def make():
-        return FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
-                                        dtype=torch.bfloat16, device=DEVICE, num_special_tokens=3, scale_frames=1,
-                                        sliding_window=2, backend=backend)
+        return FlashInferKVCacheManager(
+            num_blocks=2,
+            max_num_frames=8,
+            tokens_per_frame=10,
+            num_heads=2,
+            head_dim=64,
+            dtype=torch.bfloat16,
+            device=DEVICE,
+            num_special_tokens=3,
+            scale_frames=1,
+            sliding_window=2,
+            backend=backend,
+        )
 
     g = torch.Generator().manual_seed(7)
-    frames = [(torch.randn(10, 2, 64, generator=g).to(DEVICE), torch.randn(10, 2, 64, generator=g).to(DEVICE))
-              for _ in range(5)]  # the last one past the window: eviction moves rows first
+    frames = [
+        (torch.randn(10, 2, 64, generator=g).to(DEVICE), torch.randn(10, 2, 64, generator=g).to(DEVICE))
+        for _ in range(5)
+    ]  # the last one past the window: eviction moves rows first
     bad, good = make(), make()
     for t, (k, v) in enumerate(frames):
         for blk in range(2):
@@ -464,9 +561,19 @@ def test_nonfinite_kv_goes_to_the_trash_as_a_sticky_fault(backend, poison):
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_bad_input_raises_and_leaves_the_cache_unchanged(backend):
-    mgr = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
-                                   dtype=torch.bfloat16, device=DEVICE, num_special_tokens=3, scale_frames=1,
-                                   sliding_window=2, backend=backend)
+    mgr = FlashInferKVCacheManager(
+        num_blocks=2,
+        max_num_frames=8,
+        tokens_per_frame=10,
+        num_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        num_special_tokens=3,
+        scale_frames=1,
+        sliding_window=2,
+        backend=backend,
+    )
     k = torch.randn(10, 2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="rollback"):
         mgr.rollback_last_frame(0)
@@ -525,8 +632,11 @@ def test_backend_errors_and_choice():
     from jaxkv import _backend
 
     for bad in ("jaxkv", "fa2", "SDPA", None):
-        with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'sdpa', 'cuda', 'flashinfer'.*got " +
-                           repr(bad).replace("(", r"\(")):
+        with pytest.raises(
+            ValueError,
+            match=r"backend: expected one of \('auto', 'sdpa', 'cuda', 'flashinfer'.*got "
+            + repr(bad).replace("(", r"\("),
+        ):
             FlashInferKVCacheManager(1, 8, 10, 2, 64, torch.bfloat16, DEVICE, 2, backend=bad)
 
     def check(backend, device, force_fp32=False, dtype=torch.bfloat16, head_dim=64):
@@ -553,18 +663,22 @@ def test_backend_errors_and_choice():
 @on_gpu
 @pytest.mark.gpu
 def test_auto_backend_on_gpu():
-    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == \
-        ("cuda" if HAS_CUDA_KERNEL else "flashinfer-paged-fa2")
-    assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == \
-        ("cuda" if HAS_CUDA_KERNEL else "flashinfer")
+    assert FlashInferKVCacheManager(2, 88, 262, 16, 64, torch.bfloat16, "cuda").backend == (
+        "cuda" if HAS_CUDA_KERNEL else "flashinfer-paged-fa2"
+    )
+    assert FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda").backend == (
+        "cuda" if HAS_CUDA_KERNEL else "flashinfer"
+    )
     fa3 = FlashInferKVCacheManager(2, 88, 1005, 16, 64, torch.bfloat16, "cuda", fa3=True)
     assert fa3.backend == "flashinfer-paged-fa3" and fa3.page_size == 1024
 
 
 def _frames(n, L, tpf, H, D, seed=0):
     g = torch.Generator(device=DEVICE).manual_seed(seed)
-    return [tuple(torch.randn(L, tpf, H, D, generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
-            for _ in range(n)]
+    return [
+        tuple(torch.randn(L, tpf, H, D, generator=g, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+        for _ in range(n)
+    ]
 
 
 def _run(mgr, frames, defer_every=0):
@@ -606,7 +720,7 @@ def test_gpu_backends_equal_sdpa(backend):
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
         return
-    model, kv = FrameModel(S, W, tpf - 6, 6, 10 ** 6), {}
+    model, kv = FrameModel(S, W, tpf - 6, 6, 10**6), {}
     mgr = make(backend)
     for t, (k, v, q) in enumerate(frames[:12]):
         model.append(False)
@@ -615,8 +729,9 @@ def test_gpu_backends_equal_sdpa(backend):
             mgr.append_frame(b, k[b], v[b])
         for b in range(L):
             kk, vv = _visible_kv(kv, b, model, mgr)
-            np.testing.assert_allclose(_np(mgr.compute_attention(b, q[b])), _dense(_np(q[b]), kk, vv),
-                                       atol=2e-2, rtol=2e-2)
+            np.testing.assert_allclose(
+                _np(mgr.compute_attention(b, q[b])), _dense(_np(q[b]), kk, vv), atol=2e-2, rtol=2e-2
+            )
 
 
 @pytest.mark.gpu
@@ -660,9 +775,20 @@ def _stream(mgr, steps, seed0):
 
 
 def _manager(backend):
-    return FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
-                                    dtype=torch.bfloat16, device=DEVICE, num_special_tokens=2, scale_frames=1,
-                                    sliding_window=3, max_total_frames=16, backend=backend)
+    return FlashInferKVCacheManager(
+        num_blocks=2,
+        max_num_frames=8,
+        tokens_per_frame=10,
+        num_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        num_special_tokens=2,
+        scale_frames=1,
+        sliding_window=3,
+        max_total_frames=16,
+        backend=backend,
+    )
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b != "flashinfer-paged-fa3"])
@@ -685,9 +811,19 @@ def test_save_and_continue_bit_identically(tmp_path, via, backend):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    other = FlashInferKVCacheManager(num_blocks=2, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=64,
-                                     dtype=torch.bfloat16, device=DEVICE, num_special_tokens=2, scale_frames=1,
-                                     sliding_window=4, max_total_frames=16)
+    other = FlashInferKVCacheManager(
+        num_blocks=2,
+        max_num_frames=8,
+        tokens_per_frame=10,
+        num_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device=DEVICE,
+        num_special_tokens=2,
+        scale_frames=1,
+        sliding_window=4,
+        max_total_frames=16,
+    )
     before = other.state_dict()
     with pytest.raises(ValueError, match=r"spec differs.*sliding_window=3 \(this manager: 4\)"):
         other.load_state_dict(first.state_dict())

@@ -34,8 +34,9 @@ def test_fp8_crosses_as_fp8(rng):
 
 
 def test_frame_cache_layer_view_and_donation_rule(rng):
-    spec = frame.FrameSpec(num_layers=2, num_heads=2, head_dim=8, patches_per_frame=4, num_special=2,
-                           max_frames=8, dtype="float32")
+    spec = frame.FrameSpec(
+        num_layers=2, num_heads=2, head_dim=8, patches_per_frame=4, num_special=2, max_frames=8, dtype="float32"
+    )
     state = frame.init(spec)
     k = jnp.asarray(rng.standard_normal((2, 1, 6, 2, 8)), jnp.float32)
     state = frame.append(state, k, -k)

@@ -19,14 +19,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("flax")
 
-from jaxkv.models.lingbot import LingbotConfig  # noqa: E402
-from jaxkv.models.lingbot import upstream  # noqa: E402
+from jaxkv.models.lingbot import (
+    LingbotConfig,
+    upstream,
+)
 from torch_bridge import FlashInferKVCacheManager, use_in_lingbot_map  # noqa: E402
 from torch_bridge.kernels import prefix_attention_available  # noqa: E402
 
 SRC = upstream.source()
-pytestmark = pytest.mark.skipif(SRC is None, reason="needs an upstream lingbot-map checkout in $LINGBOT_MAP_SRC "
-                                "(e.g. LINGBOT_MAP_SRC=.upstream/lingbot-map)")
+pytestmark = pytest.mark.skipif(
+    SRC is None,
+    reason="needs an upstream lingbot-map checkout in $LINGBOT_MAP_SRC (e.g. LINGBOT_MAP_SRC=.upstream/lingbot-map)",
+)
 KEYS = ("pose_enc", "depth", "depth_conf")
 # window 3 + 2 scale frames: eviction from frame 6 of 10
 CONFIG = LingbotConfig.small(kv_cache_sliding_window=3, kv_cache_scale_frames=2, num_scale_frames=2)
@@ -58,18 +62,27 @@ def _install_manager(model, config):
     """What upstream's ``_get_flashinfer_manager`` builds, with the model's own heads, float32."""
     agg = model.aggregator
     agg.kv_cache_manager = FlashInferKVCacheManager(
-        num_blocks=agg.depth, max_num_frames=agg.kv_cache_scale_frames + agg.kv_cache_sliding_window + 16,
-        tokens_per_frame=config.tokens_per_frame, num_heads=config.num_heads, head_dim=config.head_dim,
-        dtype=torch.float32, device="cpu", num_special_tokens=agg.num_special_tokens,
-        scale_frames=agg.kv_cache_scale_frames, sliding_window=agg.kv_cache_sliding_window,
-        max_total_frames=agg.max_frame_num + 100, force_fp32=True)
+        num_blocks=agg.depth,
+        max_num_frames=agg.kv_cache_scale_frames + agg.kv_cache_sliding_window + 16,
+        tokens_per_frame=config.tokens_per_frame,
+        num_heads=config.num_heads,
+        head_dim=config.head_dim,
+        dtype=torch.float32,
+        device="cpu",
+        num_special_tokens=agg.num_special_tokens,
+        scale_frames=agg.kv_cache_scale_frames,
+        sliding_window=agg.kv_cache_sliding_window,
+        max_total_frames=agg.max_frame_num + 100,
+        force_fp32=True,
+    )
     return agg.kv_cache_manager
 
 
 def _stream(model, frames, interval):
     with torch.no_grad():
-        out = model.inference_streaming(upstream.images_nchw(frames), num_scale_frames=CONFIG.num_scale_frames,
-                                        keyframe_interval=interval)
+        out = model.inference_streaming(
+            upstream.images_nchw(frames), num_scale_frames=CONFIG.num_scale_frames, keyframe_interval=interval
+        )
     return {k: out[k][0].float().numpy() for k in KEYS}
 
 
@@ -101,14 +114,13 @@ def test_flashinfer_path_with_dropin_matches_upstream_sdpa(lingbot_map, no_tf32)
         assert got[k].shape == want[k].shape, k
         err = _rel_err(got[k], want[k])
         assert err.max() <= 1e-4, f"{k}: per-frame relative error {err}"
-    assert mgr.get_cache_stats() == dict(frame_count=10, scale_pages=2, live_pages=3, free_pages=0,
-                                         special_tokens=60)
+    assert mgr.get_cache_stats() == dict(frame_count=10, scale_pages=2, live_pages=3, free_pages=0, special_tokens=60)
     assert mgr.frame_count == [10] * mgr.num_blocks
     # Without the swap upstream's isinstance check sends the scale phase down its batch-SDPA
     # branch, which never appends: the same manager then gives other outputs (gap G1).
     lingbot_map.undo()
     off = _stream(ours, frames, 1)
-    assert _rel_err(off["pose_enc"], want["pose_enc"])[CONFIG.num_scale_frames:].max() > 1e-3
+    assert _rel_err(off["pose_enc"], want["pose_enc"])[CONFIG.num_scale_frames :].max() > 1e-3
     assert mgr.num_frames == 10 - CONFIG.num_scale_frames
 
 
@@ -127,8 +139,9 @@ def test_keyframes_with_dropin_match_the_port(lingbot_map, no_tf32):
     got = _stream(model, frames, 2)
     # 2 scale frames, then keyframes 2, 4, 6, 8, 10 kept; 3, 5, 7, 9, 11 rolled back
     assert mgr.frame_count == [7] * mgr.num_blocks and mgr._pages.frames == 7
-    assert mgr.get_cache_stats(mgr.num_blocks - 1) == dict(frame_count=7, scale_pages=2, live_pages=3, free_pages=0,
-                                                           special_tokens=42)
+    assert mgr.get_cache_stats(mgr.num_blocks - 1) == dict(
+        frame_count=7, scale_pages=2, live_pages=3, free_pages=0, special_tokens=42
+    )
     port, _ = from_state_dict(CONFIG, upstream.state_dict(model))
     with jax.default_matmul_precision("highest"):
         outs = list(LingbotStream(port, keyframe_interval=2).run(list(frames)))
@@ -161,8 +174,16 @@ def test_install_with_a_backend_and_bad_backend(lingbot_map):
     with use_in_lingbot_map("sdpa"):
         cls = flashinfer_cache.FlashInferKVCacheManager
         assert issubclass(cls, FlashInferKVCacheManager) and cls is not FlashInferKVCacheManager
-        mgr = cls(num_blocks=1, max_num_frames=8, tokens_per_frame=10, num_heads=2, head_dim=8,
-                  dtype=torch.bfloat16, device="cpu", num_special_tokens=2)
+        mgr = cls(
+            num_blocks=1,
+            max_num_frames=8,
+            tokens_per_frame=10,
+            num_heads=2,
+            head_dim=8,
+            dtype=torch.bfloat16,
+            device="cpu",
+            num_special_tokens=2,
+        )
         assert mgr.backend == "sdpa" and isinstance(mgr, FlashInferKVCacheManager)
     assert flashinfer_cache.FlashInferKVCacheManager is FlashInferKVCacheManager  # the outer install again
 
@@ -171,8 +192,9 @@ def test_install_with_a_backend_and_bad_backend(lingbot_map):
 def test_vitl_lazy_path_matches_upstream_sdpa(lingbot_map, no_tf32):
     """The released backbone width (16 heads of 64, so upstream's own lazy construction builds
     our manager) at a small frame size, float32 (``kv_cache_force_fp32``)."""
-    config = LingbotConfig.small(patch_embed="dinov2_vitl14_reg", kv_cache_sliding_window=3,
-                                 kv_cache_scale_frames=2, num_scale_frames=2)
+    config = LingbotConfig.small(
+        patch_embed="dinov2_vitl14_reg", kv_cache_sliding_window=3, kv_cache_scale_frames=2, num_scale_frames=2
+    )
     ours = upstream.build(config, SRC, use_sdpa=False)
     ours.aggregator.kv_cache_force_fp32 = True
     frames = _frames(8)
@@ -199,8 +221,9 @@ def test_dropin_between_reduce_overhead_graphs_gpu(lingbot_map):
     gives the eager model's outputs, frame by frame, to bf16 precision. Only the global blocks
     are compiled (the frame blocks never meet the manager; ``benchmarks/bridge.py --model
     --compile`` runs all of gct_profile's targets)."""
-    config = LingbotConfig.small(patch_embed="dinov2_vitl14_reg", kv_cache_sliding_window=3,
-                                 kv_cache_scale_frames=2, num_scale_frames=2)
+    config = LingbotConfig.small(
+        patch_embed="dinov2_vitl14_reg", kv_cache_sliding_window=3, kv_cache_scale_frames=2, num_scale_frames=2
+    )
     model = upstream.build(config, SRC, use_sdpa=False).cuda()
     images = upstream.images_nchw(_frames(9, seed=2)).to(torch.bfloat16)  # bf16 tokens: a bf16 manager
 

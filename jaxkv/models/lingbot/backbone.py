@@ -25,8 +25,9 @@ class DinoV2(nnx.Module):
         dim, depth, heads = BACKBONES[config.patch_embed]
         p, dt = config.patch_size, config.compute_dtype
         self.config = config
-        self.patch_embed = nnx.Conv(3, dim, (p, p), strides=(p, p), padding="VALID", dtype=dt,
-                                    param_dtype=jnp.float32, rngs=rngs)
+        self.patch_embed = nnx.Conv(
+            3, dim, (p, p), strides=(p, p), padding="VALID", dtype=dt, param_dtype=jnp.float32, rngs=rngs
+        )
         m = config.img_size // p
         init = nnx.initializers.truncated_normal(0.02)
         self.cls_token = nnx.Param(1e-6 * jax.random.normal(rngs.params(), (dim,)))
@@ -59,4 +60,4 @@ class DinoV2(nnx.Module):
         x = jnp.concatenate([x[:, :1], reg, x[:, 1:]], axis=1)
         for blk in self.blocks:
             x = blk(x)
-        return self.norm(x)[:, 1 + self.config.num_register_tokens:]
+        return self.norm(x)[:, 1 + self.config.num_register_tokens :]

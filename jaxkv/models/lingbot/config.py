@@ -69,31 +69,44 @@ class LingbotConfig:
     def __post_init__(self):
         p = self.patch_size
         if self.height % p or self.width % p or self.height < p or self.width < p:
-            raise ValueError(f"height, width: expected positive multiples of patch_size={p}, "
-                             f"got {self.height}x{self.width}")
+            raise ValueError(
+                f"height, width: expected positive multiples of patch_size={p}, got {self.height}x{self.width}"
+            )
         if self.img_size % p:
             raise ValueError(f"img_size: expected a multiple of patch_size={p}, got {self.img_size}")
         if self.patch_embed not in BACKBONES:
             raise ValueError(f"patch_embed: expected one of {sorted(BACKBONES)}, got {self.patch_embed!r}")
         if self.dim % self.num_heads or (self.dim // self.num_heads) % 4:
-            raise ValueError(f"num_heads: expected a divisor of {self.dim} leaving a head_dim divisible by 4, "
-                             f"got {self.num_heads}")
+            raise ValueError(
+                f"num_heads: expected a divisor of {self.dim} leaving a head_dim divisible by 4, got {self.num_heads}"
+            )
         if self.enable_3d_rope and self.head_dim != 64:
-            raise ValueError(f"enable_3d_rope: upstream's 3D RoPE splits a 64-dim head (20+22+22); "
-                             f"this config has head_dim={self.head_dim}")
+            raise ValueError(
+                f"enable_3d_rope: upstream's 3D RoPE splits a 64-dim head (20+22+22); "
+                f"this config has head_dim={self.head_dim}"
+            )
         if self.enable_camera_3d_rope and 2 * self.dim // self.num_heads != 128:
-            raise ValueError("enable_camera_3d_rope: upstream's camera RoPE splits a 128-dim head (40+44+44); "
-                             f"this config has {2 * self.dim // self.num_heads}")
-        if sorted(self.selected_idx) != list(self.selected_idx) or len(self.selected_idx) != 4 \
-                or not 0 <= self.selected_idx[0] or self.selected_idx[-1] >= self.depth:
-            raise ValueError(f"selected_idx: expected 4 increasing block indices below depth={self.depth}, "
-                             f"got {self.selected_idx}")
+            raise ValueError(
+                "enable_camera_3d_rope: upstream's camera RoPE splits a 128-dim head (40+44+44); "
+                f"this config has {2 * self.dim // self.num_heads}"
+            )
+        if (
+            sorted(self.selected_idx) != list(self.selected_idx)
+            or len(self.selected_idx) != 4
+            or not 0 <= self.selected_idx[0]
+            or self.selected_idx[-1] >= self.depth
+        ):
+            raise ValueError(
+                f"selected_idx: expected 4 increasing block indices below depth={self.depth}, got {self.selected_idx}"
+            )
         for name in ("num_scale_frames", "max_frame_num", "num_streams", "camera_num_iterations"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an int >= 1, got {getattr(self, name)}")
         if self.kv_cache_scale_frames < 0 or self.kv_cache_sliding_window < 1:
-            raise ValueError("kv_cache_scale_frames, kv_cache_sliding_window: expected >= 0 and >= 1, got "
-                             f"{self.kv_cache_scale_frames}, {self.kv_cache_sliding_window}")
+            raise ValueError(
+                "kv_cache_scale_frames, kv_cache_sliding_window: expected >= 0 and >= 1, got "
+                f"{self.kv_cache_scale_frames}, {self.kv_cache_sliding_window}"
+            )
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {self.dtype!r}")
 
@@ -126,13 +139,22 @@ class LingbotConfig:
     def compute_dtype(self):
         return jnp.dtype(self.dtype)
 
-    def replace(self, **changes) -> "LingbotConfig":
+    def replace(self, **changes) -> LingbotConfig:
         return dataclasses.replace(self, **changes)
 
     @classmethod
-    def small(cls, **changes) -> "LingbotConfig":
+    def small(cls, **changes) -> LingbotConfig:
         """A ViT-S config for CPU tests: every component of the released model at 1/8 the size."""
-        base = dict(height=42, width=56, img_size=56, patch_embed="dinov2_vits14_reg", enable_3d_rope=False,
-                    num_scale_frames=2, kv_cache_scale_frames=2, kv_cache_sliding_window=3, max_frame_num=64,
-                    dtype="float32")
+        base = dict(
+            height=42,
+            width=56,
+            img_size=56,
+            patch_embed="dinov2_vits14_reg",
+            enable_3d_rope=False,
+            num_scale_frames=2,
+            kv_cache_scale_frames=2,
+            kv_cache_sliding_window=3,
+            max_frame_num=64,
+            dtype="float32",
+        )
         return cls(**{**base, **changes})

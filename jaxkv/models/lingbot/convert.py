@@ -37,8 +37,13 @@ from jaxkv.models.lingbot.config import BACKBONES, LingbotConfig
 from jaxkv.models.lingbot.model import LingbotMap
 
 IGNORED = ("aggregator.patch_embed.mask_token",)
-HEADS = {"camera_head": "enable_camera", "depth_head": "enable_depth", "point_head": "enable_point",
-         "local_point_head": None, "track_head": None}
+HEADS = {
+    "camera_head": "enable_camera",
+    "depth_head": "enable_depth",
+    "point_head": "enable_point",
+    "local_point_head": None,
+    "track_head": None,
+}
 RENAMES = (
     (r"^aggregator\.patch_embed\.patch_embed\.", "aggregator.patch_embed.patch_embed.proj."),
     (r"^camera_head\.poseLN_modulation\.", "camera_head.poseLN_modulation.1."),
@@ -73,20 +78,31 @@ def from_upstream(path: tuple, x: np.ndarray, shape: tuple) -> np.ndarray | None
     """Upstream's tensor in the NNX layout of ``shape``, or None when it cannot fit."""
     if path[-1] == "kernel":
         x = x.T if x.ndim == 2 else (np.transpose(x, (2, 3, 1, 0)) if x.ndim == 4 else x)
-    elif x.shape != shape and x.size == int(np.prod(shape)) and tuple(d for d in x.shape if d != 1) == \
-            tuple(d for d in shape if d != 1):
+    elif (
+        x.shape != shape
+        and x.size == int(np.prod(shape))
+        and tuple(d for d in x.shape if d != 1) == tuple(d for d in shape if d != 1)
+    ):
         x = x.reshape(shape)  # tokens: upstream keeps leading singleton axes
     return x if x.shape == shape else None
 
 
-EXPECTED = ("expected a safetensors file (convert-lingbot's output) or upstream's torch checkpoint "
-            "(.pt / .pth, read with torch)")
+EXPECTED = (
+    "expected a safetensors file (convert-lingbot's output) or upstream's torch checkpoint "
+    "(.pt / .pth, read with torch)"
+)
 # first bytes -> what a file that is not a checkpoint is, for the error message
-MAGIC = ((b"\x89PNG", "a PNG image"), (b"\xff\xd8\xff", "a JPEG image"), (b"\x93NUMPY", "a NumPy .npy array"),
-         (b"\x89HDF", "an HDF5 file"), (b"GGUF", "a GGUF file (llama.cpp)"), (b"\x1f\x8b", "a gzip archive"),
-         (b"version https://git-lfs", "a Git LFS pointer, not the weights (fetch them: git lfs pull)"),
-         (b"<", "a text file (HTML or XML: an error page saved instead of the download?)"),
-         (b"{", "a text file (JSON)"))
+MAGIC = (
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"\x93NUMPY", "a NumPy .npy array"),
+    (b"\x89HDF", "an HDF5 file"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x1f\x8b", "a gzip archive"),
+    (b"version https://git-lfs", "a Git LFS pointer, not the weights (fetch them: git lfs pull)"),
+    (b"<", "a text file (HTML or XML: an error page saved instead of the download?)"),
+    (b"{", "a text file (JSON)"),
+)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 SAFETENSORS_HEADER_MAX = 100 * 2**20  # the safetensors format's own bound on its JSON header
 
@@ -113,8 +129,11 @@ def checkpoint_kind(path, *, arg: str = "path") -> str:
         n = int.from_bytes(head[:8], "little") if len(head) >= 8 else 0
         if head[8:9] == b"{" and 2 <= n <= SAFETENSORS_HEADER_MAX:
             f.seek(8)
-            why = (f"its header needs {n} bytes, the file has {size}" if 8 + n > size
-                   else _safetensors_problem(f.read(n), size - 8 - n))
+            why = (
+                f"its header needs {n} bytes, the file has {size}"
+                if 8 + n > size
+                else _safetensors_problem(f.read(n), size - 8 - n)
+            )
             if why:
                 raise ValueError(f"{arg}: {path} is not a valid safetensors file ({why}): truncated or corrupted?")
             return "safetensors"
@@ -163,39 +182,44 @@ def read_state_dict(path, *, unsafe_pickle: bool = False, arg: str = "path") -> 
         try:
             from safetensors import safe_open
         except ImportError:
-            raise ValueError(f"{arg}: reading {path.name} needs safetensors, not installed here: "
-                             'pip install "jaxkv[lingbot]"') from None
+            raise ValueError(
+                f'{arg}: reading {path.name} needs safetensors, not installed here: pip install "jaxkv[lingbot]"'
+            ) from None
         try:
             with safe_open(str(path), framework="flax") as f:
                 meta = f.metadata() or {}
                 sd = {k: np.asarray(f.get_tensor(k), np.float32) for k in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError and the dtype errors under it
-            raise ValueError(f"{arg}: {path} is not a readable safetensors file "
-                             f"({type(e).__name__}: {e})") from None
+            raise ValueError(f"{arg}: {path} is not a readable safetensors file ({type(e).__name__}: {e})") from None
         return sd, meta
     try:
         import torch
     except ImportError:
-        raise ValueError(f"{arg}: {path.name} is a torch checkpoint; reading it needs torch, not installed here: "
-                         'pip install "jaxkv[torch]", or convert it once where torch is installed: '
-                         "python -m jaxkv convert-lingbot") from None
+        raise ValueError(
+            f"{arg}: {path.name} is a torch checkpoint; reading it needs torch, not installed here: "
+            'pip install "jaxkv[torch]", or convert it once where torch is installed: '
+            "python -m jaxkv convert-lingbot"
+        ) from None
     try:
         obj = torch.load(str(path), map_location="cpu", weights_only=not unsafe_pickle)
     except Exception as e:  # noqa: BLE001 - torch raises several types for a pickle it will not load
-        raise ValueError(f"{arg}: torch.load({path.name}, weights_only={not unsafe_pickle}) failed "
-                         f"({type(e).__name__}: {_first_line(e)})"
-                         + ("; if you trust the file, pass unsafe_pickle=True" if not unsafe_pickle else "")) from None
+        raise ValueError(
+            f"{arg}: torch.load({path.name}, weights_only={not unsafe_pickle}) failed "
+            f"({type(e).__name__}: {_first_line(e)})"
+            + ("; if you trust the file, pass unsafe_pickle=True" if not unsafe_pickle else "")
+        ) from None
     sd = obj.get("model", obj) if isinstance(obj, dict) else None
     if not isinstance(sd, dict) or not all(hasattr(v, "shape") for v in sd.values()):
         raise ValueError(f"{arg}: {path.name} holds neither a state dict nor {{'model': state dict}}")
     if sd and all(k.startswith("module.") for k in sd):
-        sd = {k[len("module."):]: v for k, v in sd.items()}
+        sd = {k[len("module.") :]: v for k, v in sd.items()}
     return {k: v.detach().float().cpu().numpy() for k, v in sd.items()}, {}
 
 
 def config_from_state_dict(sd: dict, **overrides) -> LingbotConfig:
     """The architecture a state dict holds (backbone, patch and trained image size, depth,
     registers), with ``overrides`` for everything else (frame size, cache policy, dtype)."""
+
     def need(key):
         if key not in sd:
             raise ValueError(f"state dict: missing {key!r}: not a lingbot-map GCTStream checkpoint")
@@ -208,9 +232,14 @@ def config_from_state_dict(sd: dict, **overrides) -> LingbotConfig:
         raise ValueError(f"state dict: a {dim}-wide backbone; this port has {sorted(BACKBONES)}")
     side = int(round((need("aggregator.patch_embed.pos_embed").shape[1] - 1) ** 0.5))
     depth = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("aggregator.frame_blocks."))
-    found = dict(patch_embed=backbone, patch_size=int(patch), img_size=side * int(patch), depth=depth,
-                 num_register_tokens=int(need("aggregator.register_token").shape[2]),
-                 enable_3d_rope=dim // LingbotConfig.num_heads == 64)  # upstream's 3D RoPE needs 64-dim heads
+    found = dict(
+        patch_embed=backbone,
+        patch_size=int(patch),
+        img_size=side * int(patch),
+        depth=depth,
+        num_register_tokens=int(need("aggregator.register_token").shape[2]),
+        enable_3d_rope=dim // LingbotConfig.num_heads == 64,
+    )  # upstream's 3D RoPE needs 64-dim heads
     if "height" not in overrides and "width" not in overrides:
         found.update(height=side * int(patch), width=side * int(patch))
     return LingbotConfig(**{**found, **overrides})
@@ -226,8 +255,12 @@ def load_state_dict(model: LingbotMap, sd: dict) -> list[str]:
     params = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(params))
     want = {upstream_key(p): p for p in flat}
-    ignored = [k for k in sd if k in IGNORED or
-               (k.split(".")[0] in HEADS and k not in want and not getattr(c, HEADS[k.split(".")[0]] or "", False))]
+    ignored = [
+        k
+        for k in sd
+        if k in IGNORED
+        or (k.split(".")[0] in HEADS and k not in want and not getattr(c, HEADS[k.split(".")[0]] or "", False))
+    ]
     missing = sorted(set(want) - set(sd))
     unexpected = sorted(set(sd) - set(want) - set(ignored))
     new, misshaped = {}, []
@@ -240,12 +273,18 @@ def load_state_dict(model: LingbotMap, sd: dict) -> list[str]:
             else:
                 new[path] = x
     if missing or unexpected or misshaped:
-        lines = [f"{len(missing)} missing: {missing}" if missing else "",
-                 f"{len(unexpected)} unexpected: {unexpected}" if unexpected else "",
-                 f"{len(misshaped)} mis-shaped: {misshaped}" if misshaped else ""]
-        raise ValueError("state dict does not fit LingbotMap(" + _arch(c) + "); nothing was loaded. "
-                         + "; ".join(x for x in lines if x)
-                         + f". (Skipped as upstream does: {IGNORED[0]} and disabled heads' weights.)")
+        lines = [
+            f"{len(missing)} missing: {missing}" if missing else "",
+            f"{len(unexpected)} unexpected: {unexpected}" if unexpected else "",
+            f"{len(misshaped)} mis-shaped: {misshaped}" if misshaped else "",
+        ]
+        raise ValueError(
+            "state dict does not fit LingbotMap("
+            + _arch(c)
+            + "); nothing was loaded. "
+            + "; ".join(x for x in lines if x)
+            + f". (Skipped as upstream does: {IGNORED[0]} and disabled heads' weights.)"
+        )
     for path, x in new.items():
         flat[path].set_value(jnp.asarray(x, flat[path].get_value().dtype))
     nnx.update(model, nnx.from_flat_state(flat))
@@ -253,8 +292,10 @@ def load_state_dict(model: LingbotMap, sd: dict) -> list[str]:
 
 
 def _arch(c: LingbotConfig) -> str:
-    return (f"patch_embed={c.patch_embed}, patch_size={c.patch_size}, img_size={c.img_size}, depth={c.depth}, "
-            f"point head={'on' if c.enable_point else 'off'}")
+    return (
+        f"patch_embed={c.patch_embed}, patch_size={c.patch_size}, img_size={c.img_size}, depth={c.depth}, "
+        f"point head={'on' if c.enable_point else 'off'}"
+    )
 
 
 def checkpoint_config(sd: dict, meta: dict, **overrides) -> LingbotConfig:
@@ -268,8 +309,10 @@ def checkpoint_config(sd: dict, meta: dict, **overrides) -> LingbotConfig:
             raise ValueError(f"state dict: its {FORMAT} metadata holds no readable config ({e})") from None
         unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(LingbotConfig)})
         if unknown:
-            raise ValueError(f"state dict: its saved config has fields {unknown} that this jaxkv's LingbotConfig "
-                             "does not know (written by a newer jaxkv?)")
+            raise ValueError(
+                f"state dict: its saved config has fields {unknown} that this jaxkv's LingbotConfig "
+                "does not know (written by a newer jaxkv?)"
+            )
     saved["selected_idx"] = tuple(saved.get("selected_idx", LingbotConfig.selected_idx))
     return config_from_state_dict(sd, **{**saved, **overrides})
 
@@ -282,13 +325,17 @@ def model_from_state_dict(config: LingbotConfig, sd: dict, *, arg: str = "path")
     except ValueError as e:
         raise ValueError(f"{arg}: {e}") from None
     if skipped:
-        warnings.warn(f"{len(skipped)} checkpoint keys skipped, as upstream skips them: {skipped[:6]}"
-                      + (" ..." if len(skipped) > 6 else ""), stacklevel=3)
+        warnings.warn(
+            f"{len(skipped)} checkpoint keys skipped, as upstream skips them: {skipped[:6]}"
+            + (" ..." if len(skipped) > 6 else ""),
+            stacklevel=3,
+        )
     return model
 
 
-def load_lingbot_checkpoint(path, config: LingbotConfig | None = None, *, unsafe_pickle: bool = False,
-                            arg: str = "path", **overrides) -> LingbotMap:
+def load_lingbot_checkpoint(
+    path, config: LingbotConfig | None = None, *, unsafe_pickle: bool = False, arg: str = "path", **overrides
+) -> LingbotMap:
     """A ``LingbotMap`` with upstream's weights from ``path`` (``.pt`` / ``.safetensors``).
 
     config: the model to build; None infers the architecture from the checkpoint (and
@@ -346,8 +393,10 @@ def save_converted(model: LingbotMap, out, config: LingbotConfig | None = None) 
 
     out = Path(out)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
-    tensors = {upstream_key(p): np.ascontiguousarray(to_upstream(p, np.asarray(v.get_value(), np.float32)))
-               for p, v in flat.items()}
+    tensors = {
+        upstream_key(p): np.ascontiguousarray(to_upstream(p, np.asarray(v.get_value(), np.float32)))
+        for p, v in flat.items()
+    }
     cfg = dataclasses.asdict(config or model.config)
     tmp = out.with_name(out.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, "config": json.dumps(cfg)})

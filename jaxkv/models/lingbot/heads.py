@@ -14,8 +14,17 @@ from flax import nnx
 from jaxkv import frame
 from jaxkv.flax import FrameCacheModule
 from jaxkv.models.lingbot.config import LingbotConfig
-from jaxkv.models.lingbot.layers import (Block, Mlp, apply_rope3d, bilinear_matrix, dense_attention, layer_norm,
-                                         linear, resize, rope3d_angles)
+from jaxkv.models.lingbot.layers import (
+    Block,
+    Mlp,
+    apply_rope3d,
+    bilinear_matrix,
+    dense_attention,
+    layer_norm,
+    linear,
+    resize,
+    rope3d_angles,
+)
 
 F32 = jnp.float32
 
@@ -31,8 +40,10 @@ def camera_rope_tables(c: LingbotConfig):
     camera token sits at (frame, 0, 0); upstream's table has 1024 frames at least."""
     t, h, w = rope3d_angles((40, 44, 44), max(c.max_frame_num, 1024), c.camera_rope_theta)
     hw = np.concatenate([h[0], w[0]])
-    return ((np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)),
-            (np.cos(hw).astype(np.float32), np.sin(hw).astype(np.float32)))
+    return (
+        (np.cos(t).astype(np.float32), np.sin(t).astype(np.float32)),
+        (np.cos(hw).astype(np.float32), np.sin(hw).astype(np.float32)),
+    )
 
 
 class CameraHead(nnx.Module):
@@ -57,11 +68,20 @@ class CameraHead(nnx.Module):
         self.poseLN_modulation = linear(dim, 3 * dim, F32, rngs)
         self.adaln_norm = layer_norm(dim, rngs, eps=1e-6, affine=False)
         self.pose_branch = Mlp(dim, dim // 2, 9, F32, rngs)
-        self.cache = FrameCacheModule(frame.FrameSpec(
-            num_layers=c.camera_num_iterations * c.camera_trunk_depth, num_heads=c.num_heads,
-            head_dim=dim // c.num_heads, patches_per_frame=1, num_special=0, scale_frames=0,
-            sliding_window=c.max_frame_num, max_frames=c.max_frame_num, num_streams=c.num_streams,
-            dtype="float32"))
+        self.cache = FrameCacheModule(
+            frame.FrameSpec(
+                num_layers=c.camera_num_iterations * c.camera_trunk_depth,
+                num_heads=c.num_heads,
+                head_dim=dim // c.num_heads,
+                patches_per_frame=1,
+                num_special=0,
+                scale_frames=0,
+                sliding_window=c.max_frame_num,
+                max_frames=c.max_frame_num,
+                num_streams=c.num_streams,
+                dtype="float32",
+            )
+        )
         self.frame_index = nnx.Cache(jnp.zeros((c.num_streams,), jnp.int32))  # every frame, for the camera RoPE
 
     def _rotate(self, frames):
@@ -99,13 +119,14 @@ class CameraHead(nnx.Module):
             def run(q, k, v):
                 kv[layer] = (k, v)
                 return dense_attention(q, k, v, F32)
+
             return run
 
         pose = self._refine(tokens, attend, self._rotate(frames))
         for s in range(S):
             self.cache.begin_frame()
             for layer, (k, v) in sorted(kv.items()):
-                self.cache.write(layer, k[:, s:s + 1], v[:, s:s + 1])
+                self.cache.write(layer, k[:, s : s + 1], v[:, s : s + 1])
         self.frame_index.set_value(self.frame_index[...] + S)
         return pose
 
@@ -117,6 +138,7 @@ class CameraHead(nnx.Module):
             def run(q, k, v):
                 self.cache.write(layer, k, v)
                 return self.cache.attend(q, layer, impl="xla")
+
             return run
 
         pose = self._refine(tokens, attend, self._rotate(self.frame_index[...][:, None]))
@@ -128,8 +150,18 @@ class CameraHead(nnx.Module):
 # ---------------------------------------------------------------- DPT
 def conv(cin, cout, k, rngs, dtype, stride=1, bias=True):
     """A 'same' convolution computing in ``dtype`` (float32: at full precision, for parity)."""
-    return nnx.Conv(cin, cout, (k, k), strides=(stride, stride), padding=[(k // 2, k // 2)] * 2, use_bias=bias,
-                    dtype=dtype, param_dtype=F32, precision=jax.lax.Precision.HIGHEST, rngs=rngs)
+    return nnx.Conv(
+        cin,
+        cout,
+        (k, k),
+        strides=(stride, stride),
+        padding=[(k // 2, k // 2)] * 2,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=F32,
+        precision=jax.lax.Precision.HIGHEST,
+        rngs=rngs,
+    )
 
 
 class ConvTranspose(nnx.Module):
@@ -144,8 +176,12 @@ class ConvTranspose(nnx.Module):
 
     def __call__(self, x):
         n, h, w, _ = x.shape
-        y = jnp.einsum("nhwi,iokl->nhkwlo", x.astype(self.dtype), self.weight[...].astype(self.dtype),
-                       precision=jax.lax.Precision.HIGHEST)
+        y = jnp.einsum(
+            "nhwi,iokl->nhkwlo",
+            x.astype(self.dtype),
+            self.weight[...].astype(self.dtype),
+            precision=jax.lax.Precision.HIGHEST,
+        )
         return y.reshape(n, h * self.k, w * self.k, -1) + self.bias[...].astype(self.dtype)
 
 
@@ -180,7 +216,8 @@ class FusionBlock(nnx.Module):
 class Scratch(nnx.Module):
     def __init__(self, out_channels, f, out_dim, rngs, dtype):
         self.layer1_rn, self.layer2_rn, self.layer3_rn, self.layer4_rn = (
-            conv(oc, f, 3, rngs, dtype, bias=False) for oc in out_channels)
+            conv(oc, f, 3, rngs, dtype, bias=False) for oc in out_channels
+        )
         self.refinenet1, self.refinenet2, self.refinenet3 = (FusionBlock(f, rngs, dtype) for _ in range(3))
         self.refinenet4 = FusionBlock(f, rngs, dtype, residual=False)
         self.output_conv1 = conv(f, f // 2, 3, rngs, dtype)
@@ -194,19 +231,22 @@ def uv_embedding(h: int, w: int, channels: int, aspect: float):
     Computed in the graph from [h], [w] and [C/4] vectors: as a constant the full-resolution
     embedding (378 x 518 x 128) would be folded by XLA for minutes at compile time.
     """
-    diag = (aspect ** 2 + 1) ** 0.5
+    diag = (aspect**2 + 1) ** 0.5
     sx, sy = aspect / diag, 1 / diag
     xs = jnp.asarray(np.linspace(-sx * (w - 1) / w, sx * (w - 1) / w, w, dtype=np.float32))
     ys = jnp.asarray(np.linspace(-sy * (h - 1) / h, sy * (h - 1) / h, h, dtype=np.float32))
-    omega = jnp.asarray((1.0 / 100.0 ** (np.arange(channels // 4, dtype=np.float64) / (channels / 4))).astype(np.float32))
+    omega = jnp.asarray(
+        (1.0 / 100.0 ** (np.arange(channels // 4, dtype=np.float64) / (channels / 4))).astype(np.float32)
+    )
 
     def emb(p):  # [n] -> [n, C/2]
         out = p[:, None] * omega
         return jnp.concatenate([jnp.sin(out), jnp.cos(out)], 1)
 
     ex, ey = emb(xs), emb(ys)  # u varies along the width, v along the height
-    e = jnp.concatenate([jnp.broadcast_to(ex[None], (h, w, channels // 2)),
-                         jnp.broadcast_to(ey[:, None], (h, w, channels // 2))], -1)
+    e = jnp.concatenate(
+        [jnp.broadcast_to(ex[None], (h, w, channels // 2)), jnp.broadcast_to(ey[:, None], (h, w, channels // 2))], -1
+    )
     return e * np.float32(0.1)
 
 
@@ -219,8 +259,15 @@ class DPTHead(nnx.Module):
     convolutions, whose extra depth rounding ``tests/test_lingbot_parity.py`` bounds, because
     float32 ones cost as much time and far more compile-time memory (docs/models.md)."""
 
-    def __init__(self, config: LingbotConfig, out_dim: int, activation: str, rngs: nnx.Rngs,
-                 features: int = 256, out_channels=(256, 512, 1024, 1024)):
+    def __init__(
+        self,
+        config: LingbotConfig,
+        out_dim: int,
+        activation: str,
+        rngs: nnx.Rngs,
+        features: int = 256,
+        out_channels=(256, 512, 1024, 1024),
+    ):
         dim, dt = 2 * config.dim, config.compute_dtype
         self.config = config
         self.activation = activation
@@ -250,7 +297,9 @@ class DPTHead(nnx.Module):
         out = s.refinenet2(out, l2, size=l1.shape[1:3])
         out = s.refinenet1(out, l1)
         out = s.output_conv1(out)
-        out = resize(out, bilinear_matrix(out.shape[1], gh * c.patch_size), bilinear_matrix(out.shape[2], gw * c.patch_size))
+        out = resize(
+            out, bilinear_matrix(out.shape[1], gh * c.patch_size), bilinear_matrix(out.shape[2], gw * c.patch_size)
+        )
         out = out + uv_embedding(out.shape[1], out.shape[2], out.shape[-1], W / H).astype(out.dtype)
         out = s.output_conv2_2(jax.nn.relu(s.output_conv2_0(out))).astype(F32)
         value, conf = out[..., :-1], 1 + jnp.exp(out[..., -1])

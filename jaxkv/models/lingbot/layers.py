@@ -16,13 +16,21 @@ from flax import nnx
 
 def linear(din: int, dout: int, dtype, rngs: nnx.Rngs, bias: bool = True) -> nnx.Linear:
     """Weights stored in ``dtype`` (bf16 as upstream's autocast rounds them at every matmul)."""
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype,
-                      kernel_init=nnx.initializers.truncated_normal(0.02), rngs=rngs)
+    return nnx.Linear(
+        din,
+        dout,
+        use_bias=bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.truncated_normal(0.02),
+        rngs=rngs,
+    )
 
 
 def layer_norm(dim: int, rngs: nnx.Rngs, eps: float = 1e-5, affine: bool = True) -> nnx.LayerNorm:
-    return nnx.LayerNorm(dim, epsilon=eps, use_bias=affine, use_scale=affine, dtype=jnp.float32,
-                         param_dtype=jnp.float32, rngs=rngs)
+    return nnx.LayerNorm(
+        dim, epsilon=eps, use_bias=affine, use_scale=affine, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs
+    )
 
 
 class Mlp(nnx.Module):
@@ -87,8 +95,18 @@ class Block(nnx.Module):
     cache); ``rotate(q, k) -> q, k`` its positional encoding.
     """
 
-    def __init__(self, dim: int, num_heads: int, mlp_ratio: float, dtype, rngs: nnx.Rngs, *,
-                 qk_norm: bool = False, ls_init: float | None = 0.01, eps: float = 1e-5):
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        mlp_ratio: float,
+        dtype,
+        rngs: nnx.Rngs,
+        *,
+        qk_norm: bool = False,
+        ls_init: float | None = 0.01,
+        eps: float = 1e-5,
+    ):
         self.dtype = jnp.dtype(dtype)
         self.norm1 = layer_norm(dim, rngs, eps)
         self.attn = SelfAttention(dim, num_heads, dtype, rngs, qk_norm=qk_norm)
@@ -118,8 +136,7 @@ def rope2d_tables(grid: tuple[int, int], num_special: int, head_dim: int, freq: 
     """
     gh, gw = grid
     ys, xs = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
-    pos = np.concatenate([np.zeros((num_special, 2), np.int64),
-                          np.stack([ys.ravel(), xs.ravel()], -1) + 1])  # [T, 2]
+    pos = np.concatenate([np.zeros((num_special, 2), np.int64), np.stack([ys.ravel(), xs.ravel()], -1) + 1])  # [T, 2]
     f = head_dim // 2
     inv = (1.0 / freq ** (np.arange(0, f, 2, dtype=np.float32) / np.float32(f))).astype(np.float32)
     ang = pos[..., None].astype(np.float32) * inv  # [T, 2, f/2]
@@ -131,7 +148,7 @@ def apply_rope2d(x, cos, sin):
     """x: [..., T, H, D]; cos, sin: [T, D]. Rotate-half within each of the two halves."""
     d = x.shape[-1]
     f, g = d // 2, d // 4
-    rot = jnp.concatenate([-x[..., g:f], x[..., :g], -x[..., f + g:], x[..., f:f + g]], axis=-1)
+    rot = jnp.concatenate([-x[..., g:f], x[..., :g], -x[..., f + g :], x[..., f : f + g]], axis=-1)
     c, s = cos[:, None, :], sin[:, None, :]
     return (x * c + rot * s).astype(x.dtype)
 
@@ -154,10 +171,14 @@ def rope3d_tables(frame_index, static_hw, t_cos, t_sin):
     tc, ts = jnp.asarray(t_cos)[frame_index], jnp.asarray(t_sin)[frame_index]  # [B, dt/2]
     hc, hs = static_hw
     T = hc.shape[0]
-    cos = jnp.concatenate([jnp.broadcast_to(tc[:, None], (tc.shape[0], T, tc.shape[1])),
-                           jnp.broadcast_to(hc, (tc.shape[0],) + hc.shape)], -1)
-    sin = jnp.concatenate([jnp.broadcast_to(ts[:, None], (ts.shape[0], T, ts.shape[1])),
-                           jnp.broadcast_to(hs, (ts.shape[0],) + hs.shape)], -1)
+    cos = jnp.concatenate(
+        [jnp.broadcast_to(tc[:, None], (tc.shape[0], T, tc.shape[1])), jnp.broadcast_to(hc, (tc.shape[0],) + hc.shape)],
+        -1,
+    )
+    sin = jnp.concatenate(
+        [jnp.broadcast_to(ts[:, None], (ts.shape[0], T, ts.shape[1])), jnp.broadcast_to(hs, (ts.shape[0],) + hs.shape)],
+        -1,
+    )
     return cos, sin
 
 
@@ -171,8 +192,7 @@ def apply_rope3d(x, cos, sin):
 # ---------------------------------------------------------------- resampling matrices
 def _aa_cubic(x, a=-0.5):
     x = np.abs(x)
-    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
-                    np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
+    return np.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1, np.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
 
 
 def bicubic_aa_matrix(n_in: int, n_out: int) -> np.ndarray:

@@ -28,16 +28,31 @@ from jaxkv.flax import FrameCacheModule
 from jaxkv.models.lingbot.backbone import DinoV2
 from jaxkv.models.lingbot.config import LingbotConfig
 from jaxkv.models.lingbot.heads import CameraHead, DPTHead
-from jaxkv.models.lingbot.layers import (Block, apply_rope2d, apply_rope3d, dense_attention, rope2d_tables,
-                                         rope3d_angles, rope3d_tables)
+from jaxkv.models.lingbot.layers import (
+    Block,
+    apply_rope2d,
+    apply_rope3d,
+    dense_attention,
+    rope2d_tables,
+    rope3d_angles,
+    rope3d_tables,
+)
 
 
 def aggregator_spec(c: LingbotConfig) -> frame.FrameSpec:
     """The global blocks' cache: every layer, upstream's eviction policy, ``max_frame_num`` keyframes."""
-    return frame.FrameSpec(num_layers=c.depth, num_heads=c.num_heads, head_dim=c.head_dim,
-                           patches_per_frame=c.num_patches, num_special=c.num_special,
-                           scale_frames=c.kv_cache_scale_frames, sliding_window=c.kv_cache_sliding_window,
-                           max_frames=c.max_frame_num, num_streams=c.num_streams, dtype=c.dtype)
+    return frame.FrameSpec(
+        num_layers=c.depth,
+        num_heads=c.num_heads,
+        head_dim=c.head_dim,
+        patches_per_frame=c.num_patches,
+        num_special=c.num_special,
+        scale_frames=c.kv_cache_scale_frames,
+        sliding_window=c.kv_cache_sliding_window,
+        max_frames=c.max_frame_num,
+        num_streams=c.num_streams,
+        dtype=c.dtype,
+    )
 
 
 @functools.lru_cache(maxsize=16)
@@ -63,10 +78,12 @@ class Aggregator(nnx.Module):
         self.config = c
         dt = c.compute_dtype
         self.patch_embed = DinoV2(c, rngs)
-        self.frame_blocks = nnx.List([Block(c.dim, c.num_heads, c.mlp_ratio, dt, rngs, qk_norm=True)
-                                      for _ in range(c.depth)])
-        self.global_blocks = nnx.List([Block(c.dim, c.num_heads, c.mlp_ratio, dt, rngs, qk_norm=True)
-                                       for _ in range(c.depth)])
+        self.frame_blocks = nnx.List(
+            [Block(c.dim, c.num_heads, c.mlp_ratio, dt, rngs, qk_norm=True) for _ in range(c.depth)]
+        )
+        self.global_blocks = nnx.List(
+            [Block(c.dim, c.num_heads, c.mlp_ratio, dt, rngs, qk_norm=True) for _ in range(c.depth)]
+        )
         tok = lambda n: nnx.Param(1e-6 * jax.random.normal(rngs.params(), (2, n, c.dim)))  # noqa: E731
         self.camera_token, self.register_token, self.scale_token = tok(1), tok(c.num_register_tokens), tok(1)
         self.cache = FrameCacheModule(aggregator_spec(c))
@@ -74,8 +91,9 @@ class Aggregator(nnx.Module):
     def _specials(self, first: bool, scale: bool):
         pick = lambda p, i: p[...][i]  # noqa: E731
         i, j = (0 if first else 1), (0 if scale else 1)
-        return jnp.concatenate([pick(self.camera_token, i), pick(self.register_token, i),
-                                pick(self.scale_token, j)])  # [6, C]
+        return jnp.concatenate(
+            [pick(self.camera_token, i), pick(self.register_token, i), pick(self.scale_token, j)]
+        )  # [6, C]
 
     def _rotate_frame(self, q, k):
         cos, sin = rope_tables(self.config)["2d"]
@@ -127,6 +145,7 @@ class Aggregator(nnx.Module):
             def run(q, k, v):
                 kv[layer] = (k, v)
                 return dense_attention(q, k, v, c.compute_dtype)
+
             return run
 
         out = self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
@@ -135,7 +154,7 @@ class Aggregator(nnx.Module):
             self.cache.begin_frame()
             for layer in range(c.depth):
                 k, v = kv[layer]
-                self.cache.write(layer, k[:, s * T:(s + 1) * T].astype(dt), v[:, s * T:(s + 1) * T].astype(dt))
+                self.cache.write(layer, k[:, s * T : (s + 1) * T].astype(dt), v[:, s * T : (s + 1) * T].astype(dt))
         return out
 
     def stream_frame(self, image, keyframe):
@@ -150,6 +169,7 @@ class Aggregator(nnx.Module):
             def run(q, k, v):
                 self.cache.write(layer, k.astype(dt), v.astype(dt))
                 return self.cache.attend(q.astype(dt), layer, impl=c.impl)
+
             return run
 
         out = self._run(x, attend, self._global_rotation(start[:, None]))
@@ -223,7 +243,13 @@ class LingbotMap(nnx.Module):
         c = self.config
         want = (c.num_streams, frames or "S", c.height, c.width, 3)
         shape = tuple(images.shape)
-        if len(shape) != 5 or shape[0] != c.num_streams or shape[2:] != (c.height, c.width, 3) or \
-                (frames is not None and shape[1] != frames):
-            raise ValueError(f"images: expected float[{', '.join(map(str, want))}] (streams, frames, height, "
-                             f"width, RGB in [0, 1]), got shape {shape}")
+        if (
+            len(shape) != 5
+            or shape[0] != c.num_streams
+            or shape[2:] != (c.height, c.width, 3)
+            or (frames is not None and shape[1] != frames)
+        ):
+            raise ValueError(
+                f"images: expected float[{', '.join(map(str, want))}] (streams, frames, height, "
+                f"width, RGB in [0, 1]), got shape {shape}"
+            )

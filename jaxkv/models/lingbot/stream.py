@@ -8,7 +8,7 @@ driver also bounds the frame count before a cache could overflow, without a devi
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,9 +75,11 @@ class LingbotStream:
         for index, f in enumerate(it, start=len(first)):
             key = self.is_keyframe(index, interval)
             if keyframes + 1 > c.max_frame_num or seen + 1 > c.max_frame_num:
-                raise ValueError(f"frames: frame {index} would exceed max_frame_num={c.max_frame_num} "
-                                 f"({keyframes} keyframes, {seen} frames so far); build the model with a "
-                                 "larger LingbotConfig.max_frame_num")
+                raise ValueError(
+                    f"frames: frame {index} would exceed max_frame_num={c.max_frame_num} "
+                    f"({keyframes} keyframes, {seen} frames so far); build the model with a "
+                    "larger LingbotConfig.max_frame_num"
+                )
             out = self.step(self._batch([f]), jnp.asarray(key), phase="stream")
             keyframes += key
             seen += 1

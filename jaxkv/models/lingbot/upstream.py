@@ -55,14 +55,23 @@ def build(config: LingbotConfig, src: Path, *, use_sdpa: bool, seed: int = 0, pe
         raise ValueError("config: upstream's GCTStream fixes depth=24, num_heads=16, selected_idx=(4, 11, 17, 23)")
     GCTStream = import_gct_stream(src)
     torch.manual_seed(seed)
-    m = GCTStream(img_size=config.img_size, patch_size=config.patch_size, embed_dim=config.dim,
-                  patch_embed=config.patch_embed, enable_3d_rope=config.enable_3d_rope,
-                  max_frame_num=config.max_frame_num, kv_cache_sliding_window=config.kv_cache_sliding_window,
-                  kv_cache_scale_frames=config.kv_cache_scale_frames, enable_camera=config.enable_camera,
-                  enable_depth=config.enable_depth, enable_point=config.enable_point,
-                  camera_num_iterations=config.camera_num_iterations,
-                  enable_camera_3d_rope=config.enable_camera_3d_rope, camera_rope_theta=config.camera_rope_theta,
-                  use_sdpa=use_sdpa).eval()
+    m = GCTStream(
+        img_size=config.img_size,
+        patch_size=config.patch_size,
+        embed_dim=config.dim,
+        patch_embed=config.patch_embed,
+        enable_3d_rope=config.enable_3d_rope,
+        max_frame_num=config.max_frame_num,
+        kv_cache_sliding_window=config.kv_cache_sliding_window,
+        kv_cache_scale_frames=config.kv_cache_scale_frames,
+        enable_camera=config.enable_camera,
+        enable_depth=config.enable_depth,
+        enable_point=config.enable_point,
+        camera_num_iterations=config.camera_num_iterations,
+        enable_camera_3d_rope=config.enable_camera_3d_rope,
+        camera_rope_theta=config.camera_rope_theta,
+        use_sdpa=use_sdpa,
+    ).eval()
     if perturb:
         with torch.no_grad():
             for name, p in m.named_parameters():
