@@ -6,8 +6,8 @@
 //
 // One warp per item: lane l holds dims [16 l, 16 l + 16): lanes 0..27 read 16 FP8 codes and
 // their scale, lanes 28..31 copy 32 bytes of rope dims. A block outside [0, num_blocks) gives
-// a zero row; a slot outside [0, block_size) is clamped. Bytes equal
-// jaxkv.kernels.dequant_gather.ref_dequant_gather (f32 product, then round to BF16).
+// a zero row; a slot outside [0, block_size) is clamped. Bytes equal the jnp reference's
+// (kernels/dequant_gather.py: f32 product, then round to BF16).
 // Why CUDA and not Mosaic GPU: tests/kernels/test_mosaic_limits.py.
 
 #include <cstdint>

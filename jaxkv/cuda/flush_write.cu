@@ -1,10 +1,10 @@
 // DeepSeek-V4 flush kernels for jaxkv's hybrid cache layout (jaxkv/hybrid/state.py).
 //
-//   flush_write  (CSA: entry + indexer key, HCA: entry only)
+//   flush_write: CSA, entry + indexer key; HCA, entry only.
 //     finished BF16 entries -> FP8 (UE8M0 64-element tiles, or one float32 scale per
 //     entry) + BF16 rope dims, scattered into a layer's paged pool through (block, slot);
 //     CSA also writes the rotated indexer key in MXFP4 or NVFP4. One warp per entry.
-//   window_write (decode) each request's token into its layer's SWA ring (a block of
+//   window_write: a decode step writes each request's token into its layer's SWA ring (a block of
 //     `window` entries per request slot, in the same entry format), checking it on the way:
 //     a token with a NaN or Inf is not written and its request gets Fault.NONFINITE_KV.
 //   csa_rotate_state  after a CSA flush: previous-b <- current-b, current a/b emptied.

@@ -68,7 +68,7 @@ constexpr int kTileBytes = kBlock * kHeadDim * 2;  // a BF16 [64, 512] tile: Q, 
 constexpr int kPBytes = kBlock * kBlock * 2;
 constexpr int kSmem = 1024 + (1 + kStages) * kTileBytes + kPBytes + 3 * kBlock * 4 + kStages * kBlock +
                       2 * kMaxBlocks * 4 + 16 + 3 * kStages * 8;
-// registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (the launch's); no spills
+// registers per thread after setmaxnreg: 128 x (208 + 168 + 128) = 384 x 168 (as launched); no spills
 constexpr int kRegs0 = 208, kRegs2 = 128;
 constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3, kBarList = 4, kBarReady = 5;  // named barriers (0: __syncthreads)
 constexpr int kConsumerWarps = 8;                     // arrivals a K stage's `free` barrier takes per CTA
@@ -622,7 +622,7 @@ __device__ __forceinline__ void pool_attention_cta(const AttnArgs& a) {
 #endif
 }
 
-// The cluster shape is the kernel's attribute, so every kernel launches as a plain launch,
+// The cluster shape is the kernel's attribute, so every kernel starts as a plain kernel call,
 // cheaper on the host than cudaLaunchKernelEx with a cluster attribute (docs/kernels/pool_attention.md).
 __global__ void __launch_bounds__(kThreads, 1) pool_attention_kernel(const __grid_constant__ AttnArgs a) {
   pool_attention_cta<1, 1>(a);
@@ -657,7 +657,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
     return ffi::Error::InvalidArgument("rows, nvalid: expected i32[N, blocks * 64] and i32[N, blocks]");
   // a 2-CTA cluster per query row's head groups 2 g, 2 g + 1 when they pair up, else per its
   // two splits when it has two (merged in the kernel: one partial left). More splits merge in
-  // XLA (docs/kernels/pool_attention.md); jaxkv.kernels.launch.pool_cuda_parts
+  // XLA (docs/kernels/pool_attention.md; the Python side counts them the same way)
   const bool pairs = (H / kBlock) % 2 == 0, split_pairs = !pairs && splits == 2;
   const int64_t parts = split_pairs ? 1 : splits;
   if (splits < 1) return ffi::Error::InvalidArgument("splits: expected >= 1");

@@ -1,6 +1,6 @@
 // Prefix attention (Hopper): every query attends to the keys [0, kv_len) of its buffer, bf16,
 // head_dim 64. The same contract and float32 reference as the Mosaic GPU kernel
-// jaxkv.kernels.prefix_attention (shapes, splits, the merge by log-sum-exp there); this one is
+// in kernels/prefix_attention.py, which holds the shapes, splits and the log-sum-exp merge; this one is
 // reached from jitted JAX through jax.ffi (kernels.prefix_attention_cuda) and from PyTorch
 // through ctypes on torch's stream (torch_bridge.kernels.prefix_attention), so the drop-in
 // manager attends the visible prefix of jaxkv's buffers with no JAX dispatch in between.
@@ -38,7 +38,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kQBytes = kBQ * kD * 2;  // one warpgroup's Q tile
 
 // The launch shapes built: (keys per stage, stages in flight); the caller picks one by its
-// tuning table (jaxkv.kernels.launch, "prefix_attention_cuda").
+// launch table (docs/kernels/launch.md, "prefix_attention_cuda").
 template <int kBlockKV, int kStages>
 constexpr int smem_bytes() {
   return 1024 + 2 * kQBytes + 2 * kStages * kBlockKV * kD * 2 + 4 * kStages * 8;
