@@ -102,7 +102,21 @@ def test_wheel_carries_and_compiles_its_kernels(tmp_path):
     python = venv / "bin" / "python"
     purelib = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip()
     (Path(purelib) / "_jaxkv_test_dependencies.pth").write_text("\n".join(_dependency_dirs()) + "\n")
-    _run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            "--ignore-installed",
+            str(wheel),
+        ]
+    )
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["JAXKV_CACHE_DIR"] = str(tmp_path / "cache")

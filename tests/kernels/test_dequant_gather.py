@@ -62,8 +62,3 @@ def test_reads_cuda_equal_xla(rng, storage):
         want, got = np.asarray(read("xla"), np.float32), np.asarray(read("cuda"), np.float32)
         np.testing.assert_array_equal(got, want)
         assert want.any()
-    with pytest.warns(DeprecationWarning, match="impl='pallas' for hybrid.gather is now impl='cuda'"):
-        np.testing.assert_array_equal(
-            np.asarray(H.gather_entries(st, step, 0, idx, impl="pallas"), np.float32),
-            np.asarray(H.gather_entries(st, step, 0, idx, impl="xla"), np.float32),
-        )
