@@ -9,7 +9,7 @@ is not installed here is skipped, saying so. A line ``print(...)  # text`` promi
 
 * ``<!-- gpu -->``: the block needs a CUDA GPU (the test is marked ``gpu``: skipped without one);
 * ``<!-- slow -->``: the block takes more than a few seconds on a CPU (a model to compile):
-  it runs with ``JAXKV_LONG=1``, and is skipped otherwise.
+  the test is marked ``slow`` (on a CPU it runs with ``JAXKV_LONG=1``).
 
 Shell blocks (``bash``). Each command runs if it is cheap (``SHELL_RUN``: a ``--help``); any
 other must match a reason in ``SHELL_NOT_RUN`` (a skip that says why), else the test fails.
@@ -29,7 +29,6 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-LONG = os.environ.get("JAXKV_LONG") == "1"
 
 # extra -> modules it installs (pyproject.toml's optional dependencies)
 EXTRAS = {
@@ -164,8 +163,6 @@ def test_python_block(code, markers, tmp_path):
     missing = [(e, mod) for e in _needs(code) for mod in EXTRAS[e] if not _installed(mod)]
     if missing:
         pytest.skip(f"needs the {missing[0][0]!r} extra: {missing[0][1]} is not installed")
-    if "slow" in markers and not LONG:
-        pytest.skip("slow on a CPU (compiles a model): runs with JAXKV_LONG=1")
     promises = _promises(code)
     assert promises, "the block prints nothing it promises: print what its comments claim"
     p = subprocess.run(
@@ -211,3 +208,10 @@ def test_relative_links_resolve():
                 if anchor not in heads:
                     bad.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert not bad, "\n".join(bad)
+
+
+def test_front_door_and_results_stay_short():
+    """README is a front door and RESULTS a reference: what grows goes to docs/ (and history to git)."""
+    for name, limit in (("README.md", 200), ("benchmarks/RESULTS.md", 300)):
+        n = len((ROOT / name).read_text().splitlines())
+        assert n <= limit, f"{name}: {n} lines, expected at most {limit}; move detail to docs/"
