@@ -1,5 +1,17 @@
+import atexit
 import os
+import shutil
+import tempfile
 import zlib
+
+# One XLA compilation cache for the whole run: xdist workers and the fresh processes that
+# tests start (checkpoints, meshes, notebooks, the CLI) inherit it, so a program compiled by
+# one is loaded by the others. A cache you set yourself is used as is and kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jaxkv-test-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):  # several test processes share one GPU: no preallocation
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -19,11 +31,20 @@ def _has_gpu() -> bool:
 HAS_GPU = _has_gpu()
 
 
+LONG = os.environ.get("JAXKV_LONG") == "1"
+
+
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a CUDA GPU visible to jax")
+    """``gpu`` tests skip without a GPU. ``slow`` tests (minutes of compiling on a CPU, where a
+    smaller test of the default run checks the same rule) run where a GPU is, or with
+    ``JAXKV_LONG=1``: the default run stays within CI's budget."""
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU visible to jax")
+    long = pytest.mark.skip(reason="long on a CPU: runs with JAXKV_LONG=1 (and where a GPU is)")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
-            item.add_marker(skip)
+            item.add_marker(no_gpu)
+        elif "slow" in item.keywords and not (HAS_GPU or LONG):
+            item.add_marker(long)
 
 
 @pytest.fixture
@@ -31,9 +52,6 @@ def rng(request):
     # Fresh random inputs per test, reproducible from the test's name.
     seed = zlib.crc32(request.node.nodeid.encode())  # not hash(): str hashes change per process
     return np.random.default_rng(seed)
-
-
-LONG = os.environ.get("JAXKV_LONG") == "1"
 
 
 def machine_settings(examples: int, steps: int):

@@ -209,6 +209,7 @@ print("done")
 """
 
 
+@pytest.mark.slow
 def test_every_module_imports_alone():
     """Each module in a fresh process: no module works only because another was imported first."""
     pytest.importorskip("flax")

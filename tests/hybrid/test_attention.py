@@ -124,6 +124,7 @@ def _assert_paths_agree(rng, filled, impl="pallas"):
                 np.testing.assert_allclose(b, a, atol=2e-2, rtol=2e-2, err_msg=f"layer {layer}, T={T}")
 
 
+@pytest.mark.slow
 def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
     """The rows the kernel path reads (ring before the step, own tokens, picked / visible
     entries through block tables) give the XLA path's attention."""

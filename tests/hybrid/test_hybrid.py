@@ -208,7 +208,7 @@ def numpy_entry(pooled, i, m, norm_w, config):
     return y
 
 
-@pytest.mark.parametrize("storage", ["official", "per_entry"])
+@pytest.mark.parametrize("storage", ["official", pytest.param("per_entry", marks=pytest.mark.slow)])
 def test_stored_entries_match_numpy_pipeline(rng, storage):
     cfg = dataclasses.replace(SMALL, storage=storage)
     params = D.make_params(cfg, rng)
@@ -241,7 +241,7 @@ def test_stored_entries_match_numpy_pipeline(rng, storage):
 
 
 # --- decode == prefill -------------------------------------------------------------------------------------
-N_TOKENS = 2000
+N_TOKENS = 1200
 
 
 @functools.partial(jax.jit, static_argnames="n")
@@ -255,13 +255,18 @@ def _decode_all(state, inputs, params, n):
     return jax.lax.scan(body, state, jnp.arange(n))
 
 
-def _prefill(state, inputs, params, chunks):
+def _prefill(state, inputs, params, chunks, pad_to=None):
+    """Feed ``chunks`` tokens at a time; with ``pad_to``, every chunk is padded to that many
+    tokens (``num_tokens`` says how many are real): one executable for all of them."""
     outs, idxs, pos = [], [], 0
     for size in chunks:
-        state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([pos]), chunk=size)
-        state, o, i = D.model_step(state, step, D.slice_tokens(inputs, pos, pos + size), params)
-        outs.append(o)
-        idxs.append(i)
+        T = pad_to or size
+        x = D.slice_tokens(inputs, pos, pos + size)
+        x = jax.tree.map(lambda a: jnp.pad(a, [(0, 0), (0, T - size)] + [(0, 0)] * (a.ndim - 2), constant_values=1), x)
+        state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([pos]), jnp.array([size]), chunk=T)
+        state, o, i = D.model_step(state, step, x, params)
+        outs.append({l: None if a is None else a[:, :size] for l, a in o.items()})
+        idxs.append({l: None if a is None else a[:, :size] for l, a in i.items()})
         pos += size
     cat = lambda *a: None if a[0] is None else jnp.concatenate(a, axis=1)  # noqa: E731
     return state, {l: cat(*[o[l] for o in outs]) for l in outs[0]}, {l: cat(*[i[l] for i in idxs]) for l in idxs[0]}
@@ -284,7 +289,7 @@ def same_bytes(a, b, decode, what, step=2**-3):
 
 
 def test_decode_equals_prefill(rng):
-    """2,000 tokens one at a time (one jitted scan, no host round trip) vs the whole sequence
+    """1,200 tokens one at a time (one jitted scan, no host round trip) vs the whole sequence
     at once and in uneven chunks: the same entries and indexer keys (see ``same_bytes``),
     the same top-k, the same attention outputs."""
     cfg = SMALL
@@ -294,7 +299,7 @@ def test_decode_equals_prefill(rng):
     jaxkv.check(dec_state)
     runs = {
         "whole": _prefill(H.init(cfg), inputs, params, (N_TOKENS,)),
-        "chunks": _prefill(H.init(cfg), inputs, params, (333, 1, 1000, 666)),
+        "chunks": _prefill(H.init(cfg), inputs, params, (333, 1, 500, 366), pad_to=500),
     }
     for name, (pre_state, pre_out, pre_idx) in runs.items():
         jaxkv.check(pre_state)
@@ -370,7 +375,7 @@ def test_batch_requests_at_different_positions(rng):
     cfg = dataclasses.replace(SMALL, max_context=1024)
     params = D.make_params(cfg, rng)
     lengths = (301, 260, 150)
-    seqs = [D.make_inputs(cfg, rng, 1, n) for n in lengths]
+    seqs = [jax.tree.map(np.asarray, D.make_inputs(cfg, rng, 1, n)) for n in lengths]  # numpy: no eager op compiles
     slots = (2, 0, 1)
     plan = [(37, 250, 3), (200, 1, 0), (1, 1, 64), (63, 8, 83)]  # tokens per request per step
     state = H.init(cfg)
@@ -385,8 +390,8 @@ def test_batch_requests_at_different_positions(rng):
                 rows = []
                 for r in range(3):
                     a = seqs[r][l][key][:, pos[r] : pos[r] + counts[r]]
-                    rows.append(jnp.concatenate([a, jnp.full((1, T - a.shape[1]) + a.shape[2:], 7.0, a.dtype)], axis=1))
-                batch[l][key] = jnp.concatenate(rows, axis=0)
+                    rows.append(np.concatenate([a, np.full((1, T - a.shape[1]) + a.shape[2:], 7.0, a.dtype)], axis=1))
+                batch[l][key] = jnp.asarray(np.concatenate(rows, axis=0))
         before = [p // 4 for p in pos]
         state, step = H.prepare_forward(state, jnp.array(slots), jnp.array(pos), jnp.array(counts), chunk=T)
         state, _, _ = D.model_step(state, step, batch, params)
@@ -401,7 +406,8 @@ def test_batch_requests_at_different_positions(rng):
         alone = H.init(cfg)
         alone, step = H.prepare_forward(alone, jnp.array([0]), jnp.array([0]), jnp.array([lengths[r]]), chunk=320)
         padded = jax.tree.map(
-            lambda a: jnp.concatenate([a, jnp.ones((1, 320 - a.shape[1]) + a.shape[2:], a.dtype)], 1), seqs[r]
+            lambda a: jnp.asarray(np.concatenate([a, np.ones((1, 320 - a.shape[1]) + a.shape[2:], a.dtype)], 1)),
+            seqs[r],
         )
         alone, _, _ = D.model_step(alone, step, padded, params)
         for layer in (1, 2):

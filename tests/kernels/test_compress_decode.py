@@ -142,7 +142,9 @@ def test_compress_decode_bad_inputs(rng):
         compress_decode(*args, storage="per_entry", **{**kw, "layer": 1})
 
 
-@pytest.mark.parametrize("impl", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "impl", [pytest.param("xla", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
 def test_stacked_rows_equal_slices(rng, impl):
     """Layer inputs and compressor params passed as ``Stacked`` rows of per-kind stacks
     (read in place by the kernels) give the same cache bytes as the sliced arrays."""

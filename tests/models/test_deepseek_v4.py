@@ -77,6 +77,7 @@ def _run(blocks, x, schedule, chunk):
     return out
 
 
+@pytest.mark.slow
 def test_outputs_do_not_depend_on_chunking():
     """Ragged prefill chunks (with padding rows) and token-by-token decode give each token the
     same output: the cache holds the same entries whatever the chunking (top_k covers every

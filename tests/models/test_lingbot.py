@@ -60,6 +60,7 @@ def test_resampling_matches_torch(n_in, n_out):
     np.testing.assert_allclose(ours, bl.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_non_keyframes_leave_no_trace(model):
     """Streaming with interval 2 equals streaming only the keyframes, for every keyframe's output:
     the skipped frames were attended and rolled back (camera RoPE off, so positions agree)."""

@@ -28,19 +28,25 @@ def _env(devices: int) -> dict:
     return {**os.environ, "XLA_FLAGS": flags.strip(), "JAX_PLATFORMS": "cpu"}
 
 
-def test_meshes_no_collectives_bit_identical():
-    """On meshes 8x1, 4x2 and 2x4 every per-step op of both caches compiles with no
-    collective and gives the one-device outputs bit for bit; bad meshes and a state moved
-    to another mesh raise ValueErrors naming the axis and the dimension / both meshes."""
+def _mesh_check(*args) -> str:
     p = subprocess.run(
-        [sys.executable, str(HERE / "mesh_check.py"), "bad", "8x1", "4x2", "2x4"],
-        capture_output=True,
-        text=True,
-        env=_env(8),
-        timeout=900,
+        [sys.executable, str(HERE / "mesh_check.py"), *args], capture_output=True, text=True, env=_env(8), timeout=900
     )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-3000:] + p.stderr[-5000:]
-    lines = [l for l in p.stdout.splitlines() if l.startswith("mesh ")]
+    return p.stdout
+
+
+def test_bad_meshes_refused():
+    """Bad meshes and a state moved to another mesh raise ValueErrors naming the axis and
+    the dimension / both meshes."""
+    _mesh_check("bad")
+
+
+@pytest.mark.slow
+def test_meshes_no_collectives_bit_identical():
+    """On meshes 8x1, 4x2 and 2x4 every per-step op of both caches compiles with no
+    collective and gives the one-device outputs bit for bit."""
+    lines = [l for l in _mesh_check("8x1", "4x2", "2x4").splitlines() if l.startswith("mesh ")]
     assert len(lines) == 3 and all("=[" not in l for l in lines), lines
 
 
@@ -50,6 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_processes_lockstep():
     """Two processes (jax.distributed on CPU, 2 devices each) each hold half the requests and
     streams, feed their half of every batch, and get the one-device results for it."""
