@@ -7,6 +7,8 @@ runs ``kernels.index_scores`` (Hopper).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -36,7 +38,11 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
 
 
 def _index_query(state, q, impl):
-    c = state.config
+    return _rounded_query(state.config, q, impl)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))  # called eagerly: one executable, not an op per codec step
+def _rounded_query(c, q, impl):
     codec = c.storage_format.index_key(c.index_dim)
     x = hadamard(q).astype(jnp.bfloat16)
     if impl == "xla":
