@@ -7,8 +7,6 @@ runs ``kernels.index_scores`` (Hopper).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
@@ -38,11 +36,7 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
 
 
 def _index_query(state, q, impl):
-    return _rounded_query(state.config, q, impl)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 2))  # called eagerly: one executable, not an op per codec step
-def _rounded_query(c, q, impl):
+    c = state.config
     codec = c.storage_format.index_key(c.index_dim)
     x = hadamard(q).astype(jnp.bfloat16)
     if impl == "xla":
