@@ -29,6 +29,9 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+if not HAS_GPU:  # on a CPU the suite is compile-bound: XLA's quick compile, here and in child processes
+    jax.config.update("jax_disable_most_optimizations", True)
+    os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 
 LONG = os.environ.get("JAXKV_LONG") == "1"

@@ -155,4 +155,4 @@ class FrameCacheMachine(RuleBasedStateMachine):
 
 
 TestFrameCache = FrameCacheMachine.TestCase
-TestFrameCache.settings = machine_settings(examples=20, steps=20)
+TestFrameCache.settings = machine_settings(examples=10, steps=20)

@@ -99,5 +99,5 @@ class HybridMachine(RuleBasedStateMachine):
         np.testing.assert_array_equal(np.asarray(self.state.position), self.pos)
 
 
-HybridMachine.TestCase.settings = machine_settings(examples=3, steps=12)
+HybridMachine.TestCase.settings = machine_settings(examples=2, steps=12)
 TestHybridCache = HybridMachine.TestCase
