@@ -125,7 +125,7 @@ struct RawRows {
   bool peer_ok;                // cluster: the peer's row is real (its flag is set here)
 };
 
-// 16 bytes of a pool row, not kept in L1 (read once), fetched into L2 by 256 B (a row is 576 B)
+// 16 bytes of a pool row, bypassing L1 (each is read once), fetched into L2 by 256 B (a row is 576 B)
 __device__ __forceinline__ uint4 ld_row16(const uint8_t* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
