@@ -352,7 +352,6 @@ def test_model_demo_cache_spec_is_the_models():
 
     from jaxkv.flax import caches
     from jaxkv.models import SMALL, StreamingReconstructor
-    from jaxkv.models import demo as model_demo
 
     model = nnx.eval_shape(lambda: StreamingReconstructor(SMALL, rngs=nnx.Rngs(0)))  # shapes only
-    assert caches(model)[0].spec == model_demo.cache_spec(SMALL)
+    assert caches(model)[0].spec == SMALL.cache_spec

@@ -11,7 +11,6 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxkv import frame
 from jaxkv.flax import CachedStep, caches, check
 from jaxkv.models.reconstructor import ReconstructorConfig, StreamingReconstructor
 from jaxkv.models.synthetic import synthetic_video
@@ -37,28 +36,11 @@ def config_from_args(args) -> ReconstructorConfig:
     )
 
 
-def cache_spec(config: ReconstructorConfig) -> frame.FrameSpec:
-    """The FrameSpec of the cache ``StreamingReconstructor(config)`` holds (tests compare the two)."""
-    c = config
-    return frame.FrameSpec(
-        num_layers=c.depth,
-        num_heads=c.num_heads,
-        head_dim=c.head_dim,
-        patches_per_frame=c.patches_per_frame,
-        num_special=c.num_special,
-        scale_frames=c.scale_frames,
-        sliding_window=c.sliding_window,
-        max_frames=c.max_frames,
-        num_streams=c.num_streams,
-        dtype=c.cache_dtype,
-    )
-
-
 def memory(config: ReconstructorConfig, frames: int) -> dict:
     """{what: bytes} of the run's largest arrays, known before anything is built: the K/V cache
     and the synthetic video (float32, on the host and again on the device)."""
     video = frames * config.height * config.width * 3 * 4
-    return {"K/V cache": cache_spec(config).kv_bytes, "synthetic video": 2 * video}
+    return {"K/V cache": config.cache_spec.kv_bytes, "synthetic video": 2 * video}
 
 
 def run(args, config: ReconstructorConfig | None = None) -> dict:

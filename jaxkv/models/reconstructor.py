@@ -81,6 +81,22 @@ class ReconstructorConfig:
     def head_dim(self) -> int:
         return self.dim // self.num_heads
 
+    @property
+    def cache_spec(self) -> frame.FrameSpec:
+        """The FrameSpec of the cache the model holds (the demo sizes its memory by it)."""
+        return frame.FrameSpec(
+            num_layers=self.depth,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            patches_per_frame=self.patches_per_frame,
+            num_special=self.num_special,
+            scale_frames=self.scale_frames,
+            sliding_window=self.sliding_window,
+            max_frames=self.max_frames,
+            num_streams=self.num_streams,
+            dtype=self.cache_dtype,
+        )
+
 
 LINGBOT_518 = ReconstructorConfig()
 SMALL = ReconstructorConfig(
@@ -150,20 +166,7 @@ class StreamingReconstructor(nnx.Module):
         self.frame_blocks = nnx.List(
             [Block(FrameAttention(c.dim, c.num_heads, **kw), c.dim, c.mlp_ratio, **kw) for _ in range(c.depth)]
         )
-        self.cache = FrameCacheModule(
-            frame.FrameSpec(
-                num_layers=c.depth,
-                num_heads=c.num_heads,
-                head_dim=c.head_dim,
-                patches_per_frame=c.patches_per_frame,
-                num_special=c.num_special,
-                scale_frames=c.scale_frames,
-                sliding_window=c.sliding_window,
-                max_frames=c.max_frames,
-                num_streams=c.num_streams,
-                dtype=c.cache_dtype,
-            )
-        )
+        self.cache = FrameCacheModule(c.cache_spec)
         self.global_blocks = nnx.List(
             [
                 Block(
