@@ -1,7 +1,8 @@
 """Command line: ``jaxkv`` (the installed console script) or ``python -m jaxkv``.
 
-Commands: ``demo`` (stream frames through a frame cache) and ``convert-lingbot``
-(upstream lingbot-map weights to a torch-free safetensors file); ``--help`` on each
+Commands: ``demo`` (stream frames through a frame cache), ``convert-lingbot``
+(upstream lingbot-map weights to a torch-free safetensors file) and ``launch`` (a script
+as one JAX process per GPU); ``--help`` on each
 lists its flags. A mistake in the flags, a missing extra or an output that cannot be
 written is a one-line usage error (exit status 2), reported before anything is built.
 """
@@ -13,7 +14,7 @@ import importlib.metadata
 import os
 import sys
 
-from jaxkv import demo
+from jaxkv import demo, launch
 
 EPILOG = """\
 Each command has its own --help. Exit status: 0 done, 2 a usage error (one line naming the
@@ -80,7 +81,15 @@ def parser() -> tuple[argparse.ArgumentParser, dict]:
         metavar="FIELD=VALUE",
         help="another LingbotConfig field (JSON value), e.g. --set selected_idx=[0,1,2,3]; repeatable",
     )
-    return p, {"demo": d, "convert-lingbot": c}
+    n = sub.add_parser(
+        "launch",
+        help="run a script as one JAX process per GPU (jax.distributed)",
+        description=launch.__doc__,
+        epilog="Docs: docs/sharding.md.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_arguments(n)
+    return p, {"demo": d, "convert-lingbot": c, "launch": n}
 
 
 def convert_lingbot(args):
@@ -116,6 +125,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "demo":
             demo.run(args)
+        elif args.command == "launch":
+            return launch.run(args)
         else:
             print(f"wrote {convert_lingbot(args)}")
     except ValueError as e:

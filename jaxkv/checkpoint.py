@@ -19,7 +19,10 @@ state is saved: the sticky error field, and a deferred frame still pending (``co
 
 Orbax restores each array onto the sharding of ``like``'s (a state laid out on the target
 devices), or, with ``mesh``, replicated over that mesh; without either, onto the default
-device.
+device. In a multi-process run (``jaxkv.launch``) every process calls ``save`` / ``restore``
+with the same path: each writes and reads its own shards, so a checkpoint written by N
+processes restores in M. A hybrid cache restores onto as many request shards as it was
+saved from (its block ids are local to a shard); a frame cache onto any layout.
 """
 
 from __future__ import annotations
@@ -193,18 +196,39 @@ def _as_tree(arrays: dict) -> dict:
 @contextlib.contextmanager
 def new_directory(path):
     """Yield a temporary sibling of the new directory ``path`` to fill; it becomes ``path``
-    when the block completes, and is removed if it raises: ``path`` is whole or absent."""
+    when the block completes, and is removed if it raises: ``path`` is whole or absent.
+
+    In a multi-process run every process enters the block with the same ``path`` and gets the
+    same sibling (made and renamed by process 0, between barriers): each writes its own part."""
     path = Path(path).absolute()
     if path.exists():
         raise FileExistsError(f"path: {path} exists; a save writes a new directory")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    if jax.process_count() == 1:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    else:
+        tmp = path.parent / f".{path.name}.saving.tmp"
+        if jax.process_index() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that died half way
+            tmp.mkdir(parents=True)
+        _barrier(f"jaxkv.save {path}: begin")
     try:
         yield tmp
-        os.replace(tmp, path)
+        _barrier(f"jaxkv.save {path}: written")
+        if jax.process_index() == 0:
+            os.replace(tmp, path)
+        _barrier(f"jaxkv.save {path}: renamed")
     finally:
-        if tmp.exists():
+        if tmp.exists() and jax.process_index() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _barrier(name: str):
+    """Every process of a multi-process run reaches this point before any goes on."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
@@ -221,7 +245,8 @@ def _write(path, kind: str, spec: dict, arrays: dict) -> Path:
     }
     with new_directory(path) as tmp, _checkpointer() as ckptr:
         ckptr.save(tmp / ARRAYS, args=ocp.args.PyTreeSave(_as_tree(arrays)))
-        (tmp / META).write_text(json.dumps(meta, indent=1))
+        if jax.process_index() == 0:
+            (tmp / META).write_text(json.dumps(meta, indent=1))
     return path
 
 
@@ -306,6 +331,13 @@ def read_meta(path) -> dict:
     return meta
 
 
+def _request_shards(shapes: dict) -> int:
+    """Request shards of a hybrid cache from its arrays' shapes: ``num_free`` is i32[] on one
+    device and i32[S] in a state split S ways (jaxkv.sharding)."""
+    shape = next(v for k, v in shapes.items() if k.endswith(".num_free"))
+    return int(shape[0]) if len(shape) else 1
+
+
 def restore(path, like=None, mesh=None):
     """The state saved at ``path``.
 
@@ -341,7 +373,18 @@ def restore(path, like=None, mesh=None):
             return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
-    values = _read(path, meta, leaves(target), sharding, f"a {kind} cache of this spec")
+    target_leaves = leaves(target)
+    if kind == "hybrid":
+        saved = _request_shards({k: v["shape"] for k, v in meta["arrays"].items()})
+        want = _request_shards({k: x.shape for k, x in target_leaves.items()})
+        if saved != want:
+            raise CheckpointError(
+                f"{'like' if like is not None else 'mesh'}: {path} holds a hybrid cache split into {saved} "
+                f"request shard(s) (each with its own blocks and block ids), but the target is laid out in "
+                f"{want}; restore onto like=hybrid.init(config, mesh=...) with {saved} device(s) on the "
+                "mesh axis of 'requests' (any number of processes)"
+            )
+    values = _read(path, meta, target_leaves, sharding, f"a {kind} cache of this spec")
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), values)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -73,6 +74,24 @@ class Layout:
                 f"(logical axis {name!r}); expected a mesh axis size that divides {size}"
             )
 
+    def local_rows(self, x, *names):
+        """The global array whose part on this process's devices is ``x`` (this process's rows
+        of every axis in ``names`` split over processes; the whole of the others): how each
+        process of a multi-process run feeds its own streams or requests
+        (``jax.make_array_from_process_local_data``; one process: the whole array, placed)."""
+        return jax.make_array_from_process_local_data(self.sharding(*names), x)
+
+    def my_rows(self, x) -> np.ndarray:
+        """This process's part of the global array ``x`` on the host: its devices' shards put
+        side by side (the inverse of ``local_rows``)."""
+        shards = {tuple((i.start, i.stop) for i in _slices(s.index, x.shape)): s for s in x.addressable_shards}
+        lo = [min(k[d][0] for k in shards) for d in range(x.ndim)]
+        hi = [max(k[d][1] for k in shards) for d in range(x.ndim)]
+        out = np.empty([b - a for a, b in zip(lo, hi)], x.dtype)
+        for k, s in shards.items():
+            out[tuple(slice(a - l, b - l) for (a, b), l in zip(k, lo))] = np.asarray(s.data)
+        return out
+
     def index(self, name: str):
         """Inside ``per_device``: this device's part of the logical axis ``name`` (i32[])."""
         a = self.axis(name)
@@ -94,6 +113,10 @@ class Layout:
                     f"mesh {dict(zip(got.axis_names, got.axis_sizes))}; place the state on its own mesh "
                     f"(init(..., mesh=...)) or make a new one for this mesh"
                 )
+
+
+def _slices(index, shape):
+    return [slice(*i.indices(n)[:2]) for i, n in zip(index, shape)]
 
 
 def layout(mesh, rules=None) -> Layout | None:
