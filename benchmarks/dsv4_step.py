@@ -114,11 +114,13 @@ def fill_random(state, key):
 
 def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto"):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
-    -> window write. Returns (state, f32 sum over layers of a slice of the last read's result:
-    keeps the reads live)."""
+    -> window write. Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
+    device's rows are its own requests). Returns (state, f32[B]: per row, the sum over layers
+    of a slice of the reads' results, which keeps the reads live; per row, so a sharded step
+    sums nothing across devices)."""
     cfg = state.config
-    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
-    acc = jnp.zeros((), jnp.float32)
+    state, step = H.prepare_forward(state, slots, state.position, chunk=1)
+    acc = jnp.zeros(slots.shape, jnp.float32)
     for layer in range(cfg.num_layers):
         x, e = inputs[layer], extra[layer]
         if cfg.compress_ratios[layer]:
@@ -135,7 +137,7 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
                 ..., 0
             ]
         if out is not None:
-            acc = acc + out.astype(jnp.float32).sum()
+            acc = acc + out.astype(jnp.float32).reshape(out.shape[0], -1).sum(1)
             state = H.after_reads(state, out)
         state = H.write_window(state, step, layer, x["kv"])
     return state, acc
