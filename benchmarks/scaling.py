@@ -32,6 +32,7 @@ trace).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -61,7 +62,7 @@ from hybrid_step import make_inputs, make_params, stack_layers  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jaxkv import frame, sharding  # noqa: E402
+from jaxkv import frame  # noqa: E402
 from jaxkv import hybrid as H  # noqa: E402
 from jaxkv.checkpoint import _checksum  # noqa: E402
 
@@ -134,20 +135,51 @@ def hybrid_state(base, B, mesh, fill: bool):
     cfg = dataclasses.replace(base, max_requests=B * n)
     rows = P("data")
     start = np.random.default_rng(0).integers(cfg.max_context // 2, cfg.max_context * 3 // 4, size=B).astype(np.int32)
-    state = H.init(cfg, mesh=mesh)
     slots = jnp.arange(B, dtype=jnp.int32) if mesh is None else _slots(B, mesh)
+    if fill:  # one GPU's state (dsv4_step's random pools), made on each of this process's GPUs
+        like = H.init(cfg, mesh=mesh)
+        devices = [None] if mesh is None else [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        parts = [one_gpu_state(dataclasses.replace(base, max_requests=B), start, d) for d in devices]
+        return (parts[0] if mesh is None else assemble(like, dict(zip(devices, parts)))), slots
+    state = H.init(cfg, mesh=mesh)
     state, step = H.prepare_forward(
         state, slots, put(np.zeros(B, np.int32), mesh, rows), put(start, mesh, rows), chunk=int(start.max())
     )
-    if fill:  # every shard filled with the same random rows: one device's fill_random, per device
-        state = jax.jit(
-            lambda st: sharding.on_devices(lambda p: fill_random(p, jax.random.key(7)), st), donate_argnums=0
-        )(state)
-    else:  # SWA rings only: the bookkeeping does not read the pools
-        ones = put(np.ones((B, int(start.max()), cfg.head_dim), jnp.bfloat16), mesh, rows)
-        for layer in range(cfg.num_layers):
-            state = H.write_window(state, step, layer, ones)
+    ones = put(np.ones((B, int(start.max()), cfg.head_dim), jnp.bfloat16), mesh, rows)
+    for layer in range(cfg.num_layers):  # SWA rings only: the bookkeeping does not read the pools
+        state = H.write_window(state, step, layer, ones)
     return state, slots
+
+
+def one_gpu_state(cfg, start, device):
+    """``cfg``'s cache on ``device`` (None: the default one), every request prefilled to
+    ``start`` and every pool random, as ``dsv4_step.py`` makes it."""
+    with jax.default_device(device) if device is not None else contextlib.nullcontext():
+        B = cfg.max_requests
+        state, _ = H.prepare_forward(
+            H.init(cfg),
+            jnp.arange(B, dtype=jnp.int32),
+            jnp.zeros(B, jnp.int32),
+            jnp.asarray(start),
+            chunk=int(start.max()),
+        )
+        return fill_random(state, jax.random.key(7))
+
+
+def assemble(like, parts: dict):
+    """The global state laid out as ``like`` whose part on each of this process's devices is
+    ``parts[device]`` (a one-device state of the same local config)."""
+    flat_like, tree = jax.tree_util.tree_flatten(like)
+    flat_parts = {d: jax.tree.leaves(p) for d, p in parts.items()}
+    out = []
+    for i, x in enumerate(flat_like):
+        shard = x.sharding.shard_shape(x.shape)
+        arrays = [
+            jax.device_put(flat_parts[d][i], d).reshape(shard)
+            for d in x.sharding.addressable_devices_indices_map(x.shape)
+        ]
+        out.append(jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays))
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 def _slots(B, mesh):
@@ -358,6 +390,7 @@ def main():
         "--quick", action="store_true", help="CPU-sized: 4 layers of V4-Flash, 4 requests, a small frame cache"
     )
     ap.add_argument("--cpu", action="store_true", help="per-process mode on the CPU, one host device each (smoke run)")
+    ap.add_argument("--no-unsharded", action="store_true", help="skip the 1-GPU state made without a mesh")
     ap.add_argument("--json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -383,7 +416,7 @@ def main():
     for n in counts:
         if "single" in modes or n == 1:  # the one-GPU baseline is the single mode's n = 1
             mesh = Mesh(np.array(devices[:n]), ("data",))
-            rows += [dict(r, mode="1 process") for r in run_cases(args, n, mesh, with_unsharded=n == 1)]
+            rows += [dict(r, mode="1 process") for r in run_cases(args, n, mesh, with_unsharded=n == 1 and not args.no_unsharded)]
         if "process" in modes and n > 1:
             rows += [dict(r, mode="1 process per GPU") for r in per_process(args, n)]
     report(rows, devices, args)
