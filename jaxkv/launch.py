@@ -28,7 +28,7 @@ COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAXKV_COORDINATOR", "JAXKV_NUM_PROCESS
 ENV = (COORDINATOR, NUM_PROCESSES, PROCESS_ID)
 TIMEOUT = "JAXKV_INIT_TIMEOUT"  # seconds a process waits for the others to join
 DEFAULT_TIMEOUT = 120
-GRACE_S = 10  # after one process fails, how long the others get to exit before they are killed
+GRACE_S = 5  # after one process fails, how long the others get to exit before they are killed
 
 
 def initialize(timeout_s: int | None = None) -> int:

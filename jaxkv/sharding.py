@@ -69,8 +69,10 @@ class Layout:
         """ValueError unless the mesh axis of ``name`` divides ``size`` (the dimension ``what``)."""
         n = self.shards(name)
         if size % n:
+            procs = {d.process_index for d in self.mesh.devices.flat}
+            where = f" on {len(procs)} processes" if len(procs) > 1 else ""
             raise ValueError(
-                f"mesh: axis {self.axis(name)!r} has {n} devices, which does not divide {what} = {size} "
+                f"mesh: axis {self.axis(name)!r} has {n} devices{where}, which does not divide {what} = {size} "
                 f"(logical axis {name!r}); expected a mesh axis size that divides {size}"
             )
 

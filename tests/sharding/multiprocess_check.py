@@ -3,7 +3,7 @@
 batch; both step in lockstep. Each checks its own shards against a one-device run of the
 whole batch on its first local device. Run by ``test_sharding.py``:
 
-    python tests/sharding/multiprocess_check.py COORDINATOR_PORT PROCESS_ID
+    python -m jaxkv launch --processes 2 --cpu-devices 2 tests/sharding/multiprocess_check.py
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import sys
 
 import jax
 
-jax.config.update("jax_platforms", "cpu")
-jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=2, process_id=int(sys.argv[2]))
+import jaxkv.launch
+
+jaxkv.launch.initialize()
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -125,3 +125,23 @@ def test_a_missing_script_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         main(["launch", "--processes", "1", "--cpu-devices", "1", "no_such_script.py"])
     assert e.value.code == 2 and "script: expected a Python file, got 'no_such_script.py'" in capsys.readouterr().err
+
+
+def test_a_process_count_that_does_not_divide_the_streams(tmp_path):
+    """Three streams over two processes: each process's init raises, naming the mesh axis,
+    the processes and num_streams; the launcher returns the failure."""
+    script = tmp_path / "three.py"
+    script.write_text(
+        "import jaxkv.launch\n"
+        "jaxkv.launch.initialize()\n"
+        "import jax, numpy as np\n"
+        "from jax.sharding import Mesh\n"
+        "from jaxkv import frame\n"
+        "spec = frame.FrameSpec(num_layers=1, num_heads=2, head_dim=8, patches_per_frame=4, num_streams=3)\n"
+        "frame.init(spec, mesh=Mesh(np.array(jax.devices()), ('data',)))\n"
+    )
+    p = _launch("--processes", "2", "--cpu-devices", "1", str(script))
+    assert p.returncode == 1, p.stdout[-2000:]
+    assert "axis 'data' has 2 devices on 2 processes, which does not divide FrameSpec.num_streams = 3" in p.stdout, (
+        p.stdout[-2000:]
+    )

@@ -1,5 +1,5 @@
 """Both caches sharded with jax.sharding (``jaxkv.sharding``): on CPU meshes of 8 host
-devices, and across two processes joined by ``jax.distributed``.
+devices, and across two processes joined by ``jax.distributed`` (``jaxkv launch``).
 
 Host devices must be configured before jax starts, so the checks run as scripts in fresh
 processes (``mesh_check.py``, ``multiprocess_check.py``); this process's jax is untouched.
@@ -7,7 +7,6 @@ processes (``mesh_check.py``, ``multiprocess_check.py``); this process's jax is 
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -50,30 +49,19 @@ def test_meshes_no_collectives_bit_identical():
     assert len(lines) == 3 and all("=[" not in l for l in lines), lines
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_lockstep():
-    """Two processes (jax.distributed on CPU, 2 devices each) each hold half the requests and
+    """Two processes (``jaxkv launch``, 2 CPU devices each) each hold half the requests and
     streams, feed their half of every batch, and get the one-device results for it."""
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(HERE / "multiprocess_check.py"), port, str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(2),
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=600) for p in procs]
-    for i, (p, (out, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and f"process {i}: ok" in out, out[-2000:] + err[-5000:]
+    p = subprocess.run(
+        [sys.executable, "-m", "jaxkv", "launch", "--processes", "2", "--cpu-devices", "2"]
+        + [str(HERE / "multiprocess_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "[0] process 0: ok" in p.stdout and "[1] process 1: ok" in p.stdout, p.stdout[-2000:]
 
 
 # ---------------------------------------------------------------- in this process (one device)
