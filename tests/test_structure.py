@@ -20,6 +20,7 @@ LAYERS = {
     "jaxkv.formats": 1,
     "jaxkv.stacked": 1,
     "jaxkv.sharding": 1,
+    "jaxkv.launch": 1,
     "jaxkv.math": 2,
     "jaxkv.cuda": 2,
     "jaxkv.kernels": 3,
