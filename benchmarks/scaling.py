@@ -20,7 +20,8 @@ Every GPU gets the same inputs (one GPU's, repeated along the batch), so every G
 of the state must end bit-identical to the one-GPU run's: the ``same`` column compares
 checksums of each GPU's shards after the same steps. The compiled HLO is checked for
 collectives (there must be none). Weak-scaling efficiency is t(1) / t(N), t the slowest
-process's median ms per step; ``dispatch`` is the host time of one call (from the call to
+process's median ms per step; per process, also its step alone (the others waiting: the
+GPU it runs on without contention); ``dispatch`` is the host time of one call (from the call to
 its return, queue empty), ``kernels`` the GPU kernel time per step per GPU (a profiler
 trace).
 
@@ -284,19 +285,39 @@ class Runner:
 
 def interleaved(runners, warm, iters, rounds=5):
     """Median ms per step of each runner, measured in alternating rounds (drift hits all
-    alike), then each one's median dispatch ms and kernel ms per step (per GPU)."""
+    alike), then each one's median dispatch ms and kernel ms per step (per GPU). Before the
+    rounds, each runner steps ``iters // 2`` times alone: in a multi-process run the
+    processes take turns (the others wait at a barrier), which times each GPU's step with
+    no other process stepping; every mode takes the same steps, so the states stay
+    comparable bit for bit."""
     for r in runners:
         times_ms(r.one, 0, warmup=warm)
+    alone = []
+    for r in runners:
+        ms = None
+        for turn in range(jax.process_count()):
+            _barrier(f"alone {turn}")
+            if turn == jax.process_index():
+                ms = statistics.median(times_ms(r.one, max(1, iters // 2)))
+        _barrier("together")
+        alone.append(ms)
     samples = [[] for _ in runners]
     for _ in range(rounds):
         for s, r in zip(samples, runners):
             s += times_ms(r.one, max(1, iters // rounds))
     out = []
-    for s, r in zip(samples, runners):
+    for s, r, a in zip(samples, runners, alone):
         dispatch = statistics.median(r.dispatch() for _ in range(10))
         kern = kernel_ms_per_step(r.one, 3) if jax.default_backend() == "gpu" else None
-        out.append(dict(ms=statistics.median(s), dispatch_ms=dispatch, kernel_ms=kern))
+        out.append(dict(ms=statistics.median(s), alone_ms=a, dispatch_ms=dispatch, kernel_ms=kern))
     return out
+
+
+def _barrier(name: str):
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 CASES = ("hybrid", "decode", "frame")
@@ -317,14 +338,10 @@ def run_cases(args, n, mesh, with_unsharded: bool):
             t0 = time.perf_counter()
             runners.append(Runner(build[name](m)))
             print(f"{name} on {n} GPU(s): built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
-        if jax.process_count() > 1:  # start timing together: the processes step side by side
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices(f"scaling {name}")
+        _barrier(f"scaling {name}")  # start together: the processes step side by side
         warm = args.warm_frames if name == "frame" else 3
         res = interleaved(runners, warm, args.iters)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices(f"scaling {name} done")
+        _barrier(f"scaling {name} done")
         row = dict(case=name, devices=n, collectives=runners[0].hlo, digests=digests(runners[0].state), **res[0])
         if with_unsharded:
             row.update(unsharded_ms=res[1]["ms"], unsharded_digests=digests(runners[1].state))
@@ -361,6 +378,7 @@ def per_process(args, n) -> list[dict]:
         row = dict(case_rows[0])
         row["ms"] = max(r["ms"] for r in case_rows)  # the slowest process sets the step
         row["per_process_ms"] = [r["ms"] for r in case_rows]
+        row["alone_ms"] = [r["alone_ms"] for r in case_rows]
         row["dispatch_ms"] = max(r["dispatch_ms"] for r in case_rows)
         ks = [r["kernel_ms"] for r in case_rows if r["kernel_ms"] is not None]
         row["kernel_ms"] = max(ks) if ks else None
@@ -416,7 +434,10 @@ def main():
     for n in counts:
         if "single" in modes or n == 1:  # the one-GPU baseline is the single mode's n = 1
             mesh = Mesh(np.array(devices[:n]), ("data",))
-            rows += [dict(r, mode="1 process") for r in run_cases(args, n, mesh, with_unsharded=n == 1 and not args.no_unsharded)]
+            rows += [
+                dict(r, mode="1 process")
+                for r in run_cases(args, n, mesh, with_unsharded=n == 1 and not args.no_unsharded)
+            ]
         if "process" in modes and n > 1:
             rows += [dict(r, mode="1 process per GPU") for r in per_process(args, n)]
     report(rows, devices, args)
@@ -445,11 +466,12 @@ def report(rows, devices, args):
         "frame": lambda n: f"{n} stream(s), {args.layers} layers, {args.patches} patches",
     }
     print(
-        "\n| step | work | GPUs | mode | ms/step | per process | dispatch ms | kernel ms/GPU | eff. | same as 1 GPU | collectives |"
+        "\n| step | work | GPUs | mode | ms/step | per process (alone) | dispatch ms | kernel ms/GPU | eff. | same as 1 GPU | collectives |"
     )
     print("| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | --- |")
     for r in rows:
-        per = "/".join(f"{x:.3f}" for x in r.get("per_process_ms", []))
+        alone = r["alone_ms"] if "per_process_ms" in r else []
+        per = " / ".join(f"{x:.3f} ({a:.3f})" for x, a in zip(r.get("per_process_ms", []), alone))
         if "unsharded_ms" in r:
             per = f"unsharded {r['unsharded_ms']:.3f}"
         kern = f"{r['kernel_ms'] / (r['devices'] if r['mode'] == '1 process' else 1):.3f}" if r.get("kernel_ms") else ""

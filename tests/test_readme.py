@@ -53,7 +53,7 @@ SHELL_NOT_RUN = [
         r"^python -m jaxkv convert-lingbot ",
         "needs upstream's checkpoint; tests/models/test_lingbot_cli.py converts one",
     ),
-    (r"^python -m jaxkv launch ", "starts processes per GPU; tests/sharding/test_launch.py runs the launcher on CPU"),
+    (r"^python -m jaxkv launch ", "starts processes per GPU; tests/sharding/test_launcher.py runs the launcher on CPU"),
     (r"^(JAXKV_LONG=1 )?python -m pytest", "runs tests: the long Hypothesis profile takes about an hour"),
     (r"^\S+=\S+ .*python3? (benchmarks|-m pytest)", "needs an upstream checkout and a GPU"),
     (r"^(cd benchmarks && )?python3? benchmarks/|^python3? [a-z_]+\.py", "a benchmark: needs a GPU"),

@@ -1,4 +1,4 @@
-"""A checkpoint written by two processes and restored by one (``test_sharding.py``).
+"""A checkpoint written by two processes and restored by one (``test_launcher.py``).
 
     python -m jaxkv launch --processes 2 --cpu-devices 2 launched_check.py save OUT
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu python launched_check.py restore OUT
