@@ -4,7 +4,8 @@ A process that drives several GPUs launches every kernel of a step once per GPU 
 host thread; one process per GPU launches only its own, so N GPUs step in one GPU's time
 (docs/sharding.md, measured in benchmarks/RESULTS.md). The launcher starts N copies of a
 script on this host, each seeing one GPU (``CUDA_VISIBLE_DEVICES``) and told the coordinator,
-the process count and its own id through the environment (``ENV``). The script calls
+the process count and its own id through the environment (``JAXKV_COORDINATOR``,
+``JAXKV_NUM_PROCESSES``, ``JAXKV_PROCESS_ID``). The script calls
 ``initialize()`` before it touches a device; ``jax.devices()`` is then the global device
 list, a cache made with ``init(spec, mesh=Mesh(jax.devices(), ("data",)))`` gives each
 process its own streams or requests, and ``Layout.local_rows`` / ``Layout.my_rows`` move a
@@ -108,6 +109,7 @@ def add_arguments(p: argparse.ArgumentParser):
         "--processes",
         type=int,
         default=None,
+        metavar="N",
         help="processes on this host (default: one per visible GPU; with --cpu-devices: required)",
     )
     p.add_argument(
@@ -117,8 +119,10 @@ def add_arguments(p: argparse.ArgumentParser):
         metavar="K",
         help="run each process on the CPU with K host devices (tests, a machine without GPUs)",
     )
-    p.add_argument("--hosts", type=int, default=1, help="hosts taking part, each running this same command")
-    p.add_argument("--host-index", type=int, default=0, help="this host's index among --hosts")
+    p.add_argument(
+        "--hosts", type=int, default=1, metavar="H", help="hosts taking part, each running this same command"
+    )
+    p.add_argument("--host-index", type=int, default=0, metavar="I", help="this host's index among --hosts")
     p.add_argument(
         "--coordinator",
         default=None,
@@ -129,6 +133,7 @@ def add_arguments(p: argparse.ArgumentParser):
         "--timeout",
         type=int,
         default=DEFAULT_TIMEOUT,
+        metavar="S",
         help=f"seconds a process waits for the others to join ({TIMEOUT})",
     )
     p.add_argument("script", help="the Python script each process runs")
