@@ -83,10 +83,10 @@ def make_extra(cfg, B, key):
 FILL_BLOCKS = 4096  # pool blocks refilled per call: bounds the fill's temporaries (256 requests at 64K)
 
 
-@functools.partial(jax.jit, static_argnames=("l", "n", "dim", "block", "codec"), donate_argnums=0)
-def _fill(pools, key, b0, *, l, n, dim, block, codec):
+@functools.partial(jax.jit, static_argnames=("n", "dim", "block", "codec"), donate_argnums=0)
+def _fill(pools, key, l, b0, *, n, dim, block, codec):
     """Blocks ``b0 .. b0 + n`` of layer ``l`` of a stacked pool u8[L, blocks, block * E]
-    refilled with random rows."""
+    refilled with random rows (``l`` and ``b0`` traced: one compile per pool shape)."""
     x = jax.random.normal(key, (n * block, dim), jnp.bfloat16)
     return jax.lax.dynamic_update_slice(pools, pack_items(codec.encode(x), block, codec.segments)[None], (l, b0, 0))
 
@@ -103,7 +103,7 @@ def fill_random(state, key):
             key = next(keys)
             for b0 in range(0, blocks, FILL_BLOCKS):
                 n = min(FILL_BLOCKS, blocks - b0)
-                pools = _fill(pools, jax.random.fold_in(key, b0), b0, l=l, n=n, dim=dim, block=block, codec=codec)
+                pools = _fill(pools, jax.random.fold_in(key, b0), l, b0, n=n, dim=dim, block=block, codec=codec)
         return pools
 
     window = refill(state.window, c.head_dim, c.window, fmt.entry)
