@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+import jax
+
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAXKV_COORDINATOR", "JAXKV_NUM_PROCESSES", "JAXKV_PROCESS_ID"
 ENV = (COORDINATOR, NUM_PROCESSES, PROCESS_ID)
 TIMEOUT = "JAXKV_INIT_TIMEOUT"  # seconds a process waits for the others to join
@@ -52,7 +54,6 @@ def initialize(timeout_s: int | None = None) -> int:
     if me >= n:
         raise RuntimeError(f"{PROCESS_ID}: expected an id below {NUM_PROCESSES} = {n}, got {me}")
     timeout = timeout_s if timeout_s is not None else _int_env(TIMEOUT, 1, DEFAULT_TIMEOUT)
-    import jax
 
     # jax aborts the process (a C++ fatal error) when the others do not join in time: say which
     # setting to look at first, on stderr, just before that happens
