@@ -28,6 +28,7 @@ class Fault(enum.IntFlag):
     CONTEXT_EXHAUSTED = 1 << 9
     WRITE_WITHOUT_FRAME = 1 << 10
     NONFINITE_KV = 1 << 11
+    SLOT_IN_USE = 1 << 12
 
 
 _MESSAGES = {
@@ -48,6 +49,8 @@ _MESSAGES = {
     Fault.POSITION_GAP: "position skips ahead: the step's position is above the tokens the request has seen; "
     "the step was skipped",
     Fault.SLOT_REPEATED: "a request slot appears twice in one batch; those rows were skipped",
+    Fault.SLOT_IN_USE: "reload into a slot that is not empty (it holds tokens or blocks): the request was not "
+    "reloaded (finish the slot first, or pick an empty one)",
     Fault.CONTEXT_EXHAUSTED: "num_tokens out of range: negative, above the step's token axis, or past "
     "max_context; the step was skipped",
 }

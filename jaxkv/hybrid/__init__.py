@@ -13,6 +13,8 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
         state = after_reads(state, out)                               # so the writes below stay in place
         state = write_window(state, step, layer, kv)
     state = finish(state, done_slots)
+    state, image = offload(state, slots)          # preemption: the requests leave, whole
+    state = reload(state, empty_slots, to_host(image))   # and come back bit-exact
 
 ``Step`` is the boundary type between the cache and a model (its docstring defines the
 batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an array
@@ -42,6 +44,7 @@ from jaxkv.hybrid.ops import (
 )
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
+from jaxkv.hybrid.tier import RequestImage, offload, reload, to_device, to_host
 from jaxkv.hybrid.views import LayerView, layer_view
 from jaxkv.math.compressor import ref_pool_sequence
 from jaxkv.stacked import Stacked
@@ -79,6 +82,11 @@ __all__ = [
     "nbytes",
     "prepare_forward",
     "query_positions",
+    "RequestImage",
+    "offload",
+    "reload",
+    "to_device",
+    "to_host",
     "ref_pool_sequence",
     "sparse_attention",
     "window_keys",
