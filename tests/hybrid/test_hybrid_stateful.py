@@ -1,9 +1,11 @@
 """Hypothesis: random batches of ragged steps through the hybrid cache's whole per-step path
 (prepare_forward, the SWA window, CSA / HCA compress and flush, indexer top-k, gather,
-attention), with requests finishing and their slots reused.
+attention), with requests finishing and their slots reused, and requests swapped to host
+memory and back into another empty slot (``offload`` / ``reload``).
 
 Checked after every step: nothing faults but a pool the model says is exhausted; each
-request's position. When a request finishes: its compressed entries and indexer keys,
+request's position; every block either free or held by exactly one request (none lost,
+none twice). When a request finishes: its compressed entries and indexer keys,
 read through its block table, equal those of the same tokens fed alone to a fresh cache,
 byte for byte (its neighbours, its chunking and its slot changed nothing).
 """
@@ -93,6 +95,24 @@ class HybridMachine(RuleBasedStateMachine):
         self.state = H.finish(self.state, jnp.array([slot]))
         jaxkv.check(self.state)
         self.pos[slot], self.tokens[slot] = 0, None
+
+    @rule(slot=st.integers(0, R - 1), to=st.integers(0, R - 1))
+    def swap(self, slot, to):
+        """The request in ``slot`` to host memory and back into ``to`` if that is empty once
+        it left (else back into ``slot``)."""
+        self.state, image = H.offload(self.state, jnp.array([slot]))
+        to = to if to == slot or self.pos[to] == 0 else slot
+        self.state = H.reload(self.state, jnp.array([to]), H.to_host(image))
+        jaxkv.check(self.state)
+        self.pos[slot], self.pos[to] = 0, self.pos[slot]
+        self.tokens[slot], self.tokens[to] = None, self.tokens[slot]
+
+    @invariant()
+    def blocks_held_once(self):
+        for g, al in enumerate(self.state.alloc):
+            held = [int(b) for s in range(R) for b in np.asarray(al.table[s])[: int(al.owned[s])]]
+            free = list(np.asarray(al.free)[: int(al.num_free)])
+            assert sorted(held + free) == list(range(CFG.num_blocks(CFG.ratios[g]))), (g, held, free)
 
     @invariant()
     def positions(self):
