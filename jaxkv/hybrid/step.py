@@ -127,6 +127,26 @@ def _cumsum_excl(x):
     return jnp.cumsum(x) - x
 
 
+def _slot_rows(slots, R: int, counted=None):
+    """(in_range, slot, repeated) of a batch's slots (i32[F]): ``slot`` clamped into range for
+    gathers; ``repeated``: in range and given more than once among the rows ``counted``
+    (default: every row)."""
+    in_range = (slots >= 0) & (slots < R)
+    counted = in_range if counted is None else in_range & counted
+    count = jnp.zeros((R,), jnp.int32).at[jnp.where(counted, slots, R)].add(1, mode="drop")
+    slot = jnp.where(in_range, slots, 0)
+    return in_range, slot, in_range & (count[slot] > 1)
+
+
+def _bad_rows(error, R: int, out_of_range, repeated):
+    """``error`` (u32[R + 1]) with SLOT_OUT_OF_RANGE / SLOT_REPEATED recorded in its last word,
+    the batch's bad-row entry, where any row had them."""
+    word = record(
+        record(error[R], jnp.any(out_of_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED
+    )
+    return error.at[R].set(word)
+
+
 @functools.partial(jax.jit, static_argnames="chunk", donate_argnums=0)
 def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, *, chunk: int = 1):
     """Check a batch, allocate the blocks its flushes need, advance positions.
@@ -164,10 +184,7 @@ def prepare_forward(state: HybridCacheState, slots, positions, num_tokens=None, 
 def _prepare(state, slots, positions, n, *, chunk):
     c = state.config
     R = c.max_requests
-    in_range = (slots >= 0) & (slots < R)
-    slot = jnp.where(in_range, slots, 0)
-    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
-    repeated = in_range & (count[slot] > 1)
+    in_range, slot, repeated = _slot_rows(slots, R)
     seen = state.position[slot]
     backwards = in_range & ~repeated & (positions < seen)
     gap = in_range & ~repeated & (positions > seen)
@@ -204,11 +221,7 @@ def _prepare(state, slots, positions, n, *, chunk):
             )
         )
 
-    err = state.error.at[R].set(
-        record(
-            record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED
-        )
-    )
+    err = _bad_rows(state.error, R, ~in_range, repeated)
     row_err = err[slot]
     for mask, fault in (
         (backwards, Fault.POSITION_BACKWARDS),
@@ -254,10 +267,8 @@ def _finish(state, slots, mine):
     """``finish`` of the rows where ``mine`` holds; the others are not looked at."""
     c = state.config
     R = c.max_requests
-    in_range = (slots >= 0) & (slots < R)
-    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range & mine, slots, R)].add(1, mode="drop")
-    slot = jnp.where(in_range, slots, 0)
-    ok = mine & in_range & (count[slot] == 1)
+    in_range, slot, repeated = _slot_rows(slots, R, mine)
+    ok = mine & in_range & ~repeated
     ws = jnp.where(ok, slot, R)
 
     new_alloc = []
@@ -275,13 +286,7 @@ def _finish(state, slots, mine):
                 owned=al.owned.at[ws].set(0, mode="drop"),
             )
         )
-    err = state.error.at[R].set(
-        record(
-            record(state.error[R], jnp.any(mine & ~in_range), Fault.SLOT_OUT_OF_RANGE),
-            jnp.any(mine & in_range & ~ok),
-            Fault.SLOT_REPEATED,
-        )
-    )
+    err = _bad_rows(state.error, R, mine & ~in_range, mine & repeated)
 
     def reset(t):  # f32[Lg, R, streams, 3, w]
         return t.at[:, ws].set(empty_tail((), t.shape[2], t.shape[-1]), mode="drop")

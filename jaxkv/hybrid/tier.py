@@ -24,7 +24,7 @@ from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.config import HybridConfig
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import _as_i32, _check_batch, _cumsum_excl, _finish
+from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _cumsum_excl, _finish, _slot_rows
 from jaxkv.sharding import on_devices
 
 
@@ -101,10 +101,8 @@ def offload(state: HybridCacheState, slots):
 def _offload(state: HybridCacheState, slots):
     c = state.config
     R = c.max_requests
-    in_range = (slots >= 0) & (slots < R)
-    slot = jnp.where(in_range, slots, 0)
-    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
-    ok = in_range & (count[slot] == 1)
+    in_range, slot, repeated = _slot_rows(slots, R)
+    ok = in_range & ~repeated
 
     def rows(x, axis):  # x's rows of the ok slots along ``axis`` (zeros elsewhere)
         got = jnp.take(x, slot, axis=axis)
@@ -165,10 +163,7 @@ def _reload(state: HybridCacheState, slots, image: RequestImage):
 def _reload_rows(state: HybridCacheState, slots, image: RequestImage):
     c = state.config
     R = c.max_requests
-    in_range = (slots >= 0) & (slots < R)
-    slot = jnp.where(in_range, slots, 0)
-    count = jnp.zeros((R,), jnp.int32).at[jnp.where(in_range, slots, R)].add(1, mode="drop")
-    repeated = in_range & (count[slot] > 1)
+    in_range, slot, repeated = _slot_rows(slots, R)
     busy = in_range & ~repeated & (state.position[slot] > 0)
     for al in state.alloc:
         busy |= in_range & ~repeated & (al.owned[slot] > 0)
@@ -201,11 +196,7 @@ def _reload_rows(state: HybridCacheState, slots, image: RequestImage):
         g_csa = c.ratios.index(c.indexer_ratio)
         index_keys = index_keys.at[:, got_blocks[g_csa]].set(image.index_keys, mode="drop")
 
-    err = state.error.at[R].set(
-        record(
-            record(state.error[R], jnp.any(~in_range), Fault.SLOT_OUT_OF_RANGE), jnp.any(repeated), Fault.SLOT_REPEATED
-        )
-    )
+    err = _bad_rows(state.error, R, ~in_range, repeated)
     row_err = jnp.where(go, image.error, err[slot])
     row_err = record(record(row_err, busy, Fault.SLOT_IN_USE), ok & ~fits, Fault.POOL_EXHAUSTED)
     own = jnp.where(in_range & ~repeated, slot, R + 1)
