@@ -65,7 +65,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jaxkv import frame  # noqa: E402
 from jaxkv import hybrid as H  # noqa: E402
-from jaxkv.checkpoint import _checksum  # noqa: E402
+from jaxkv.checkpoint import _barrier, _checksum  # noqa: E402
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(")
 
@@ -83,18 +83,13 @@ def put(tree, mesh, spec):
     n = mesh.shape["data"]
     axis = list(spec).index("data")
 
-    def one(x):
-        whole = np.concatenate([np.asarray(x)] * n, axis=axis)
-        return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), _my_part(whole, axis))
-
-    return jax.tree.map(one, tree)
+    return jax.tree.map(lambda x: _global(np.concatenate([np.asarray(x)] * n, axis=axis), mesh, spec), tree)
 
 
-def _my_part(x, axis):
-    """This process's part of ``x`` along ``axis`` (all of it with one process)."""
-    n, me = jax.process_count(), jax.process_index()
-    step = x.shape[axis] // n
-    return np.take(x, np.arange(me * step, (me + 1) * step), axis=axis)
+def _global(whole, mesh, spec):
+    """The host array ``whole`` as a global array on ``mesh``: each process's devices take
+    their parts of it (every process holds all of it)."""
+    return jax.make_array_from_callback(whole.shape, NamedSharding(mesh, spec), lambda index: whole[index])
 
 
 def digests(state) -> dict:
@@ -185,10 +180,7 @@ def assemble(like, parts: dict):
 
 def _slots(B, mesh):
     """Slots 0 .. B*n - 1 in order, each device's rows its own slots."""
-    n = mesh.shape["data"]
-    return jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("data")), _my_part(np.arange(B * n, dtype=np.int32), 0)
-    )
+    return _global(np.arange(B * mesh.shape["data"], dtype=np.int32), mesh, P("data"))
 
 
 def hybrid_case(base, B, mesh):
@@ -207,7 +199,7 @@ def rep(tree, mesh):
     """``tree`` replicated on every device of ``mesh`` (as it is without one)."""
     if mesh is None:
         return tree
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(NamedSharding(mesh, P()), np.asarray(x)), tree)
+    return jax.tree.map(lambda x: _global(np.asarray(x), mesh, P()), tree)
 
 
 def decode_case(base, B, mesh):
@@ -311,13 +303,6 @@ def interleaved(runners, warm, iters, rounds=5):
         kern = kernel_ms_per_step(r.one, 3) if jax.default_backend() == "gpu" else None
         out.append(dict(ms=statistics.median(s), alone_ms=a, dispatch_ms=dispatch, kernel_ms=kern))
     return out
-
-
-def _barrier(name: str):
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 CASES = ("hybrid", "decode", "frame")
