@@ -20,10 +20,12 @@ Every GPU gets the same inputs (one GPU's, repeated along the batch), so every G
 of the state must end bit-identical to the one-GPU run's: the ``same`` column compares
 checksums of each GPU's shards after the same steps. The compiled HLO is checked for
 collectives (there must be none). Weak-scaling efficiency is t(1) / t(N), t the slowest
-process's median ms per step; per process, also its step alone (the others waiting: the
-GPU it runs on without contention); ``dispatch`` is the host time of one call (from the call to
-its return, queue empty), ``kernels`` the GPU kernel time per step per GPU (a profiler
-trace).
+process's median ms per step, each step synchronized; ``streamed``: steps queued back to
+back, one synchronization per round (a serving loop that does not wait on each step). Per
+process, also its step alone (the others waiting: its GPU without contention) and, unless
+``--no-unsharded``, the same step on a state made without a mesh on its own GPU (what the
+global layout costs). ``dispatch`` is the host time of one call (from the call to its
+return, queue empty), ``kernels`` the GPU kernel time per step per GPU (a profiler trace).
 
     python benchmarks/scaling.py                                   # modes single,process over 1 and all GPUs
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
@@ -266,6 +268,15 @@ class Runner:
     def one(self, i=0):
         jax.block_until_ready(self.call())
 
+    def streamed(self, steps):
+        """ms per step of ``steps`` calls with one synchronization at the end (the queue kept full)."""
+        jax.block_until_ready(self.call())
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = self.call()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) * 1e3 / steps
+
     def dispatch(self, i=0):
         """Host ms of one call: from the call to its return, the queue empty before it."""
         t0 = time.perf_counter()
@@ -294,14 +305,24 @@ def interleaved(runners, warm, iters, rounds=5):
         _barrier("together")
         alone.append(ms)
     samples = [[] for _ in runners]
+    streamed = [[] for _ in runners]
     for _ in range(rounds):
-        for s, r in zip(samples, runners):
+        for s, st, r in zip(samples, streamed, runners):
             s += times_ms(r.one, max(1, iters // rounds))
+            st.append(r.streamed(max(1, iters // rounds)))
     out = []
-    for s, r, a in zip(samples, runners, alone):
+    for s, st, r, a in zip(samples, streamed, runners, alone):
         dispatch = statistics.median(r.dispatch() for _ in range(10))
         kern = kernel_ms_per_step(r.one, 3) if jax.default_backend() == "gpu" else None
-        out.append(dict(ms=statistics.median(s), alone_ms=a, dispatch_ms=dispatch, kernel_ms=kern))
+        out.append(
+            dict(
+                ms=statistics.median(s),
+                streamed_ms=statistics.median(st),
+                alone_ms=a,
+                dispatch_ms=dispatch,
+                kernel_ms=kern,
+            )
+        )
     return out
 
 
@@ -321,7 +342,8 @@ def run_cases(args, n, mesh, with_unsharded: bool):
         runners = []
         for _, m in variants:
             t0 = time.perf_counter()
-            runners.append(Runner(build[name](m)))
+            with jax.default_device(jax.local_devices()[0]):  # without a mesh: this process's GPU
+                runners.append(Runner(build[name](m)))
             print(f"{name} on {n} GPU(s): built and compiled in {time.perf_counter() - t0:.0f} s", flush=True)
         _barrier(f"scaling {name}")  # start together: the processes step side by side
         warm = args.warm_frames if name == "frame" else 3
@@ -329,9 +351,18 @@ def run_cases(args, n, mesh, with_unsharded: bool):
         _barrier(f"scaling {name} done")
         row = dict(case=name, devices=n, collectives=runners[0].hlo, digests=digests(runners[0].state), **res[0])
         if with_unsharded:
-            row.update(unsharded_ms=res[1]["ms"], unsharded_digests=digests(runners[1].state))
+            row.update(
+                unsharded_ms=res[1]["ms"],
+                unsharded_dispatch_ms=res[1]["dispatch_ms"],
+                unsharded_digests=digests(runners[1].state),
+            )
         rows.append(row)
-        print(f"{name} on {n} GPU(s): {res[0]['ms']:.3f} ms/step, collectives {row['collectives']}", flush=True)
+        print(
+            f"{name} on {n} GPU(s): {res[0]['ms']:.3f} ms/step, streamed {res[0]['streamed_ms']:.3f}, dispatch {res[0]['dispatch_ms']:.3f} ms"
+            + (f"; without a mesh {res[1]['ms']:.3f}, dispatch {res[1]['dispatch_ms']:.3f}" if with_unsharded else "")
+            + f", collectives {row['collectives']}",
+            flush=True,
+        )
         del runners
     return rows
 
@@ -340,7 +371,7 @@ def worker(args):
     """One process of the per-GPU mode: the global mesh over every process's GPUs."""
     n = jax.process_count()
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    rows = run_cases(args, n, mesh, with_unsharded=False)
+    rows = run_cases(args, n, mesh, with_unsharded=not args.no_unsharded)
     with open(f"{args.json}.p{jax.process_index()}", "w") as f:
         json.dump(rows, f)
 
@@ -363,7 +394,12 @@ def per_process(args, n) -> list[dict]:
         row = dict(case_rows[0])
         row["ms"] = max(r["ms"] for r in case_rows)  # the slowest process sets the step
         row["per_process_ms"] = [r["ms"] for r in case_rows]
+        row["streamed_ms"] = max(r["streamed_ms"] for r in case_rows)
+        row["per_process_streamed_ms"] = [r["streamed_ms"] for r in case_rows]
         row["alone_ms"] = [r["alone_ms"] for r in case_rows]
+        if "unsharded_ms" in row:
+            row["local_ms"] = [r.pop("unsharded_ms") for r in case_rows]
+            row.pop("unsharded_ms", None)
         row["dispatch_ms"] = max(r["dispatch_ms"] for r in case_rows)
         ks = [r["kernel_ms"] for r in case_rows if r["kernel_ms"] is not None]
         row["kernel_ms"] = max(ks) if ks else None
@@ -451,17 +487,19 @@ def report(rows, devices, args):
         "frame": lambda n: f"{n} stream(s), {args.layers} layers, {args.patches} patches",
     }
     print(
-        "\n| step | work | GPUs | mode | ms/step | per process (alone) | dispatch ms | kernel ms/GPU | eff. | same as 1 GPU | collectives |"
+        "\n| step | work | GPUs | mode | ms/step | streamed | per process (alone) | dispatch ms | kernel ms/GPU | eff. | same as 1 GPU | collectives |"
     )
-    print("| --- | --- | ---: | --- | ---: | --- | ---: | ---: | ---: | --- | --- |")
+    print("| --- | --- | ---: | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- |")
     for r in rows:
         alone = r["alone_ms"] if "per_process_ms" in r else []
         per = " / ".join(f"{x:.3f} ({a:.3f})" for x, a in zip(r.get("per_process_ms", []), alone))
         if "unsharded_ms" in r:
             per = f"unsharded {r['unsharded_ms']:.3f}"
+        if "local_ms" in r:
+            per += "; without a mesh " + " / ".join(f"{x:.3f}" for x in r["local_ms"])
         kern = f"{r['kernel_ms'] / (r['devices'] if r['mode'] == '1 process' else 1):.3f}" if r.get("kernel_ms") else ""
         print(
-            f"| {r['case']} | {work[r['case']](r['devices'])} | {r['devices']} | {r['mode']} | {r['ms']:.3f} | {per} | "
+            f"| {r['case']} | {work[r['case']](r['devices'])} | {r['devices']} | {r['mode']} | {r['ms']:.3f} | {r['streamed_ms']:.3f} | {per} | "
             f"{r['dispatch_ms']:.3f} | {kern} | {r.get('efficiency', 0):.2f} | {'yes' if r.get('same') else 'NO'} | "
             f"{r['collectives']} |"
         )
