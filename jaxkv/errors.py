@@ -29,6 +29,7 @@ class Fault(enum.IntFlag):
     WRITE_WITHOUT_FRAME = 1 << 10
     NONFINITE_KV = 1 << 11
     SLOT_IN_USE = 1 << 12
+    SHARE_INVALID = 1 << 13
 
 
 _MESSAGES = {
@@ -49,8 +50,11 @@ _MESSAGES = {
     Fault.POSITION_GAP: "position skips ahead: the step's position is above the tokens the request has seen; "
     "the step was skipped",
     Fault.SLOT_REPEATED: "a request slot appears twice in one batch; those rows were skipped",
-    Fault.SLOT_IN_USE: "reload into a slot that is not empty (it holds tokens or blocks): the request was not "
-    "reloaded (finish the slot first, or pick an empty one)",
+    Fault.SLOT_IN_USE: "reload or share into a slot that is not empty (it holds tokens or blocks): nothing was "
+    "moved into it (finish the slot first, or pick an empty one)",
+    Fault.SHARE_INVALID: "share from a source that cannot give the prefix (out of range, on another request shard, "
+    "the slot itself, fewer tokens than asked, or length < 1), or complete_share before the slot was re-fed to "
+    "the prefix's length: nothing was shared",
     Fault.CONTEXT_EXHAUSTED: "num_tokens out of range: negative, above the step's token axis, or past "
     "max_context; the step was skipped",
 }

@@ -15,6 +15,7 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
     state = finish(state, done_slots)
     state, image = offload(state, slots)          # preemption: the requests leave, whole
     state = reload(state, empty_slots, to_host(image))   # and come back bit-exact
+    state = share(state, new_slots, cached_slots, lengths)  # a prefix by reference (share.py)
 
 ``Step`` is the boundary type between the cache and a model (its docstring defines the
 batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an array
@@ -42,6 +43,7 @@ from jaxkv.hybrid.ops import (
     window_keys,
     write_window,
 )
+from jaxkv.hybrid.share import complete_share, refeed_start, share
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.hybrid.tier import RequestImage, offload, reload, to_device, to_host
@@ -70,6 +72,7 @@ __all__ = [
     "all_entries",
     "bytes_per_token",
     "causal_entry_mask",
+    "complete_share",
     "compress",
     "entry_count",
     "finish",
@@ -82,7 +85,9 @@ __all__ = [
     "nbytes",
     "prepare_forward",
     "query_positions",
+    "refeed_start",
     "RequestImage",
+    "share",
     "offload",
     "reload",
     "to_device",

@@ -263,6 +263,34 @@ def finish(state: HybridCacheState, slots):
     return on_requests(local, state, slots, axes=(None,))
 
 
+def holders(table, num_blocks: int):
+    """i32[num_blocks]: how many block-table entries name each block. The tables are the
+    only record of who holds a block (``jaxkv.hybrid.share`` puts one block in several), so
+    a count kept beside them could not drift from them."""
+    flat = table.reshape(-1)
+    return jnp.zeros((num_blocks,), jnp.int32).at[jnp.where(flat >= 0, flat, num_blocks)].add(1, mode="drop")
+
+
+def _release(al: BlockAllocator, slot, ok, ws) -> BlockAllocator:
+    """``al`` with the rows ``ws`` (R: none) emptied; each block they held that no other
+    table still names goes back on the free stack, once."""
+    nb = al.free.shape[0]
+    rows = al.table[slot]  # i32[F, max_blocks]
+    held = ((jnp.arange(rows.shape[1]) < al.owned[slot][:, None]) & ok[:, None]).reshape(-1)
+    flat = jnp.where(held, rows.reshape(-1), nb)
+    table = al.table.at[ws].set(-1, mode="drop")
+    n = jnp.arange(flat.shape[0])
+    first = jnp.full((nb + 1,), flat.shape[0], jnp.int32).at[flat].min(n)  # a block named twice: once
+    last_holder = held & (holders(table, nb)[jnp.minimum(flat, nb - 1)] == 0) & (first[flat] == n)
+    dest = al.num_free + jnp.cumsum(last_holder) - 1
+    return BlockAllocator(
+        free=al.free.at[jnp.where(last_holder, dest, nb)].set(flat, mode="drop"),
+        num_free=al.num_free + jnp.sum(last_holder),
+        table=table,
+        owned=al.owned.at[ws].set(0, mode="drop"),
+    )
+
+
 def _finish(state, slots, mine):
     """``finish`` of the rows where ``mine`` holds; the others are not looked at."""
     c = state.config
@@ -270,22 +298,7 @@ def _finish(state, slots, mine):
     in_range, slot, repeated = _slot_rows(slots, R, mine)
     ok = mine & in_range & ~repeated
     ws = jnp.where(ok, slot, R)
-
-    new_alloc = []
-    for al in state.alloc:
-        rows = al.table[slot]  # i32[F, max_blocks]
-        held = (jnp.arange(rows.shape[1]) < al.owned[slot][:, None]) & ok[:, None]
-        flat_held = held.reshape(-1)
-        dest = al.num_free + jnp.cumsum(flat_held) - 1
-        free = al.free.at[jnp.where(flat_held, dest, al.free.shape[0])].set(rows.reshape(-1), mode="drop")
-        new_alloc.append(
-            BlockAllocator(
-                free=free,
-                num_free=al.num_free + jnp.sum(flat_held),
-                table=al.table.at[ws].set(-1, mode="drop"),
-                owned=al.owned.at[ws].set(0, mode="drop"),
-            )
-        )
+    new_alloc = [_release(al, slot, ok, ws) for al in state.alloc]
     err = _bad_rows(state.error, R, mine & ~in_range, mine & repeated)
 
     def reset(t):  # f32[Lg, R, streams, 3, w]
