@@ -1,11 +1,12 @@
 """Hypothesis: random batches of ragged steps through the hybrid cache's whole per-step path
 (prepare_forward, the SWA window, CSA / HCA compress and flush, indexer top-k, gather,
-attention), with requests finishing and their slots reused, and requests swapped to host
-memory and back into another empty slot (``offload`` / ``reload``).
+attention), with requests finishing and their slots reused, requests swapped to host
+memory and back into another empty slot (``offload`` / ``reload``), and new requests
+started from a prefix of another (``share``, the re-feed, ``complete_share``).
 
-Checked after every step: nothing faults but a pool the model says is exhausted; each
-request's position; every block either free or held by exactly one request (none lost,
-none twice). When a request finishes: its compressed entries and indexer keys,
+Checked after every step: nothing faults; each request's position; every block either on
+the free stack once or named by at least one block table, never both, none lost. When a
+request finishes: its compressed entries and indexer keys,
 read through its block table, equal those of the same tokens fed alone to a fresh cache,
 byte for byte (its neighbours, its chunking and its slot changed nothing).
 """
@@ -16,6 +17,7 @@ import hybrid_driver as D
 import jax.numpy as jnp
 import numpy as np
 from conftest import machine_settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -107,12 +109,35 @@ class HybridMachine(RuleBasedStateMachine):
         self.pos[slot], self.pos[to] = 0, self.pos[slot]
         self.tokens[slot], self.tokens[to] = None, self.tokens[slot]
 
+    @rule(src=st.integers(0, R - 1), dst=st.integers(0, R - 1), frac=st.floats(0.0, 1.0))
+    def share(self, src, dst, frac):
+        """A new request in the empty slot ``dst`` from the first tokens of ``src``."""
+        if self.pos[src] == 0 or self.pos[dst] or src == dst:
+            return
+        length = max(1, round(frac * self.pos[src]))
+        self.state = H.share(self.state, [dst], [src], [length])
+        start = H.refeed_start(CFG, length, self.pos[src])
+        event("share: whole source" if start == length else "share: re-fed")
+        for t0 in range(start, length, CHUNK):
+            k = min(CHUNK, length - t0)
+            x = {l: {key: _pad(a[:, t0 : t0 + k]) for key, a in xl.items()} for l, xl in self.tokens[src].items()}
+            self.state, step = H.prepare_forward(
+                self.state, jnp.array([dst]), jnp.array([t0]), jnp.array([k]), chunk=CHUNK
+            )
+            self.state, _, _ = D.model_step(self.state, step, x, PARAMS)
+        self.state = H.complete_share(self.state, [dst], [src], [length])
+        jaxkv.check(self.state)
+        self.pos[dst] = length
+        self.tokens[dst] = {l: {k: a[:, :length] for k, a in xl.items()} for l, xl in self.tokens[src].items()}
+
     @invariant()
-    def blocks_held_once(self):
+    def blocks_free_once_or_held(self):
         for g, al in enumerate(self.state.alloc):
-            held = [int(b) for s in range(R) for b in np.asarray(al.table[s])[: int(al.owned[s])]]
-            free = list(np.asarray(al.free)[: int(al.num_free)])
-            assert sorted(held + free) == list(range(CFG.num_blocks(CFG.ratios[g]))), (g, held, free)
+            held = {int(b) for s in range(R) for b in np.asarray(al.table[s])[: int(al.owned[s])]}
+            free = [int(b) for b in np.asarray(al.free)[: int(al.num_free)]]
+            assert len(set(free)) == len(free), (g, free)
+            assert not held & set(free), (g, held, free)
+            assert held | set(free) == set(range(CFG.num_blocks(CFG.ratios[g]))), (g, held, free)
 
     @invariant()
     def positions(self):
