@@ -15,7 +15,7 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
     state = finish(state, done_slots)
     state, image = offload(state, slots)          # preemption: the requests leave, whole
     state = reload(state, empty_slots, to_host(image))   # and come back bit-exact
-    state = share(state, new_slots, cached_slots, lengths)  # a prefix by reference (share.py)
+    state = share(state, new_slots, cached_slots, lengths)  # a prefix by reference (prefix.py)
 
 ``Step`` is the boundary type between the cache and a model (its docstring defines the
 batch indexing); ``Stacked(array, i)`` passes a layer's input as row ``i`` of an array
@@ -43,7 +43,7 @@ from jaxkv.hybrid.ops import (
     window_keys,
     write_window,
 )
-from jaxkv.hybrid.share import complete_share, refeed_start, share
+from jaxkv.hybrid.prefix import complete_share, refeed_start, share
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.hybrid.tier import RequestImage, offload, reload, to_device, to_host

@@ -265,7 +265,7 @@ def finish(state: HybridCacheState, slots):
 
 def holders(table, num_blocks: int):
     """i32[num_blocks]: how many block-table entries name each block. The tables are the
-    only record of who holds a block (``jaxkv.hybrid.share`` puts one block in several), so
+    only record of who holds a block (``hybrid.share`` puts one block in several), so
     a count kept beside them could not drift from them."""
     flat = table.reshape(-1)
     return jnp.zeros((num_blocks,), jnp.int32).at[jnp.where(flat >= 0, flat, num_blocks)].add(1, mode="drop")

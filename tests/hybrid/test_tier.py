@@ -125,4 +125,6 @@ def test_offload_reload_on_a_mesh():
     p = subprocess.run(
         [sys.executable, str(here / "tier_mesh_check.py")], capture_output=True, text=True, timeout=900, env=env
     )
-    assert p.returncode == 0 and p.stdout.strip().endswith("tier on a mesh: ok"), p.stdout[-2000:] + p.stderr[-4000:]
+    assert p.returncode == 0 and p.stdout.strip().endswith("tier and share on a mesh: ok"), (
+        p.stdout[-2000:] + p.stderr[-4000:]
+    )

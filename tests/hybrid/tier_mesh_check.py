@@ -1,7 +1,8 @@
 """The host tier on a 2-device mesh (run by ``test_tier.py`` in a fresh process with 2 CPU
 devices): a request on each shard leaves and comes back into another slot of its shard;
 3 more steps give the attention outputs of the run where nothing moved, bit for bit, and
-offload / reload compile with no collective."""
+offload / reload compile with no collective. Then a prefix shared on each shard: the sharers
+decode as their sources do, a share across shards is refused, and share has no collective."""
 
 import re
 import sys
@@ -17,7 +18,7 @@ import hybrid_driver as D  # noqa: E402
 
 import jaxkv  # noqa: E402
 from jaxkv import hybrid as H  # noqa: E402
-from jaxkv.hybrid import tier  # noqa: E402
+from jaxkv.hybrid import prefix, tier  # noqa: E402
 
 assert len(jax.devices()) == 2
 mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -56,6 +57,24 @@ _, out_b = run(b, [1, 3], steps, more)
 for oa, ob in zip(out_a, out_b):
     for layer in oa:
         np.testing.assert_array_equal(oa[layer], ob[layer])
+# a prefix shared on each shard (whole source): the sharers decode as the sources do
+sh, _ = run(H.init(c, mesh=mesh), [0, 2], 0, steps)
+ref, _ = run(H.init(c, mesh=mesh), [0, 2], 0, steps)
+dst, src, length = jnp.asarray([1, 3], jnp.int32), jnp.asarray([0, 2], jnp.int32), jnp.full(2, T * steps, jnp.int32)
+hlo += prefix._share.lower(sh, dst, src, length).compile().as_text()
+crossed = H.share(jax.tree.map(jnp.copy, sh), dst, src[::-1], length)  # each row's source on the other shard
+try:
+    jaxkv.check(crossed)
+    raise AssertionError("a share across shards was not refused")
+except jaxkv.CacheError as e:
+    assert "on another request shard" in str(e), e
+sh = H.share(sh, dst, src, length)
+jaxkv.check(sh)
+_, out_ref = run(ref, [0, 2], steps, more)
+_, out_sh = run(sh, [1, 3], steps, more)
+for oa, ob in zip(out_ref, out_sh):
+    for layer in oa:
+        np.testing.assert_array_equal(oa[layer], ob[layer])
 found = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)", hlo)
 assert not found, found
-print("tier on a mesh: ok")
+print("tier and share on a mesh: ok")
