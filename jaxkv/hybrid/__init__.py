@@ -44,6 +44,7 @@ from jaxkv.hybrid.ops import (
     write_window,
 )
 from jaxkv.hybrid.prefix import complete_share, refeed_start, share
+from jaxkv.hybrid.prefix_index import PrefixIndex
 from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.hybrid.tier import RequestImage, offload, reload, to_device, to_host
@@ -83,6 +84,7 @@ __all__ = [
     "index_topk",
     "init",
     "nbytes",
+    "PrefixIndex",
     "prepare_forward",
     "query_positions",
     "refeed_start",
