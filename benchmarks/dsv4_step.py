@@ -19,7 +19,10 @@ Contenders per (requests, context), in one process:
 * ``flashmla`` (opt-in, ``$FLASHMLA_SRC``): the same with FlashMLA's sm90 kernel through jax.ffi;
 * ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
 * ``indexer-xla`` (opt-in): the same with the indexer's scores on XLA instead of the kernel;
-* ``bookkeeping``: the step without indexer and attention.
+* ``bookkeeping``: the step without indexer and attention;
+* ``step-shared`` (opt-in): ``step`` on a cache whose requests share their first tokens'
+  blocks (``hybrid.share`` of slot 0's prefix, the CSA-block-aligned minimum position, then
+  each request's own tokens): the same reads through block tables that name shared blocks.
 
 The differences split the step: indexer = ``indexer`` - ``bookkeeping``, attention =
 ``step`` - ``indexer``. Wall is per synchronized step (median); kernel is the sum of GPU
@@ -61,6 +64,7 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "indexer": ("bookkeeping + indexer (no attention)", dict(index=True, attend=False, impl="auto")),
     "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),
     "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),
+    "step-shared": ("step, prefix blocks shared", dict(index=True, attend=True, impl="auto")),
 }
 
 
@@ -156,15 +160,21 @@ def run_case(B, context, args):
     )  # steps this run takes after the prefill positions (each contender:
     # compile, 2 warm-up, iters timed, 3 profiled)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
-    state = H.init(cfg)
-    state, _ = H.prepare_forward(state, slots, jnp.zeros(B, jnp.int32), jnp.asarray(start), chunk=int(start.max()))
-    state = fill_random(state, jax.random.fold_in(key, 7))
-    jax.block_until_ready(state)
-    gib = H.nbytes(state) / 2**30
-    contenders = [CONTENDERS[c] for c in args.contenders]
-    box = {"s": state}
+    states = {}
+
+    def state_for(shared: bool):  # one cache per layout, made when first asked for
+        if shared not in states:
+            st = states[shared] = make_state(cfg, start, jax.random.fold_in(key, 7), shared)
+            used = sum(int(a.free.shape[0] - a.num_free) for a in st.alloc)
+            print(f"  {B} requests, context {context}: {used} blocks in use ({'shared' if shared else 'no'} prefix)")
+        return states[shared]
+
+    gib = H.nbytes(state_for("step-shared" in args.contenders and len(args.contenders) == 1)) / 2**30
+    contenders = [(c, *CONTENDERS[c]) for c in args.contenders]
+    box = {}
     rows = []
-    for name, kw in contenders:
+    for cname, name, kw in contenders:
+        box["s"] = state_for(cname == "step-shared")
         fn = jax.jit(functools.partial(decode_step, **kw), donate_argnums=0)
 
         def run(i, fn=fn):
@@ -187,10 +197,29 @@ def run_case(B, context, args):
             + ("" if kern is None else f" ({kern:.3f} ms of kernels)"),
             flush=True,
         )
+        states[cname == "step-shared"] = box["s"]
     import jaxkv
 
-    jaxkv.check(box["s"])
+    for st in states.values():
+        jaxkv.check(st)
     return gib, rows
+
+
+def make_state(cfg, start, key, shared: bool):
+    """Every request prefilled to ``start`` (i32[B]), every pool random; ``shared``: the
+    requests' first ``min(start)`` tokens (rounded down to a CSA block) are slot 0's, shared."""
+    B = cfg.max_requests
+    slots = jnp.arange(B, dtype=jnp.int32)
+    state = H.init(cfg)
+    p0 = 0
+    if shared:
+        p0 = int(start.min()) // (cfg.indexer_ratio * cfg.block_size) * (cfg.indexer_ratio * cfg.block_size)
+        state, _ = H.prepare_forward(state, slots[:1], jnp.zeros(1, jnp.int32), jnp.full(1, p0, jnp.int32), chunk=p0)
+        state = H.share(state, slots[1:], jnp.zeros(B - 1, jnp.int32), jnp.full(B - 1, p0, jnp.int32))
+    n = jnp.asarray(start - p0)
+    state, _ = H.prepare_forward(state, slots, jnp.full(B, p0, jnp.int32), n, chunk=int(n.max()))
+    state = fill_random(state, key)
+    return jax.block_until_ready(state)
 
 
 def main():
