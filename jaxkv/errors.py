@@ -30,6 +30,7 @@ class Fault(enum.IntFlag):
     NONFINITE_KV = 1 << 11
     SLOT_IN_USE = 1 << 12
     SHARE_INVALID = 1 << 13
+    SLOT_EMPTY = 1 << 14
 
 
 _MESSAGES = {
@@ -55,6 +56,7 @@ _MESSAGES = {
     Fault.SHARE_INVALID: "share from a source that cannot give the prefix (out of range, on another request shard, "
     "the slot itself, fewer tokens than asked, or length < 1), or complete_share before the slot was re-fed to "
     "the prefix's length: nothing was shared",
+    Fault.SLOT_EMPTY: "finish of a slot that holds nothing (released twice, or never used): nothing was released",
     Fault.CONTEXT_EXHAUSTED: "num_tokens out of range: negative, above the step's token axis, or past "
     "max_context; the step was skipped",
 }

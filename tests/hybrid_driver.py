@@ -104,6 +104,28 @@ def compress_all(state, step, x, params, impl):
     return state
 
 
+def assert_same_request(a, sa, b, sb, length):
+    """Request ``sa`` of cache ``a`` and ``sb`` of ``b`` hold ``length`` tokens and the same
+    bytes: entries and indexer keys through their block tables, ring, tails."""
+    c = a.config
+    assert int(a.position[sa]) == int(b.position[sb]) == length
+    for layer in c.compressed_layers:
+        n = length // c.compress_ratios[layer]
+        np.testing.assert_array_equal(entries_bytes(a, layer, sa, n), entries_bytes(b, layer, sb, n))
+        if c.kind(layer) == H.CSA:
+            np.testing.assert_array_equal(index_key_bytes(a, layer, sa, n), index_key_bytes(b, layer, sb, n))
+    np.testing.assert_array_equal(np.asarray(a.window[:, sa]), np.asarray(b.window[:, sb]))
+    for ta, tb in zip(a.tails, b.tails):
+        np.testing.assert_array_equal(np.asarray(ta[:, sa]), np.asarray(tb[:, sb]))
+
+
+def assert_same_outputs(outs_a, outs_b):
+    """Per step, per layer: bit-identical attention outputs."""
+    for oa, ob in zip(outs_a, outs_b, strict=True):
+        for layer in oa:
+            np.testing.assert_array_equal(np.asarray(oa[layer]), np.asarray(ob[layer]))
+
+
 def entries_bytes(state, layer, slot, count):
     """u8[count, E] of a request's first ``count`` entries, read through its block table."""
     c = state.config

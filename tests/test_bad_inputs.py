@@ -614,6 +614,11 @@ def _finish_out_of_range(rng):
     return _copy(st), H.finish(st, jnp.array([5], jnp.int32))
 
 
+def _finish_twice(rng):
+    st = H.finish(_prefilled(), jnp.array([0], jnp.int32))
+    return _copy(st), H.finish(st, jnp.array([0], jnp.int32))
+
+
 FAULTS = [
     ("frame.rollback with nothing pending", _rollback_nothing, Fault.ROLLBACK_NOTHING_PENDING),
     ("frame.append while a frame is pending", _append_while_pending, Fault.APPEND_WHILE_PENDING),
@@ -625,6 +630,7 @@ FAULTS = [
     ("hybrid.prepare_forward: a position backwards", _hybrid_bad([0, 1], [2, 4], [1]), Fault.POSITION_BACKWARDS),
     ("hybrid.prepare_forward: a position gap", _hybrid_bad([0, 1], [9, 4], [1]), Fault.POSITION_GAP),
     ("hybrid.finish: slot 5 of 2", _finish_out_of_range, Fault.SLOT_OUT_OF_RANGE),
+    ("hybrid.finish: a slot released twice", _finish_twice, Fault.SLOT_EMPTY),
     ("frame.append: NaN in one stream's K", _nonfinite_append, Fault.NONFINITE_KV),
     ("frame.write_layer: -Inf in V", _nonfinite_write_layer, Fault.NONFINITE_KV),
     ("hybrid.write_window: NaN in one row", _nonfinite_write_window, Fault.NONFINITE_KV),

@@ -242,7 +242,8 @@ def _prepare(state, slots, positions, n, *, chunk):
 def finish(state: HybridCacheState, slots):
     """Release requests: return their blocks to the free stacks and empty their slots.
 
-    slots: i32[F]. Out-of-range or repeated slots record a fault and are skipped. On a
+    slots: i32[F]. Out-of-range or repeated slots record a fault and are skipped; a slot that
+    holds nothing (released twice) records SLOT_EMPTY. On a
     mesh, each shard finishes the slots it owns (the slots need no layout).
     """
     slots = _as_i32("slots", slots)
@@ -291,15 +292,21 @@ def _release(al: BlockAllocator, slot, ok, ws) -> BlockAllocator:
     )
 
 
-def _finish(state, slots, mine):
-    """``finish`` of the rows where ``mine`` holds; the others are not looked at."""
+def _finish(state, slots, mine, empty_is_fault: bool = True):
+    """``finish`` of the rows where ``mine`` holds; the others are not looked at.
+    ``empty_is_fault``: a slot holding nothing records SLOT_EMPTY (``offload`` of one is
+    documented as giving an empty image instead)."""
     c = state.config
     R = c.max_requests
     in_range, slot, repeated = _slot_rows(slots, R, mine)
     ok = mine & in_range & ~repeated
+    empty = ok & (state.position[slot] == 0) & empty_is_fault
+    for al in state.alloc:
+        empty &= al.owned[slot] == 0
     ws = jnp.where(ok, slot, R)
     new_alloc = [_release(al, slot, ok, ws) for al in state.alloc]
     err = _bad_rows(state.error, R, mine & ~in_range, mine & repeated)
+    err = err.at[jnp.where(empty, slot, R + 1)].set(record(err[slot], empty, Fault.SLOT_EMPTY), mode="drop")
 
     def reset(t):  # f32[Lg, R, streams, 3, w]
         return t.at[:, ws].set(empty_tail((), t.shape[2], t.shape[-1]), mode="drop")

@@ -130,7 +130,7 @@ def _offload(state: HybridCacheState, slots):
         owned=owned,
         config=c,
     )
-    return _finish(state, slots, jnp.ones(slots.shape, jnp.bool_)), image
+    return _finish(state, slots, jnp.ones(slots.shape, jnp.bool_), empty_is_fault=False), image
 
 
 def reload(state: HybridCacheState, slots, image: RequestImage):

@@ -82,11 +82,19 @@ class Server:
     Args:
       model: a ``V4Stack`` whose blocks' ``config.cache`` is the cache's config.
       chunk: prefill tokens per step (and the snapshot spacing).
-      snapshots: most snapshot slots kept.
+      snapshots: most snapshot slots kept on the device.
+      host_snapshots: most snapshots kept in pinned host memory once evicted from the device
+        (``hybrid.offload``; a hit there is reloaded into a spare slot, then shared).
     """
 
-    def __init__(self, model: V4Stack, chunk: int = 32, *, share: bool = True, snapshots: int = 8):
+    def __init__(
+        self, model: V4Stack, chunk: int = 32, *, share: bool = True, snapshots: int = 8, host_snapshots: int = 0
+    ):
+        if share and snapshots < 1:
+            raise ValueError(f"snapshots: expected at least 1 with share=True, got {snapshots}")
         self.model, self.chunk, self.share = model, chunk, share
+        self.host_snapshots = host_snapshots
+        self.host: collections.OrderedDict[tuple, H.RequestImage] = collections.OrderedDict()  # oldest first
         self.config = model.blocks[0].config.cache
         self.state = H.init(self.config)
         self.index = H.PrefixIndex(chunk=chunk, capacity=snapshots)
@@ -96,7 +104,7 @@ class Server:
         self.swapped: collections.deque[Request] = collections.deque()
         self.snapshot_of: dict[int, tuple] = {}  # snapshot slot -> the tokens it holds
         self.history: list[dict] = []
-        self.clock = self.prefilled = self.prompt_tokens = self.hit_tokens = self.preemptions = 0
+        self.clock = self.prefilled = self.prompt_tokens = self.hit_tokens = self.preemptions = self.host_hits = 0
 
     def submit(self, prompt, max_new: int, arrival: int = 0) -> Request:
         """Queue a request that arrives at step ``arrival`` (in order of arrival)."""
@@ -112,9 +120,39 @@ class Server:
         return self.free.pop() if self.free else None
 
     def _drop_snapshot(self, slot: int) -> None:
-        self.state = H.finish(self.state, jnp.asarray([slot], jnp.int32))
-        self.snapshot_of.pop(slot, None)
+        """An evicted snapshot leaves the device: to host memory if it keeps any, else gone."""
+        held = self.snapshot_of.pop(slot, None)
+        if self.host_snapshots and held is not None:
+            self.state, image = H.offload(self.state, jnp.asarray([slot], jnp.int32))
+            self.host[held] = H.to_host(image)
+            while len(self.host) > self.host_snapshots:
+                self.host.popitem(last=False)
+        else:
+            self.state = H.finish(self.state, jnp.asarray([slot], jnp.int32))
         self.free.append(slot)
+
+    def _from_host(self, prompt: list[int], longer_than: int) -> tuple[int, int] | None:
+        """The longest host snapshot that ``prompt`` begins with (and longer than
+        ``longer_than``), reloaded into a spare slot and retained: (slot, length)."""
+        best = max(
+            (k for k in self.host if longer_than < len(k) < len(prompt) and tuple(prompt[: len(k)]) == k),
+            key=len,
+            default=None,
+        )
+        if best is None or not self._room(len(self.running) + 2):
+            return None
+        image = self.host.pop(best)  # before a slot is freed: that may move another snapshot here
+        slot = self._take_slot()
+        if slot is None:
+            self.host[best] = image
+            return None
+        self.state = H.reload(self.state, jnp.asarray([slot], jnp.int32), image)
+        self.index.add(slot, best)
+        self.snapshot_of[slot] = best
+        for old in self.index.retain(slot):  # the newest is never the one evicted (snapshots >= 1)
+            self._drop_snapshot(old)
+        self.host_hits += 1
+        return slot, len(best)
 
     def _blocks_free(self) -> list[int]:
         return [int(a.num_free) for a in self.state.alloc]
@@ -143,6 +181,8 @@ class Server:
             req = self.waiting.popleft()
             req.slot = slot
             hit = self.index.lookup(req.prompt, whole=True) if self.share else None
+            if self.share and self.host:
+                hit = self._from_host(req.prompt, hit[1] if hit else 0) or hit
             if hit is not None:
                 src, n = hit
                 self.state = H.share(self.state, [slot], [src], [n])

@@ -70,6 +70,10 @@ class Allocator(RuleBasedStateMachine):
         self.state = H.finish(self.state, jnp.array([slot]))
         for r in CFG.ratios:
             self.free[r] += self.blocks_for(r, self.pos[slot])
+        if self.pos[slot] == 0:  # nothing to release: SLOT_EMPTY, and nothing else changed
+            err = np.asarray(self.state.error)
+            assert err[slot] & Fault.SLOT_EMPTY and not np.delete(err, slot).any()
+            self.state = jaxkv.clear_errors(self.state)
         self.pos[slot] = 0
         jaxkv.check(self.state)
 

@@ -63,23 +63,13 @@ def test_offload_reload_decodes_bit_identically(storage, rng):
 
     where = {0: 0, 1: 4, 2: 5}
     for s, t in where.items():
-        assert int(a.position[s]) == int(b.position[t]) == T * steps
-        for layer in c.compressed_layers:
-            n = T * steps // c.compress_ratios[layer]
-            np.testing.assert_array_equal(D.entries_bytes(a, layer, s, n), D.entries_bytes(b, layer, t, n))
-            if c.kind(layer) == H.CSA:
-                np.testing.assert_array_equal(D.index_key_bytes(a, layer, s, n), D.index_key_bytes(b, layer, t, n))
-        np.testing.assert_array_equal(np.asarray(a.window[:, s]), np.asarray(b.window[:, t]))
-        for ta, tb in zip(a.tails, b.tails):
-            np.testing.assert_array_equal(np.asarray(ta[:, s]), np.asarray(tb[:, t]))
+        D.assert_same_request(a, s, b, t, T * steps)
     moved = [int(x) for x in b.alloc[0].table[4] if x >= 0]
     assert moved != [int(x) for x in a.alloc[0].table[1] if x >= 0]  # other blocks, same bytes
 
     _, out_a = _steps(a, [0, 1, 2], inputs, params, steps, more, T)
     _, out_b = _steps(b, [0, 4, 5], inputs, params, steps, more, T)
-    for oa, ob in zip(out_a, out_b):
-        for layer in oa:
-            np.testing.assert_array_equal(np.asarray(oa[layer]), np.asarray(ob[layer]))
+    D.assert_same_outputs(out_a, out_b)
 
 
 def test_reload_refusals_leave_the_others_untouched(rng):

@@ -52,11 +52,7 @@ back = jnp.asarray([1, 3], jnp.int32)
 hlo += tier._reload.lower(b, back, image).compile().as_text()
 b = H.reload(b, back, H.to_host(image))
 jaxkv.check(b)
-_, out_a = run(a, [0, 2], steps, more)
-_, out_b = run(b, [1, 3], steps, more)
-for oa, ob in zip(out_a, out_b):
-    for layer in oa:
-        np.testing.assert_array_equal(oa[layer], ob[layer])
+D.assert_same_outputs(run(a, [0, 2], steps, more)[1], run(b, [1, 3], steps, more)[1])
 # a prefix shared on each shard (whole source): the sharers decode as the sources do
 sh, _ = run(H.init(c, mesh=mesh), [0, 2], 0, steps)
 ref, _ = run(H.init(c, mesh=mesh), [0, 2], 0, steps)
@@ -70,11 +66,7 @@ except jaxkv.CacheError as e:
     assert "on another request shard" in str(e), e
 sh = H.share(sh, dst, src, length)
 jaxkv.check(sh)
-_, out_ref = run(ref, [0, 2], steps, more)
-_, out_sh = run(sh, [1, 3], steps, more)
-for oa, ob in zip(out_ref, out_sh):
-    for layer in oa:
-        np.testing.assert_array_equal(oa[layer], ob[layer])
+D.assert_same_outputs(run(ref, [0, 2], steps, more)[1], run(sh, [1, 3], steps, more)[1])
 found = re.findall(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)", hlo)
 assert not found, found
 print("tier and share on a mesh: ok")

@@ -1,5 +1,6 @@
 """The serving loop (``models.dsv4_serving``): a shared-prefix workload finishes with prefix
-hits, fewer prompt tokens computed, the same tokens generated as without sharing, and, with
+hits (from the device and from host memory), fewer prompt tokens computed, the same tokens
+generated as without sharing, and, with
 a pool too small for all requests at once, preemption by offload and reload."""
 
 import numpy as np
@@ -10,8 +11,8 @@ pytest.importorskip("flax")
 from jaxkv.models.dsv4_serving import Server, shared_prefix_workload, small_model  # noqa: E402
 
 
-def _serve(share, pool_tokens=None, requests=6, burst=False):
-    server = Server(small_model(max_requests=10, max_context=128, pool_tokens=pool_tokens), 16, share=share)
+def _serve(share, pool_tokens=None, requests=6, burst=False, **kw):
+    server = Server(small_model(max_requests=10, max_context=128, pool_tokens=pool_tokens), 16, share=share, **kw)
     reqs = [
         server.submit(p, 4, arrival=0 if i < 2 or burst else 6 + i)
         for i, p in enumerate(shared_prefix_workload(requests, 2, 64, 16, 256, seed=1))
@@ -31,6 +32,16 @@ def test_shared_prefixes_hit_and_generate_the_same_tokens():
     for a in on.state.alloc:
         rows = np.asarray(a.owned)
         assert all(rows[s] == 0 for s in range(len(rows)) if s not in held)
+
+
+@pytest.mark.slow
+def test_snapshots_in_host_memory_hit_too():
+    """One snapshot kept on the device, the evicted ones in pinned host memory: hits come
+    from both, and the tokens are those of the run without sharing."""
+    on, reqs_on = _serve(True, snapshots=1, host_snapshots=8)
+    _, reqs_off = _serve(False)
+    assert on.host_hits > 0 and on.hit_tokens > 0
+    assert [r.out for r in reqs_on] == [r.out for r in reqs_off]
 
 
 @pytest.mark.slow
