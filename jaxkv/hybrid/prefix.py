@@ -42,7 +42,7 @@ import numpy as np
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.config import HybridConfig
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _cumsum_excl, _slot_rows
+from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _holds, _pop_blocks, _slot_rows
 from jaxkv.math.compressor import empty_tail
 from jaxkv.sharding import on_devices
 
@@ -163,9 +163,7 @@ def _share_rows(state: HybridCacheState, dst, src, length):
     c = state.config
     R, bs, fmt = c.max_requests, c.block_size, c.storage_format
     rows, in_range, d, repeated, s, valid = _source(state, dst, src, length)
-    busy = rows & (state.position[d] > 0)
-    for al in state.alloc:
-        busy |= rows & (al.owned[d] > 0)
+    busy = rows & _holds(state, d)
     bad = rows & ~busy & ~valid
     ok = rows & ~busy & valid
     src_len = state.position[s]
@@ -183,10 +181,8 @@ def _share_rows(state: HybridCacheState, dst, src, length):
     for (n, shared, total), r, al, pool in zip(plans, c.ratios, state.alloc, state.entries):
         K = _copied_blocks_max(c, r)
         own = jnp.where(go, total - shared, 0)
-        k = jnp.arange(K)[None, :]
-        take = k < own[:, None]  # bool[F, K]
-        blk = al.free[jnp.clip(al.num_free - 1 - _cumsum_excl(own)[:, None] - k, 0, al.free.shape[0] - 1)]
-        logical = shared[:, None] + k  # the request's block index of each copy
+        blk, take = _pop_blocks(al, own, K)  # i32 / bool[F, K]
+        logical = shared[:, None] + jnp.arange(K)[None, :]  # the request's block index of each copy
         src_blk = al.table[s[:, None], jnp.clip(logical, 0, al.table.shape[1] - 1)]
         dest = jnp.where(take, blk, pool.shape[1])  # out of range: dropped
         first = shared * bs

@@ -138,6 +138,23 @@ def _slot_rows(slots, R: int, counted=None):
     return in_range, slot, in_range & (count[slot] > 1)
 
 
+def _holds(state, slot):
+    """bool[F]: the slots ``slot`` (i32[F], in range) hold tokens or blocks."""
+    held = state.position[slot] > 0
+    for al in state.alloc:
+        held |= al.owned[slot] > 0
+    return held
+
+
+def _pop_blocks(al: BlockAllocator, n, K: int):
+    """(blk i32[F, K], take bool[F, K]): the ``n[f]`` (<= K) blocks row f takes from the top of
+    ``al``'s free stack, rows in order; ``take`` marks the real ones. Callers check first
+    that ``cumsum(n) <= num_free`` and lower ``num_free`` by ``sum(n)``."""
+    k = jnp.arange(K)[None, :]
+    blk = al.free[jnp.clip(al.num_free - 1 - _cumsum_excl(n)[:, None] - k, 0, al.free.shape[0] - 1)]
+    return blk, k < n[:, None]
+
+
 def _bad_rows(error, R: int, out_of_range, repeated):
     """``error`` (u32[R + 1]) with SLOT_OUT_OF_RANGE / SLOT_REPEATED recorded in its last word,
     the batch's bad-row entry, where any row had them."""
@@ -206,16 +223,12 @@ def _prepare(state, slots, positions, n, *, chunk):
     new_alloc = []
     for r, al, need in zip(c.ratios, state.alloc, needs):
         need = jnp.where(active, need, 0)
-        off = _cumsum_excl(need)
         max_new = -(-chunk // (r * c.block_size)) + 1  # most blocks one row can need this step
-        table = al.table
-        for j in range(max_new):
-            take = j < need
-            blk = al.free[jnp.clip(al.num_free - 1 - off - j, 0, al.free.shape[0] - 1)]
-            table = table.at[jnp.where(take, write_slot, R), al.owned[slot] + j].set(blk, mode="drop")
+        blk, take = _pop_blocks(al, need, max_new)
+        cols = al.owned[slot][:, None] + jnp.arange(max_new)[None, :]
         new_alloc.append(
             al.replace(
-                table=table,
+                table=al.table.at[jnp.where(take, write_slot[:, None], R), cols].set(blk, mode="drop"),
                 num_free=al.num_free - jnp.sum(need),
                 owned=al.owned.at[write_slot].add(need, mode="drop"),
             )
@@ -300,9 +313,7 @@ def _finish(state, slots, mine, empty_is_fault: bool = True):
     R = c.max_requests
     in_range, slot, repeated = _slot_rows(slots, R, mine)
     ok = mine & in_range & ~repeated
-    empty = ok & (state.position[slot] == 0) & empty_is_fault
-    for al in state.alloc:
-        empty &= al.owned[slot] == 0
+    empty = ok & ~_holds(state, slot) & empty_is_fault
     ws = jnp.where(ok, slot, R)
     new_alloc = [_release(al, slot, ok, ws) for al in state.alloc]
     err = _bad_rows(state.error, R, mine & ~in_range, mine & repeated)

@@ -24,7 +24,7 @@ from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.config import HybridConfig
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _cumsum_excl, _finish, _slot_rows
+from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _finish, _holds, _pop_blocks, _slot_rows
 from jaxkv.sharding import on_devices
 
 
@@ -164,9 +164,7 @@ def _reload_rows(state: HybridCacheState, slots, image: RequestImage):
     c = state.config
     R = c.max_requests
     in_range, slot, repeated = _slot_rows(slots, R)
-    busy = in_range & ~repeated & (state.position[slot] > 0)
-    for al in state.alloc:
-        busy |= in_range & ~repeated & (al.owned[slot] > 0)
+    busy = in_range & ~repeated & _holds(state, slot)
     ok = in_range & ~repeated & ~busy
     fits = ok
     for g, al in enumerate(state.alloc):
@@ -177,10 +175,7 @@ def _reload_rows(state: HybridCacheState, slots, image: RequestImage):
     new_alloc, new_entries, got_blocks = [], [], []
     for g, (al, pool, img) in enumerate(zip(state.alloc, state.entries, image.entries)):
         n = jnp.where(go, image.owned[g], 0)
-        off = _cumsum_excl(n)
-        j = jnp.arange(img.shape[2])[None, :]
-        take = j < n[:, None]  # bool[F, max_blocks]
-        blk = al.free[jnp.clip(al.num_free - 1 - off[:, None] - j, 0, al.free.shape[0] - 1)]
+        blk, take = _pop_blocks(al, n, img.shape[2])  # i32 / bool[F, max_blocks]
         dest = jnp.where(take, blk, pool.shape[1])  # i32[F, max_blocks]; out of range drops
         got_blocks.append(dest)
         new_entries.append(pool.at[:, dest].set(img, mode="drop"))
