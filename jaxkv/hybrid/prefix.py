@@ -83,12 +83,11 @@ def _item_of_byte(segments, bs: int):
     return np.concatenate([np.repeat(np.arange(bs, dtype=np.int32), z) for z in segments])
 
 
-def _masked(blocks, first_entry, n, bs: int, segments):
-    """``blocks`` (u8[L, F, K, bs * E]) with the bytes of entries ``>= n`` zeroed; block ``k``
-    of row ``f`` holds entries ``first_entry[f] + k * bs ..``."""
-    K = blocks.shape[2]
+def _below(first_entry, n, K: int, bs: int, segments):
+    """bool[1, F, K, bs * E]: the bytes of entries ``< n[f]`` in row f's K blocks, block ``k``
+    holding entries ``first_entry[f] + k * bs ..``."""
     entry = first_entry[:, None, None] + (jnp.arange(K) * bs)[None, :, None] + _item_of_byte(segments, bs)[None, None]
-    return jnp.where((entry < n[:, None, None])[None], blocks, jnp.zeros((), blocks.dtype))
+    return (entry < n[:, None, None])[None]
 
 
 def share(state: HybridCacheState, dst, src, length):
@@ -186,9 +185,10 @@ def _share_rows(state: HybridCacheState, dst, src, length):
         src_blk = al.table[s[:, None], jnp.clip(logical, 0, al.table.shape[1] - 1)]
         dest = jnp.where(take, blk, pool.shape[1])  # out of range: dropped
         first = shared * bs
-        copies = _masked(pool[:, jnp.maximum(src_blk, 0)], first, n, bs, fmt.entry.segments)
+        below = _below(first, n, K, bs, fmt.entry.segments)  # entries past the prefix stay zeros
+        copies = jnp.where(below, pool[:, jnp.maximum(src_blk, 0)], jnp.zeros((), pool.dtype))
         new_entries.append(pool.at[:, dest].set(copies, mode="drop"))
-        got.append((dest, src_blk, first, n))
+        got.append((dest, src_blk, first, n, K))
         j = jnp.arange(al.table.shape[1])[None, :]
         row = jnp.where(j < shared[:, None], al.table[s], -1)
         row = row.at[jnp.arange(row.shape[0])[:, None], jnp.where(take, logical, row.shape[1])].set(blk, mode="drop")
@@ -201,8 +201,9 @@ def _share_rows(state: HybridCacheState, dst, src, length):
         )
     index_keys = state.index_keys
     if c.index_layers:
-        dest, src_blk, first, n = got[c.ratios.index(c.indexer_ratio)]
-        keys = _masked(index_keys[:, jnp.maximum(src_blk, 0)], first, n, bs, fmt.index_key(c.index_dim).segments)
+        dest, src_blk, first, n, K = got[c.ratios.index(c.indexer_ratio)]
+        below = _below(first, n, K, bs, fmt.index_key(c.index_dim).segments)
+        keys = jnp.where(below, index_keys[:, jnp.maximum(src_blk, 0)], jnp.zeros((), index_keys.dtype))
         index_keys = index_keys.at[:, dest].set(keys, mode="drop")
 
     def rows_of(x, whole_rows):  # x's rows at the source where the whole source is taken
@@ -241,11 +242,8 @@ def _complete_rows(state: HybridCacheState, dst, src, length):
         mine = al.table[d[:, None], logical]
         theirs = al.table[s[:, None], logical]
         go = ok[:, None] & (mine >= 0) & (theirs >= 0) & (mine != theirs)
-        theirs_below_n = _masked(pool[:, jnp.maximum(theirs, 0)], shared * bs, n, bs, segments)
-        mine_from_n = pool[:, jnp.maximum(mine, 0)] - _masked(
-            pool[:, jnp.maximum(mine, 0)], shared * bs, n, bs, segments
-        )
-        x = theirs_below_n | mine_from_n
+        below = _below(shared * bs, n, K, bs, segments)
+        x = jnp.where(below, pool[:, jnp.maximum(theirs, 0)], pool[:, jnp.maximum(mine, 0)])
         return pool.at[:, jnp.where(go, mine, pool.shape[1])].set(x, mode="drop")
 
     fmt = c.storage_format
