@@ -42,7 +42,7 @@ import numpy as np
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.config import HybridConfig
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _holds, _pop_blocks, _slot_rows
+from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _holds, _pop_blocks, _shard_slots, _slot_rows
 from jaxkv.math.compressor import empty_tail
 from jaxkv.sharding import on_devices
 
@@ -128,12 +128,7 @@ def _per_shard(fn, state: HybridCacheState, dst, src, length):
 
     def local(part, dst, src, length):
         Rl = part.config.max_requests
-        base = lay.index("requests") * Rl
-
-        def mine(x):
-            return jnp.where((x >= base) & (x < base + Rl), x - base, -1)
-
-        return fn(part, mine(dst), mine(src), length)
+        return fn(part, _shard_slots(dst, lay, Rl), _shard_slots(src, lay, Rl), length)
 
     return on_devices(local, state, dst, src, length, axes=(("requests",),) * 3, out="state")
 

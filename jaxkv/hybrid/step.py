@@ -109,6 +109,13 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
     )
 
 
+def _shard_slots(slots, lay, Rl: int):
+    """Global slot ids as the ids of this request shard of ``lay`` (``Rl`` slots each); -1
+    where another shard owns the slot (callers then refuse the row as out of range)."""
+    base = lay.index("requests") * Rl
+    return jnp.where((slots >= base) & (slots < base + Rl), slots - base, -1)
+
+
 def _check_batch(state, B: int):
     if state.layout is not None:
         state.layout.check_divides("requests", B, "the batch's rows (slots)")

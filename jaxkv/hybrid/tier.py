@@ -24,7 +24,7 @@ from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.errors import Fault, record
 from jaxkv.hybrid.config import HybridConfig
 from jaxkv.hybrid.state import HybridCacheState
-from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _finish, _holds, _pop_blocks, _slot_rows
+from jaxkv.hybrid.step import _as_i32, _bad_rows, _check_batch, _finish, _holds, _pop_blocks, _shard_slots, _slot_rows
 from jaxkv.sharding import on_devices
 
 
@@ -69,11 +69,8 @@ def _on_shards(fn, state: HybridCacheState, slots, *image):
     c = state.config
 
     def local(part, slots, *img):
-        Rl = part.config.max_requests
-        base = lay.index("requests") * Rl
-        mine = (slots >= base) & (slots < base + Rl)
         img = tuple(i.replace(config=part.config) for i in img)
-        res = fn(part, jnp.where(mine, slots - base, -1), *img)
+        res = fn(part, _shard_slots(slots, lay, part.config.max_requests), *img)
         return jax.tree_util.tree_map(
             lambda x: x.replace(config=c) if isinstance(x, RequestImage) else x,
             res,
