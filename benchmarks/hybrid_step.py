@@ -92,9 +92,11 @@ def make_inputs(cfg, B, key):
 
 
 def bookkeeping(state, slots, inputs, params, impl="xla"):
-    """prepare_forward + every layer's SWA write and compressor append/flush."""
+    """prepare_forward + every layer's SWA write and compressor append/flush. Row b is slot
+    ``slots[b]`` = b (every slot, in order: on a mesh each device's rows are its own
+    requests, and the positions need no gather across devices)."""
     cfg = state.config
-    state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
+    state, step = H.prepare_forward(state, slots, state.position, chunk=1)
     for layer in range(cfg.num_layers):
         x = inputs[layer]
         state = H.write_window(state, step, layer, x["kv"], impl=impl)

@@ -61,7 +61,7 @@ import numpy as np  # noqa: E402
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from dsv4_step import decode_step as dsv4_decode_step  # noqa: E402
 from dsv4_step import fill_random, make_extra  # noqa: E402
-from hybrid_step import make_inputs, make_params, stack_layers  # noqa: E402
+from hybrid_step import bookkeeping_stacked, make_inputs, make_params, stack_layers  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -108,24 +108,6 @@ def digests(state) -> dict:
 
 
 # ----------------------------------------------------------------------------- hybrid
-def bookkeeping_step(state, slots, stacked, impl):
-    """prepare_forward (rows = slots in order: each device's rows are its own requests) +
-    every layer's window write and compressor update, inputs read as ``Stacked`` rows."""
-    cfg = state.config
-    state, step = H.prepare_forward(state, slots, state.position, chunk=1)
-    kv, by_kind = stacked
-    seen = {H.CSA: 0, H.HCA: 0}
-    for layer in range(cfg.num_layers):
-        state = H.write_window(state, step, layer, H.Stacked(kv, layer), impl=impl)
-        if cfg.compress_ratios[layer]:
-            kind = cfg.kind(layer)
-            x, p = jax.tree.map(lambda a, i=seen[kind]: H.Stacked(a, i), by_kind[kind])
-            seen[kind] += 1
-            index = (x["ikv"], x["iscore"], p["index"]) if kind == H.CSA else None
-            state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index, impl=impl)
-    return state
-
-
 def hybrid_state(base, B, mesh, fill: bool):
     """A cache of ``base`` with ``B`` requests per GPU at scattered positions (the same on
     every GPU), its pools random (``fill``) or holding only the prefill's windows."""
@@ -192,7 +174,7 @@ def hybrid_case(base, B, mesh):
     kv, by_kind = stack_layers(cfg1, make_inputs(cfg1, B, key), make_params(cfg1, key))
     kv = put(kv, mesh, P(None, "data"))
     by_kind = {k: (put(x, mesh, P(None, "data")), rep(p, mesh)) for k, (x, p) in by_kind.items() if x is not None}
-    fn = jax.jit(functools.partial(bookkeeping_step, impl="auto"), donate_argnums=0)
+    fn = jax.jit(functools.partial(bookkeeping_stacked, impl="auto"), donate_argnums=0)
     args = (slots, (kv, by_kind))
     return state, fn.lower(state, *args).compile(), args
 
