@@ -165,7 +165,7 @@ def run_case(B, context, args):
     def state_for(shared: bool):  # one cache per layout, made when first asked for
         if shared not in states:
             st = states[shared] = make_state(cfg, start, jax.random.fold_in(key, 7), shared)
-            used = sum(int(a.free.shape[0] - a.num_free) for a in st.alloc)
+            used, _ = H.block_counts(st)
             print(f"  {B} requests, context {context}: {used} blocks in use ({'shared' if shared else 'no'} prefix)")
         return states[shared]
 

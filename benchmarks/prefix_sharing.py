@@ -26,13 +26,6 @@ import numpy as np
 from jaxkv import hybrid as H
 
 
-def blocks(state) -> tuple[int, int]:
-    """(blocks in use, blocks the tables name: what the same requests would hold unshared)."""
-    used = sum(int(a.free.shape[0] - a.num_free) for a in state.alloc)
-    named = sum(int(np.asarray(a.owned).sum()) for a in state.alloc)
-    return used, named
-
-
 def prefill(state, slots, start, n):
     slots = np.asarray(slots, np.int32)
     state, _ = H.prepare_forward(
@@ -56,14 +49,14 @@ def main():
     per_prompt = np.arange(n) % p
 
     plain = prefill(H.init(cfg), np.arange(n), 0, total)
-    plain_used, _ = blocks(plain)
+    plain_used, _ = H.block_counts(plain)
     del plain
 
     st = prefill(H.init(cfg), n + np.arange(p), 0, args.shared)  # the snapshots
     st = H.share(st, np.arange(n), n + per_prompt, np.full(n, args.shared))
     st = prefill(st, np.arange(n), args.shared, args.unique)
     assert not np.asarray(st.error).any(), "a fault in the shared run"
-    used, named = blocks(st)
+    used, named = H.block_counts(st)
     computed, computed_plain = p * args.shared + n * args.unique, n * total
 
     print(f"V4-Flash schedule (window {cfg.window}, ratios {cfg.ratios}, {cfg.block_size} entries per block)")

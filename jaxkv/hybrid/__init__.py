@@ -45,7 +45,7 @@ from jaxkv.hybrid.ops import (
 )
 from jaxkv.hybrid.prefix import complete_share, refeed_start, share
 from jaxkv.hybrid.prefix_index import PrefixIndex
-from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, init, nbytes
+from jaxkv.hybrid.state import BlockAllocator, HybridCacheState, block_counts, init, nbytes
 from jaxkv.hybrid.step import Step, finish, prepare_forward, query_positions
 from jaxkv.hybrid.tier import RequestImage, offload, reload, to_device, to_host
 from jaxkv.hybrid.views import LayerView, layer_view
@@ -56,6 +56,7 @@ __all__ = [
     "after_reads",
     "attention",
     "BlockAllocator",
+    "block_counts",
     "CSA",
     "LayerView",
     "layer_view",

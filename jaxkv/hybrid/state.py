@@ -219,3 +219,11 @@ def _empty(config: HybridConfig) -> HybridCacheState:
 def nbytes(state: HybridCacheState) -> int:
     """Device bytes the cache holds."""
     return int(sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(state)))
+
+
+def block_counts(state: HybridCacheState) -> tuple[int, int]:
+    """(blocks in use, blocks the block tables name), over every ratio; reads the device.
+    With shared prefixes (``hybrid.share``) a block named by several tables counts once in
+    the first and once per table in the second: what the same requests would hold unshared."""
+    used = sum(int(a.free.shape[0] - a.num_free.sum()) for a in state.alloc)
+    return used, sum(int(a.owned.sum()) for a in state.alloc)

@@ -261,11 +261,8 @@ class Server:
             self.state = H.finish(self.state, jnp.asarray([r.slot], jnp.int32))
             self.free.append(r.slot)
             self.running.remove(r)
-        used = [a.free.shape[0] - f for a, f in zip(self.state.alloc, self._blocks_free())]
-        held = [int(np.asarray(a.owned).sum()) for a in self.state.alloc]
-        self.history.append(
-            dict(blocks_used=sum(used), blocks_named=sum(held), running=len(self.running), prefill=bool(prefill))
-        )
+        used, named = H.block_counts(self.state)
+        self.history.append(dict(blocks_used=used, blocks_named=named, running=len(self.running), prefill=prefill))
 
     def run(self, max_steps: int = 100_000) -> None:
         for _ in range(max_steps):
