@@ -33,15 +33,19 @@ R = CFG.max_requests
 PARAMS = D.make_params(CFG, np.random.default_rng(0))
 
 
-def _replay_alone(tokens):
-    """The request's tokens fed alone, CHUNK at a time, to a fresh cache -> its state (slot 0)."""
-    state = H.init(CFG)
-    n = next(iter(tokens[0].values())).shape[1]
-    for t0 in range(0, n, CHUNK):
-        k = min(CHUNK, n - t0)
+def _feed(state, slot, tokens, lo, hi):
+    """Positions ``lo .. hi - 1`` of ``tokens`` (one request's history) into ``slot``, CHUNK at a time."""
+    for t0 in range(lo, hi, CHUNK):
+        k = min(CHUNK, hi - t0)
         x = {l: {key: _pad(a[:, t0 : t0 + k]) for key, a in xl.items()} for l, xl in tokens.items()}
-        state, step = H.prepare_forward(state, jnp.array([0]), jnp.array([t0]), jnp.array([k]), chunk=CHUNK)
+        state, step = H.prepare_forward(state, jnp.array([slot]), jnp.array([t0]), jnp.array([k]), chunk=CHUNK)
         state, _, _ = D.model_step(state, step, x, PARAMS)
+    return state
+
+
+def _replay_alone(tokens):
+    """The request's tokens fed alone to a fresh cache -> its state (slot 0)."""
+    state = _feed(H.init(CFG), 0, tokens, 0, next(iter(tokens[0].values())).shape[1])
     jaxkv.check(state)
     return state
 
@@ -124,13 +128,7 @@ class HybridMachine(RuleBasedStateMachine):
         self.state = H.share(self.state, [dst], [src], [length])
         start = H.refeed_start(CFG, length, self.pos[src])
         event("share: whole source" if start == length else "share: re-fed")
-        for t0 in range(start, length, CHUNK):
-            k = min(CHUNK, length - t0)
-            x = {l: {key: _pad(a[:, t0 : t0 + k]) for key, a in xl.items()} for l, xl in self.tokens[src].items()}
-            self.state, step = H.prepare_forward(
-                self.state, jnp.array([dst]), jnp.array([t0]), jnp.array([k]), chunk=CHUNK
-            )
-            self.state, _, _ = D.model_step(self.state, step, x, PARAMS)
+        self.state = _feed(self.state, dst, self.tokens[src], start, length)
         self.state = H.complete_share(self.state, [dst], [src], [length])
         jaxkv.check(self.state)
         self.pos[dst] = length
