@@ -41,7 +41,7 @@ def _typed(lib):
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
         lib.jaxkv_flush_write.argtypes = [p, p, p, p, p, p, p, i64, i64, i32, i32]
         lib.jaxkv_tail_state.argtypes = [p, p, i64, i32, i32, p, i64]
-        lib.jaxkv_frame_append.argtypes = [p, p, p, p, p, p, i64, i64, i64, i32, p, p]
+        lib.jaxkv_frame_append.argtypes = [p, p, p, p, p, p, i64, i64, i64, i64, i32, p, p]
         lib.jaxkv_prefix_attention.argtypes = [
             p,
             p,
@@ -188,11 +188,12 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
     """Write the rows of ``k`` / ``v`` into ``kbuf`` / ``vbuf`` at ``rows``, or, if either
     holds a NaN or an Inf, every row at ``trash_row`` and ``sticky`` set (decided on the
     device: two launches, no host sync). Shapes are the caller's to check (the manager's
-    per-frame hot path); dtypes, devices and contiguity are checked here.
+    per-frame hot path) beyond what keeps the writes inside the buffers; dtypes, devices and
+    contiguity are checked here.
 
         k, v:        dtype[N, H, D] contiguous     the frame (dtype bf16, fp16 or fp32)
         kbuf, vbuf:  dtype[T, H, D] contiguous     one layer's buffers
-        rows:        i64[N]                        destination rows, in [0, T)
+        rows:        i64[N]                        destination rows; one outside [0, T) goes to trash_row
         scratch:     i32[APPEND_SCRATCH]           working space (any contents)
         sticky:      bool[]                        set to True for a bad frame, never cleared
     """
@@ -226,6 +227,13 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
             f"rows, scratch, sticky: expected i64[N], i32[>={APPEND_SCRATCH}], bool[], got "
             f"{rows.dtype}, {scratch.dtype}[{scratch.numel()}], {sticky.dtype}"
         )
+    if k.shape != v.shape or kbuf.shape != vbuf.shape or k[0].shape != kbuf[0].shape or rows.shape != k.shape[:1]:
+        raise ValueError(  # the kernel trusts these sizes: a smaller buffer would be written past its end
+            f"k, v, kbuf, vbuf, rows: expected k, v [N, *row], kbuf, vbuf [T, *row] and rows [N], got "
+            f"{list(k.shape)}, {list(v.shape)}, {list(kbuf.shape)}, {list(vbuf.shape)}, {list(rows.shape)}"
+        )
+    if not 0 <= trash_row < kbuf.shape[0]:
+        raise ValueError(f"trash_row: expected a row in [0, {kbuf.shape[0]}), got {trash_row}")
     row_bytes = k[0].numel() * k.element_size()
     code = _lib(dev).jaxkv_frame_append(
         _stream(dev),
@@ -237,6 +245,7 @@ def frame_append(k, v, kbuf, vbuf, rows, trash_row: int, scratch, sticky) -> Non
         k.shape[0],
         row_bytes,
         trash_row,
+        kbuf.shape[0],
         _APPEND_DTYPES[k.dtype],
         scratch.data_ptr(),
         sticky.data_ptr(),

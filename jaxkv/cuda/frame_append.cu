@@ -7,7 +7,8 @@
 //   check   grid-stride over k and v as 32-bit words; each block writes whether its words
 //           held a non-finite value to scratch[block] (no reset needed: every block writes).
 //   write   one block per row: OR of scratch[0 .. check_blocks) decides the destination
-//           (rows[r] or trash_row); block 0 raises *sticky when the frame is bad.
+//           (rows[r] or trash_row); block 0 raises *sticky when the frame is bad. A row
+//           outside the buffer goes to trash_row too: no write lands outside kbuf / vbuf.
 //
 // dtype: 0 bfloat16, 1 float16, 2 float32 (a non-finite value has an all-ones exponent).
 // Rows are row_bytes long (a multiple of 4), contiguous; 16-byte copies where aligned.
@@ -48,13 +49,14 @@ __device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int64
 
 __global__ void __launch_bounds__(kWriteThreads)
     write_kernel(const uint8_t* k, const uint8_t* v, uint8_t* kbuf, uint8_t* vbuf, const int64_t* rows,
-                 int64_t row_bytes, int64_t trash_row, const int32_t* scratch, int32_t check_blocks,
+                 int64_t row_bytes, int64_t trash_row, int64_t buf_rows, const int32_t* scratch, int32_t check_blocks,
                  uint8_t* sticky, bool vec16) {
   bool bad = false;
   for (int i = threadIdx.x; i < check_blocks; i += blockDim.x) bad |= scratch[i] != 0;
   bad = __syncthreads_or(bad);
   const int64_t r = blockIdx.x;
-  const int64_t dst = bad ? trash_row : rows[r];
+  const int64_t row = rows[r];
+  const int64_t dst = bad || row < 0 || row >= buf_rows ? trash_row : row;
   copy_row(k + r * row_bytes, kbuf + dst * row_bytes, row_bytes, vec16);
   copy_row(v + r * row_bytes, vbuf + dst * row_bytes, row_bytes, vec16);
   if (bad && r == 0 && threadIdx.x == 0) *sticky = 1;
@@ -64,13 +66,16 @@ __global__ void __launch_bounds__(kWriteThreads)
 
 extern "C" {
 
-// k, v: [n_rows, row_bytes] contiguous; kbuf, vbuf: [T, row_bytes]; rows: i64[n_rows] in
-// [0, T); scratch: i32[256]; sticky: one byte, set to 1 (never cleared here).
-// Returns a cudaError_t (0: launched); 1 (cudaErrorInvalidValue) for a bad size or dtype.
+// k, v: [n_rows, row_bytes] contiguous; kbuf, vbuf: [buf_rows, row_bytes]; rows: i64[n_rows]
+// (outside [0, buf_rows): to trash_row); scratch: i32[256]; sticky: one byte, set to 1 (never
+// cleared here). Returns a cudaError_t (0: launched); 1 (cudaErrorInvalidValue) for a bad
+// size, dtype or trash_row.
 int jaxkv_frame_append(void* stream, const void* k, const void* v, void* kbuf, void* vbuf, const int64_t* rows,
-                       int64_t n_rows, int64_t row_bytes, int64_t trash_row, int32_t dtype, int32_t* scratch,
-                       uint8_t* sticky) {
-  if (n_rows <= 0 || row_bytes <= 0 || row_bytes % 4 || dtype < 0 || dtype > 2) return cudaErrorInvalidValue;
+                       int64_t n_rows, int64_t row_bytes, int64_t trash_row, int64_t buf_rows, int32_t dtype,
+                       int32_t* scratch, uint8_t* sticky) {
+  if (n_rows <= 0 || row_bytes <= 0 || row_bytes % 4 || dtype < 0 || dtype > 2 || trash_row < 0 ||
+      trash_row >= buf_rows)
+    return cudaErrorInvalidValue;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t words = n_rows * row_bytes / 4;
   const int64_t want = (words + jaxkv::kCheckThreads * 8 - 1) / (jaxkv::kCheckThreads * 8);  // ~8 words per thread
@@ -82,7 +87,7 @@ int jaxkv_frame_append(void* stream, const void* k, const void* v, void* kbuf, v
                      reinterpret_cast<uintptr_t>(vbuf) % 16 == 0;
   jaxkv::write_kernel<<<static_cast<unsigned>(n_rows), jaxkv::kWriteThreads, 0, s>>>(
       static_cast<const uint8_t*>(k), static_cast<const uint8_t*>(v), static_cast<uint8_t*>(kbuf),
-      static_cast<uint8_t*>(vbuf), rows, row_bytes, trash_row, scratch, blocks, sticky, vec16);
+      static_cast<uint8_t*>(vbuf), rows, row_bytes, trash_row, buf_rows, scratch, blocks, sticky, vec16);
   return static_cast<int>(cudaGetLastError());
 }
 

@@ -81,8 +81,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
   const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;  // wg 2: the producer warp
   const int head = blockIdx.y, b = blockIdx.z / a.splits, split = blockIdx.z % a.splits;
   const int start = split * a.chunk;
-  const int visible = a.kv_len ? __ldg(a.kv_len + b) : a.kv_len_value;
-  const int length = max(0, min(min(visible, a.T) - start, a.chunk));
+  const int visible = max(0, min(a.kv_len ? __ldg(a.kv_len + b) : a.kv_len_value, a.T));  // no overflow below
+  const int length = max(0, min(visible - start, a.chunk));
   const int steps = (length + kBlockKV - 1) / kBlockKV;
 
   if (threadIdx.x == 0) {

@@ -208,12 +208,14 @@ STORAGE_CODES = {name: code for code, name in enumerate(STORAGES)}  # the CUDA k
 # --- block addressing ----------------------------------------------------------------------
 def write_items(pool, layer: int, block, slot, items, segments):
     """Scatter items into layer ``layer`` of a stacked segment-major block pool, in place;
-    rows whose ``block`` is out of range are dropped.
+    rows whose ``block`` or ``slot`` is out of range are dropped (a slot past its segment
+    would land in the next one's bytes).
 
     pool: u8[layers, num_blocks, block_size * E], block: i32[N], slot: i32[N], items: u8[N, E].
     """
     width = pool.shape[-1]
     bs = width // sum(segments)
+    block = jnp.where((slot >= 0) & (slot < bs), block, -1)
     dnums = lax.ScatterDimensionNumbers(
         update_window_dims=(1,), inserted_window_dims=(0, 1), scatter_dims_to_operand_dims=(0, 1, 2)
     )

@@ -258,7 +258,8 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
         else:
             e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
         blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], e, c.block_size)
-        valid = entry_visible(e, step, T, ratio) & (blk >= 0)
+        # a block id outside the pool would name another layer's rows of the stacked pool: masked
+        valid = entry_visible(e, step, T, ratio) & (blk >= 0) & (blk < state.entries[g].shape[1])
         pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
         parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
 

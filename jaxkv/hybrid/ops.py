@@ -430,12 +430,13 @@ def entry_count(step: Step, ratio: int):
 
 def _read(pool, j, blk, item, codec, storage, impl):
     """Items ``(blk, item)`` of layer ``j`` of a pool, dequantized: bf16[..., 512]; zeros
-    where ``blk < 0``. impl "cuda": one gather-dequantize kernel (entry codecs only)."""
+    where ``blk`` is outside the pool (-1: none; a clamped id would read another request's
+    block). impl "cuda": one gather-dequantize kernel (entry codecs only), the same rule."""
     if impl == "cuda":
         flat = dequant_gather(pool, j, blk.reshape(-1), item.reshape(-1), storage=storage)
         return flat.reshape(*blk.shape, flat.shape[-1])
     items = codec.decode(read_items(pool, j, blk, item, codec.segments))
-    return jnp.where((blk >= 0)[..., None], items, 0).astype(jnp.bfloat16)
+    return jnp.where(((blk >= 0) & (blk < pool.shape[1]))[..., None], items, 0).astype(jnp.bfloat16)
 
 
 def _gather(pool, j, table, slot, idx, codec, bs, storage, impl="xla"):

@@ -28,8 +28,12 @@ rounding boundary (and its FP8 / FP4 bytes then by one code).
     kv, score:  float[B, coff * 512]        CSA: [:512] b stream, [512:] a stream
     ikv, iscore: float[B, 256]              CSA only: the indexer's compressor inputs
     bias: f32[ratio, coff * 512]   norm: f32[512]   (ibias f32[ratio, 256], inorm f32[128])
-    slot, write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
-    table: i32[R, max_blocks]   pool: u8[L, NB, bs * E]   index_pool: u8[L, NB, bs * K]   (E, K: storage.entry_bytes, key_bytes)
+    slot, write_slot, start, num_tokens: i32[B]   (``hybrid.Step``: slot clamped into [0, R),
+                                 a write_slot outside it inactive)
+    table: i32[R, max_blocks]    a cell outside [0, NB) is no block: nothing written,
+                                 POOL_EXHAUSTED; a cell in range is trusted to be the request's
+                                 own (the cache keeps its tables: docs/reliability.md)
+    pool: u8[L, NB, bs * E]   index_pool: u8[L, NB, bs * K]   (E, K: storage.entry_bytes, key_bytes)
     error: u32[R + 1]
 
 Each of kv, score, bias, norm (and the indexer's) may instead be a ``jaxkv.stacked.Stacked`` row

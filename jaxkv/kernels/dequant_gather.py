@@ -15,7 +15,8 @@ kernels that show both are in ``tests/kernels/test_mosaic_limits.py``; the decis
 their measurements: docs/kernels/dequant_gather.md.
 
     pool: u8[L, NB, bs * E]   (E: ``jaxkv.formats.storage.entry_bytes(storage)``)
-    block, slot: i32[M]   item m's block and entry slot; block outside [0, NB) -> zeros
+    block, slot: i32[M]   item m's block and entry slot; block outside [0, NB) -> zeros, slot
+                          clamped into the block (docs/reliability.md: the rules, what is trusted)
     -> bf16[M, 512]
 """
 

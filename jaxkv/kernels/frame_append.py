@@ -17,7 +17,8 @@ reference with the same contract. Shapes::
 
     k_bufs, v_bufs: L x dtype[B, T, H*D]   the cache (``FrameCacheState.k`` / ``.v``, heads flattened)
     k, v: dtype[L, B, NS + P, H*D]          the frame, specials first
-    special_row, patch_row: i32[B]           where the specials / the patch page go
+    special_row, patch_row: i32[B]           where the specials / the patch page go, clamped
+                                             into the buffer as dynamic_update_slice clamps
 """
 
 from __future__ import annotations
@@ -38,9 +39,10 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
         raise ValueError(f"v: expected {k.dtype}{list(k.shape)} like k, got {v.dtype}{list(v.shape)}")
     if len(k_bufs) != L or len(v_bufs) != L:
         raise ValueError(f"k_bufs, v_bufs: expected {L} buffers each, got {len(k_bufs)} and {len(v_bufs)}")
+    T = k_bufs[0].shape[1] if k_bufs and k_bufs[0].ndim == 3 else "rows"
     for b in (*k_bufs, *v_bufs):
-        if b.ndim != 3 or b.shape[0] != B or b.shape[2] != hd or b.dtype != k.dtype:
-            raise ValueError(f"k_bufs, v_bufs: expected {k.dtype}[{B}, rows, {hd}], got {b.dtype}{list(b.shape)}")
+        if b.ndim != 3 or b.shape[0] != B or b.shape[1] != T or b.shape[2] != hd or b.dtype != k.dtype:
+            raise ValueError(f"k_bufs, v_bufs: expected {k.dtype}[{B}, {T}, {hd}] each, got {b.dtype}{list(b.shape)}")
     for name, r in (("special_row", special_row), ("patch_row", patch_row)):
         if r.shape != (B,) or r.dtype != jnp.int32:
             raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
@@ -48,6 +50,10 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
         raise ValueError(
             f"num_special, page_size: expected 0 <= {num_special} <= {tpf} and page_size >= "
             f"{tpf - num_special} patches, got page_size {page_size}"
+        )
+    if k_bufs and T < max(page_size, num_special):
+        raise ValueError(
+            f"k_bufs, v_bufs: expected at least {max(page_size, num_special)} rows (a page, the specials), got {T}"
         )
 
 
@@ -172,6 +178,12 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     module docstring); bytes equal ``ref_write_frame``'s."""
     _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
     L, B = k.shape[:2]
+    T = k_bufs[0].shape[1]
+    # clamped as dynamic_update_slice clamps (the reference), so no row lands outside the
+    # stream's buffer; in XLA, where the rows are made (the kernel's scalar min / max compare
+    # int32 unsigned in this lowering)
+    special_row = jnp.clip(special_row, 0, T - num_special)
+    patch_row = jnp.clip(patch_row, 0, T - page_size)
     tune = launch("frame_append")
     bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
     _write_frame_kernel(

@@ -27,10 +27,10 @@ of the head sum differs from ``ref_index_scores``.
     weights: f32[N, H]        per-head weights
     pool: u8[L, P, bs * Kb]   every CSA layer's indexer keys (``HybridCacheState.index_keys``);
                               layer ``layer`` is read; bs a multiple of 64
-    pages: i32[B, NP]         physical page of each logical page of request b (any in-range id
-                              where the page holds no counted entry)
+    pages: i32[B, NP]         physical page of each logical page of request b (any value where
+                              the page holds no counted entry)
     count: i32[N]             entries row n sees: entries [0, count)
-    -> f32[N, NP * bs]        the scores; -inf at and past count
+    -> f32[N, NP * bs]        the scores; -inf at and past count, and on pages outside the pool
 
 ``ref_index_scores`` is the float32 reference with the same contract. Mosaic GPU only (no
 interpret mode): the tests run it on a GPU; elsewhere the hybrid cache uses XLA.
@@ -105,6 +105,16 @@ def group_multipliers(pool, layer: int, pages, *, storage: str, dim: int = 128):
     return m.transpose(0, 3, 1, 2).reshape(B, G, NP * bs)
 
 
+def counted(pages, count, num_pages: int, bs: int):
+    """bool[N, NP * bs]: row n scores entry s iff s < count[n] and the page holding s is one of
+    the pool's ``num_pages``. An entry on a page outside the pool is masked (-inf), never read
+    from a clamped page some other request may own (docs/reliability.md)."""
+    B, NP = pages.shape
+    N = count.shape[0]
+    in_pool = jnp.repeat((pages >= 0) & (pages < num_pages), bs, axis=1)  # [B, NP * bs]
+    return (jnp.arange(NP * bs)[None, :] < count[:, None]) & jnp.repeat(in_pool, N // B, axis=0)
+
+
 def ref_index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
     """float32 reference: decode every key of every page (the storage's codec), then
     ``sum_h w * relu(q . k)``; -inf at and past count."""
@@ -120,12 +130,14 @@ def ref_index_scores(q, weights, pool, layer, pages, count, *, storage="official
     keys = jnp.repeat(keys, N // B, axis=0).astype(jnp.float32)
     dots = jnp.einsum("nhd,nsd->nhs", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
     s = jnp.einsum("nhs,nh->ns", jax.nn.relu(dots), weights.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-    return jnp.where(jnp.arange(NP * bs)[None, :] < count[:, None], s, -jnp.inf)
+    return jnp.where(counted(pages, count, pool.shape[1], bs), s, -jnp.inf)
 
 
-def _tile_meta(pages, count, rows_per_request, tiles_per_program, bs):
-    """i32[N, chunks, W]: per row and chunk of ``tiles_per_program`` tiles, each tile's page,
-    then (at ``tiles_per_program``) how many of the chunk's tiles hold counted entries."""
+def _tile_meta(pages, count, rows_per_request, tiles_per_program, bs, num_pages):
+    """i32[N, chunks, W]: per row and chunk of ``tiles_per_program`` tiles, each tile's page
+    (clamped into the pool: the kernel's loads are plain ones, and ``counted`` masks what a
+    clamped page gives), then (at ``tiles_per_program``) how many of the chunk's tiles hold
+    counted entries."""
     B, NP = pages.shape
     sub = bs // TILE
     NT = NP * sub
@@ -135,7 +147,7 @@ def _tile_meta(pages, count, rows_per_request, tiles_per_program, bs):
     tile_page = jnp.repeat(tile_page.reshape(B, chunks, tiles_per_program), rows_per_request, axis=0)
     need = (count + TILE - 1) // TILE  # tiles row n computes
     todo = jnp.clip(need[:, None] - jnp.arange(chunks)[None, :] * tiles_per_program, 0, tiles_per_program)
-    meta = jnp.concatenate([jnp.maximum(tile_page, 0), todo[..., None].astype(i32)], axis=2)
+    meta = jnp.concatenate([jnp.clip(tile_page, 0, num_pages - 1), todo[..., None].astype(i32)], axis=2)
     return jnp.pad(meta, ((0, 0), (0, 0), (0, -meta.shape[2] % 32)))  # TMA: a multiple of 128 bytes
 
 
@@ -240,7 +252,7 @@ def index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
     B, NP = pages.shape
     bs, code_bytes, groups = _geometry(pool, storage, D)
     tpc = launch("index_scores")["tiles"]
-    meta = _tile_meta(pages, count, N // B, tpc, bs)
+    meta = _tile_meta(pages, count, N // B, tpc, bs, pool.shape[1])
     mult = group_multipliers(pool, layer, pages, storage=storage, dim=D)
     codes = pool.reshape(pool.shape[0], pool.shape[1], pool.shape[2] // code_bytes, code_bytes)  # rows of 64 B
     q2 = q.reshape(N, H, D // 2, 2).transpose(0, 3, 1, 2)  # [N, 2, H, 64]: even dims, odd dims
@@ -256,7 +268,7 @@ def index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
         groups=groups,
         sub=bs // TILE,
     )
-    return jnp.where(jnp.arange(NP * bs)[None, :] < count[:, None], raw[:, : NP * bs], -jnp.inf)
+    return jnp.where(counted(pages, count, pool.shape[1], bs), raw[:, : NP * bs], -jnp.inf)
 
 
-__all__ = ["TILE", "check", "group_multipliers", "index_scores", "ref_index_scores"]
+__all__ = ["TILE", "check", "counted", "group_multipliers", "index_scores", "ref_index_scores"]

@@ -36,9 +36,11 @@ merged in the kernel): no merge launch, one bf16 rounding of the output.
 
     q: bf16[N, H, 512]           one query row per (request, token); H a multiple of 64
     pools: tuple of u8[P, bs * E] one pool per part, rows ``block * bs + slot``
-    rows: i32[N, NB * 64]        block b's 64 rows; rows past ``nvalid`` are ignored
-                                 (any in-range id); part p owns a static range of blocks
-    nvalid: i32[N, NB]           valid rows of each block, a prefix (0: skip the block)
+    rows: i32[N, NB * 64]        block b's 64 rows, ids into their part's pool; rows past
+                                 ``nvalid`` and ids outside the pool are masked (any value);
+                                 part p owns a static range of blocks
+    nvalid: i32[N, NB]           counted rows of each block, a prefix (0: skip the block;
+                                 clamped to [0, 64])
     sink: f32[H]                 per-head logit added to the denominator
     -> bf16[N, H, 512]           zeros for a row with no valid key and sink -inf
 
@@ -125,19 +127,32 @@ def _decode_rows(pools, part_blocks, rows, storage):
     return jnp.concatenate(out, axis=1)
 
 
-def _valid_mask(nvalid):
-    """bool[N, NB * 64]: row r of block b is valid iff r < nvalid[b]."""
-    return (jnp.arange(BLOCK)[None, None, :] < nvalid[:, :, None]).reshape(nvalid.shape[0], -1)
+def valid_rows(pools, part_blocks, rows, nvalid, storage):
+    """bool[N, NB * 64]: row r of block b is valid iff r < nvalid[b] and its id names a row
+    of its part's pool. An id outside the pool is masked, never clamped: a clamped id would
+    read a row some other request may own (docs/reliability.md)."""
+    E = STORAGES[storage].entry_bytes
+    bounds = _part_of(part_blocks)
+    size = jnp.concatenate(
+        [
+            jnp.full(((bounds[p + 1] - bounds[p]) * BLOCK,), pool.shape[0] * (pool.shape[1] // E))
+            for p, pool in enumerate(pools)
+        ]
+    )
+    counted = (jnp.arange(BLOCK)[None, None, :] < nvalid[:, :, None]).reshape(nvalid.shape[0], -1)
+    return counted & (rows >= 0) & (rows < size[None, :])
 
 
 def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scale=None):
     """float32 attention over the valid rows alone, no sink: (out f32[N, H, 512] normalized
     by its own sum, lse f32[N, H] natural log, -inf for a row with no valid key), the
     pieces ``merge_partials`` combines with other parts and the sink."""
+    valid = valid_rows(pools, part_blocks, rows, nvalid, storage)
     keys = _decode_rows(pools, part_blocks, rows, storage).astype(jnp.float32)  # [N, K, D]
+    keys = jnp.where(valid[..., None], keys, 0.0)  # a masked row's bytes never reach the output (NaN included)
     scale = HEAD_DIM**-0.5 if scale is None else scale
     logits = jnp.einsum("nhd,nkd->nhk", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST) * scale
-    logits = jnp.where(_valid_mask(nvalid)[:, None, :], logits, -jnp.inf)
+    logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
     m = jnp.max(logits, axis=-1)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     p = jnp.exp(logits - m[..., None])
@@ -465,11 +480,11 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     scale = HEAD_DIM**-0.5 if scale is None else scale
     E = STORAGES[storage].entry_bytes
     bounds = _part_of(part_blocks)
-    valid = _valid_mask(nvalid)
-    part_ids = []  # i32[N, 1, K_p]: -1 (skipped by FlashMLA) past the counts and outside the pool, as cuda/ skips
+    valid = valid_rows(pools, part_blocks, rows, nvalid, storage)
+    part_ids = []  # i32[N, 1, K_p]: -1 (skipped by FlashMLA) where not valid, as cuda/ skips
     for p in range(min(len(pools), 2)):
         r, v = (x[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK] for x in (rows, valid))
-        part_ids.append(jnp.where(v & (r >= 0) & (r < pools[p].shape[0] * (pools[p].shape[1] // E)), r, -1)[:, None])
+        part_ids.append(jnp.where(v, r, -1)[:, None])
     extra = len(pools) > 1
     sm_parts = flashmla_sm_parts(H)
     f32 = jnp.float32
@@ -513,12 +528,27 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     return out[:, 0].astype(jnp.bfloat16)
 
 
+def _valid_first(pools, part_blocks, rows, nvalid, storage):
+    """Each block's valid rows first (``valid_rows``), the rest id -1, and its count the valid
+    rows': the Mosaic GPU kernel masks by count alone, and a masked row still enters ``P V``
+    with weight 0 (0 x NaN is NaN). Its loads are TMA, which fill a box outside the pool
+    with zeros: an id -1 reads nothing, so no byte of a row it may not see reaches it."""
+    N = rows.shape[0]
+    valid = valid_rows(pools, part_blocks, rows, nvalid, storage).reshape(N, -1, BLOCK)
+    order = jnp.argsort(~valid, axis=-1, stable=True)
+    rows = jnp.take_along_axis(rows.reshape(N, -1, BLOCK), order, axis=-1)
+    count = jnp.sum(valid, axis=-1, dtype=i32)
+    rows = jnp.where(jnp.arange(BLOCK) < count[..., None], rows, -1).reshape(N, -1)
+    return rows, count
+
+
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The Mosaic GPU kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools = tuple(pools)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
+    rows, nvalid = _valid_first(pools, part_blocks, rows, nvalid, storage)
     scales = row_scales(pools, part_blocks, rows, storage)
     out, lse = _partials(
         q, pools, part_blocks, rows, nvalid, scales, storage=storage, scale=float(scale), splits=splits

@@ -14,8 +14,14 @@ a third warpgroup streams K/V blocks into shared memory by TMA, ``stages`` block
 
     q: dtype[B, Tq, Hq, D]       queries (Tq padded to a multiple of 128 here)
     k, v: dtype[B, T, H, D]      key/value buffers (Hq a multiple of H: GQA), T = splits x chunk
-    kv_len: i32[B]               visible prefix of each batch entry's buffer
+    kv_len: i32[B]               visible prefix of each batch entry's buffer (clamped to [0, T])
     -> out dtype[B, Tq, Hq, D]   zeros where kv_len == 0
+
+Rows at or past ``kv_len`` get no weight. The CUDA kernel zero-fills them, so nothing they
+hold reaches the output. The Mosaic GPU kernel loads the last key block whole: the entry's own
+rows from ``kv_len`` to the next ``block_kv`` boundary enter ``P V`` with weight 0, so they
+must be finite (0 x NaN is NaN); no row of another entry, and none past that boundary, is
+read (docs/reliability.md).
 
 ``splits`` > 1 cuts each buffer into equal key chunks handled by separate programs (few
 queries make few programs; ``jaxkv.kernels.launch.prefix_splits`` picks the count) and
@@ -72,7 +78,8 @@ def ref_prefix_attention(q, k, v, kv_len, *, scale=None):
     q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; kv_len: i32[B] -> float32[B, Tq, Hq, D]
     """
     mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None] < kv_len[:, None]
-    return ref_attention(q, k, v, mask, scale)
+    hide = lambda x: jnp.where(mask[:, :, None, None], x, 0)  # noqa: E731  (masked keys' bytes, NaN included, never count)
+    return ref_attention(q, hide(k), hide(v), mask, scale)
 
 
 def _block_kv(chunk: int) -> int:
@@ -96,8 +103,9 @@ def _partials(q, k, v, kv_len, scale, splits):
     def kernel(len_ref, q_ref, k_ref, v_ref, out_ref, lse_ref, scoped):
         bn, head, wg = lax.axis_index("chunk"), lax.axis_index("heads"), lax.axis_index("wg")
         b, start = lax.div(bn, i32(splits)), lax.rem(bn, i32(splits)) * chunk
-        length = jnp.clip(len_ref[b] - start, 0, chunk)
+        length = jnp.clip(jnp.clip(len_ref[b], 0, T) - start, 0, chunk)
         steps = lax.div(length + (block_kv - 1), i32(block_kv))
+
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
 
         def take_turn():  # the two compute warpgroups alternate on the tensor cores
