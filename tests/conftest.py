@@ -35,19 +35,25 @@ if not HAS_GPU:  # on a CPU the suite is compile-bound: XLA's quick compile, her
 
 
 LONG = os.environ.get("JAXKV_LONG") == "1"
+SANITIZE = os.environ.get("JAXKV_SANITIZE") == "1"  # under compute-sanitizer: tools/sanitize.py
 
 
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip without a GPU. ``slow`` tests (minutes of compiling on a CPU, where a
     smaller test of the default run checks the same rule) run where a GPU is, or with
-    ``JAXKV_LONG=1``: the default run stays within CI's budget."""
+    ``JAXKV_LONG=1``: the default run stays within CI's budget. ``exhaustive`` tests (every
+    case of an identity, seconds natively) skip under compute-sanitizer, where they would take
+    hours: the kernels they exercise run there through the other tests."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU visible to jax")
     long = pytest.mark.skip(reason="long on a CPU: runs with JAXKV_LONG=1 (and where a GPU is)")
+    sanitized = pytest.mark.skip(reason="exhaustive: not under compute-sanitizer (JAXKV_SANITIZE=1)")
     for item in items:
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(no_gpu)
         elif "slow" in item.keywords and not (HAS_GPU or LONG):
             item.add_marker(long)
+        if "exhaustive" in item.keywords and SANITIZE:
+            item.add_marker(sanitized)
 
 
 @pytest.fixture

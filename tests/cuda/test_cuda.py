@@ -21,6 +21,7 @@ from jaxkv.math.compressor import CUR_A, CUR_B, PREV_B
 
 
 @pytest.mark.gpu
+@pytest.mark.exhaustive
 def test_shared_divisor_exhaustive():
     """jaxkv/cuda/div_rn.cuh's SharedDivisor equals div.rn.f32 on every quotient the
     per_entry-family flush forms from bf16 inputs (tests/cuda/div_rn_check.cu: 1.1e9 entry
