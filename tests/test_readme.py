@@ -58,6 +58,7 @@ SHELL_NOT_RUN = [
     (r"^\S+=\S+ .*python3? (benchmarks|-m pytest)", "needs an upstream checkout and a GPU"),
     (r"^(cd benchmarks && )?python3? benchmarks/|^python3? [a-z_]+\.py", "a benchmark: needs a GPU"),
     (r"^tools/flashmla_tree.sh|^git clone", "needs a FlashMLA or DeepSeek-V4 checkout (network)"),
+    (r"^python3? tools/sanitize.py", "runs the GPU tests under compute-sanitizer: needs a GPU"),
 ]
 
 

@@ -1,0 +1,189 @@
+"""Every GPU kernel test under compute-sanitizer: memcheck, racecheck, synccheck, initcheck.
+
+    python tools/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck]
+                             [--out sanitize-logs] [--timeout 3600] [TEST_PATH ...]
+
+One ``compute-sanitizer --tool TOOL python -m pytest -m gpu TESTS`` process per tool (the
+tools run side by side on one GPU; each compiles every kernel once), with the settings that
+make the tools see what matters:
+
+* ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``: every jax buffer its own ``cudaMalloc``, so an
+  access past a buffer leaves its allocation (with the default pool allocator it would land
+  in a neighbour's bytes and memcheck could not tell);
+* XLA's command buffers off (each launch reported by its kernel's name) and its autotuning
+  off (autotuning compares scratch buffers it never wrote: initcheck reports that are XLA's);
+* ``JAXKV_SANITIZE=1``: ``exhaustive`` tests skip (tests/conftest.py).
+
+Logs go to ``OUT/TOOL.log``. The matrix printed last (and written to ``OUT/matrix.md``) has
+one row per kernel and one column per tool: the sanitizer's reports attributed to that
+kernel, and whether the tests that launch it ran to the end. Exit status 1 when any report,
+failed test or unfinished run remains. docs/reliability.md: what each tool checks, the last
+matrix, what a tool cannot see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+# kernel (as the sanitizer names it: a substring of the symbol) -> the test files that launch it
+KERNELS = {  # kernel: (its symbol in the reports, the tests that launch it), both regular expressions
+    "cuda/dequant_gather.cu": ("dequant_gather_kernel", r"test_dequant_gather|test_adversarial.py::test_dequant"),
+    "cuda/flush_write.cu: flush": ("flush_write_kernel", r"test_cuda.py::test_flush|adversarial.py::test_flush"),
+    "cuda/flush_write.cu: window": ("window_write_kernel", r"test_compress_decode|adversarial.py::test_window"),
+    "cuda/flush_write.cu: tails": ("tail_state_kernel", r"test_cuda.py::test_cuda_tail|adversarial.py::test_tail"),
+    "cuda/compress_decode.cu": ("compress_decode", r"test_compress_decode|adversarial.py::test_compress_decode"),
+    "cuda/fp4_pack.cu": ("fp4|pack", r"test_fp4_pack|test_indexer"),
+    "cuda/pool_attention.cu": ("pool_attention_kernel", r"test_pool_attention.py::\S*cuda|adversarial.py::\S*cuda-"),
+    "cuda/prefix_attention.cu": (
+        "prefix_attention_kernel|merge_kernel",
+        r"torch_bridge/test_prefix|adversarial\S*-cuda",
+    ),
+    "cuda/frame_append.cu (torch)": ("check_kernel|write_kernel", r"torch_bridge/test_manager"),
+    "cuda/flashmla_sparse_decode.cu": ("flash|sparse|splitkv|combine", r"test_flashmla|adversarial\S*flashmla"),
+    "Mosaic GPU: pool attention": (
+        "pool_attention_pallas|_partials",
+        r"test_pool_attention.py::test_kernel|\[pallas\]",
+    ),
+    "Mosaic GPU: prefix attention": ("prefix_attention|_partials", r"test_frame_gpu.py::test_prefix|\[\d-pallas\]"),
+    "Mosaic GPU: index scores": (
+        "index_scores|_scores",
+        r"test_index_scores.py::test_kernel|adversarial.py::test_index",
+    ),
+    "Mosaic GPU: frame append": ("jaxkv_frame_append", r"test_frame_append.py|adversarial.py::test_frame_append"),
+}
+TESTS = (  # the hostile table first: a run cut short has covered every kernel
+    "tests/kernels/test_adversarial.py",
+    "tests/kernels/test_dequant_gather.py",
+    "tests/kernels/test_pool_attention.py",
+    "tests/kernels/test_index_scores.py",
+    "tests/kernels/test_compress_decode.py",
+    "tests/kernels/test_frame_append.py",
+    "tests/kernels/test_fp4_pack.py",
+    "tests/cuda/test_cuda.py",
+    "tests/frame/test_frame_gpu.py",
+    "tests/hybrid/test_attention.py",
+    "tests/hybrid/test_indexer.py",
+    "tests/torch_bridge/test_prefix_attention.py",
+    "tests/torch_bridge/test_manager.py",
+    "tests/torch_bridge/test_flashmla.py",
+)
+TOOL_FLAGS = {  # racecheck: shared-memory hazards; initcheck: reads of global memory never written
+    "memcheck": ["--leak-check", "no"],
+    "racecheck": ["--racecheck-report", "hazard"],
+    "synccheck": [],
+    "initcheck": [],
+}
+REPORT = re.compile(r"^========= (?:Invalid|Uninitialized|Error|Program hit|Barrier|Race|Potential|Warning)", re.M)
+WHERE = re.compile(r"^=========\s+(?:Write |Read )?(?:Thread \S+ )?at (?:void )?([\w:<>]+)", re.M)
+
+
+def sanitizer() -> str:
+    for c in (shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
+        if c and os.path.exists(c):
+            return c
+    raise SystemExit("compute-sanitizer: not found (it ships with the CUDA toolkit, beside nvcc)")
+
+
+def run_tool(tool: str, tests: list[str], out: Path, timeout: int) -> dict:
+    log = out / f"{tool}.log"
+    env = dict(
+        os.environ,
+        XLA_PYTHON_CLIENT_ALLOCATOR="platform",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        XLA_FLAGS=(
+            os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0"
+        ).strip(),
+        JAXKV_SANITIZE="1",
+        PYTHONUNBUFFERED="1",
+        JAX_COMPILATION_CACHE_DIR=str(out / "xla-cache"),
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
+    pytest = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider"]
+    cmd = [sanitizer(), "--tool", tool, *TOOL_FLAGS[tool], "--target-processes", "all", "--print-limit", "200"]
+    if tool == "synccheck":  # FlashMLA's own kernel (upstream code, built from $FLASHMLA_SRC): docs/reliability.md
+        cmd += ["--kernel-name-exclude", "kns=flash_fwd_splitkv_mla"]
+    t0 = time.time()
+    with open(log, "w") as f:  # written as it runs: a run cut short still leaves its log
+        try:
+            code = subprocess.run(
+                cmd + pytest + tests, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+            f.write(f"\nTIMEOUT after {timeout} s\n")
+    return dict(tool=tool, code=code, seconds=time.time() - t0, **parse(log.read_text(errors="replace")))
+
+
+def parse(text: str) -> dict:
+    """pytest's per-test results (``-v``), and the kernel each sanitizer report names."""
+    results = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+    blocks = re.split(r"(?=" + REPORT.pattern[1:] + ")", text, flags=re.M)
+    where = [(WHERE.findall(b) or ["?"])[0] for b in blocks if REPORT.match(b)]
+    return dict(results=results, where=where)
+
+
+def matrix(runs: dict, tests: list[str]) -> tuple[list[str], bool]:
+    tools = list(runs)
+    lines = ["| kernel | " + " | ".join(tools) + " |", "|---" * (len(tools) + 1) + "|"]
+    clean = True
+    for kernel, (pattern, launched_by) in KERNELS.items():
+        row = []
+        for tool in tools:
+            r = runs[tool]
+            hits = sum(bool(re.search(pattern, w)) for w in r["where"])
+            ran = [(t, s) for t, s in r["results"] if re.search(launched_by, t)]
+            passed = sum(s == "PASSED" for _, s in ran)
+            failed = sum(s in ("FAILED", "ERROR") for _, s in ran)
+            cell = f"{hits} reports, {passed} tests passed" + (f", {failed} failed" if failed else "")
+            if not passed:
+                cell = f"{hits} reports, no test of it ran" + (" (run cut short)" if r["code"] is None else "")
+            clean &= hits == 0 and failed == 0
+            row.append(cell)
+        lines.append(f"| {kernel} | " + " | ".join(row) + " |")
+    for tool in tools:
+        r = runs[tool]
+        others = sorted({w for w in r["where"] if not any(re.search(p, w) for p, _ in KERNELS.values())})
+        state = "cut short" if r["code"] is None else f"exit {r['code']}"
+        done = len(r["results"])
+        lines.append(
+            f"\n{tool}: {state} after {r['seconds']:.0f} s, {done} tests reported; other kernels: {others or 'none'}"
+        )
+        clean &= r["code"] == 0 and not others
+    return lines, clean
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("tests", nargs="*", default=list(TESTS))
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--out", default="sanitize-logs")
+    ap.add_argument("--timeout", type=int, default=3600, help="seconds per tool")
+    ap.add_argument("-k", default="", help="pytest's -k: run the tests whose names match")
+    a = ap.parse_args(argv)
+    tools = [t for t in a.tools.split(",") if t]
+    bad = [t for t in tools if t not in TOOLS]
+    if bad:
+        raise SystemExit(f"--tools: expected some of {', '.join(TOOLS)}, got {', '.join(bad)}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with cf.ThreadPoolExecutor(len(tools)) as ex:
+        tests = a.tests + (["-k", a.k] if a.k else [])
+        runs = dict(zip(tools, ex.map(lambda t: run_tool(t, tests, out, a.timeout), tools)))
+    lines, clean = matrix(runs, a.tests)
+    (out / "matrix.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
