@@ -11,7 +11,8 @@ every row, not only the output against the reference:
   such byte is replaced, by random bytes and then by 0xFF (NaN in every float format here);
 * no byte outside what the request may write changes.
 
-``tools/sanitize.py`` runs this file (and every GPU kernel test) under compute-sanitizer,
+The jnp references take the attention and scoring rows too (``reference``: everywhere, CI
+included). ``tools/sanitize.py`` runs this file (and every GPU kernel test) under compute-sanitizer,
 which shows that no access leaves its allocation.
 """
 
@@ -24,8 +25,8 @@ from jaxkv._backend import _flashmla_missing, _pool_cuda_missing, _prefix_cuda_m
 from jaxkv.formats.storage import STORAGES, pack_items
 
 I32_MIN, I32_MAX = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+gpu = pytest.mark.gpu
 hopper = pytest.mark.skipif(not is_hopper(), reason="Mosaic GPU kernels for Hopper (sm_90); no GPU here")
-pytestmark = pytest.mark.gpu
 
 
 def _others(rng, x, keep):
@@ -58,6 +59,7 @@ def _entries(rng, storage, rows, bs):
 
 
 # --- dequant_gather: block ids outside the pool give zero rows; slots clamp within the block ---
+@gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_dequant_gather(rng, storage):
     from jaxkv.kernels import dequant_gather, ref_dequant_gather
@@ -109,6 +111,12 @@ def _pool_case(rng, storage):
     return q, pools, part_blocks, rows, nvalid, sink, keep, bs
 
 
+def _ref_pool(*args, splits=1, **kw):
+    from jaxkv.kernels import ref_pool_attention
+
+    return ref_pool_attention(*args, **kw).astype(jnp.bfloat16)
+
+
 def _pool_kernels():
     from jaxkv.kernels import pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
 
@@ -117,22 +125,24 @@ def _pool_kernels():
         pytest.param(
             pool_attention_cuda,
             "official",
-            marks=pytest.mark.skipif(bool(cuda_missing), reason=f"{cuda_missing}"),
+            marks=[gpu, pytest.mark.skipif(bool(cuda_missing), reason=f"{cuda_missing}")],
             id="cuda-official",
         ),
         pytest.param(
             pool_attention_cuda,
             "per_entry",
-            marks=pytest.mark.skipif(bool(cuda_missing), reason=f"{cuda_missing}"),
+            marks=[gpu, pytest.mark.skipif(bool(cuda_missing), reason=f"{cuda_missing}")],
             id="cuda-per_entry",
         ),
-        pytest.param(pool_attention_pallas, "official", marks=hopper, id="pallas"),
+        pytest.param(pool_attention_pallas, "official", marks=[gpu, hopper], id="pallas"),
         pytest.param(
             pool_attention_flashmla,
             "official",
-            marks=pytest.mark.skipif(bool(mla_missing), reason=f"FlashMLA: {mla_missing}"),
+            marks=[gpu, pytest.mark.skipif(bool(mla_missing), reason=f"FlashMLA: {mla_missing}")],
             id="flashmla",
         ),
+        pytest.param(_ref_pool, "official", id="reference-official"),
+        pytest.param(_ref_pool, "per_entry", id="reference-per_entry"),
     ]
 
 
@@ -156,10 +166,13 @@ def test_pool_attention(rng, kernel, storage):
 
 
 # --- index scores: pages outside the pool score -inf, counts clamp --------------------------------
-@hopper
+@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=[gpu, hopper]), "reference"])
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
-def test_index_scores(rng, storage):
+def test_index_scores(rng, storage, impl):
     from jaxkv.kernels.index_scores import index_scores, ref_index_scores
+
+    if impl == "reference":
+        index_scores = ref_index_scores
 
     codec = STORAGES[storage].index_key(128)
     L, P, bs, NP = 2, 12, 64, 3
@@ -187,13 +200,22 @@ def test_index_scores(rng, storage):
 
 
 # --- prefix attention: lengths clamp to [0, T]; keys past the length never reach the output -----
+def _ref_prefix(q, k, v, kv_len, *, splits=1):
+    from jaxkv.kernels import ref_prefix_attention
+
+    return ref_prefix_attention(q, k, v, kv_len).astype(q.dtype)
+
+
 def _prefix_kernels():
     from jaxkv.kernels import prefix_attention, prefix_attention_cuda
 
     missing = _prefix_cuda_missing()
     return [
-        pytest.param(prefix_attention, marks=hopper, id="pallas"),
-        pytest.param(prefix_attention_cuda, marks=pytest.mark.skipif(bool(missing), reason=f"{missing}"), id="cuda"),
+        pytest.param(prefix_attention, marks=[gpu, hopper], id="pallas"),
+        pytest.param(
+            prefix_attention_cuda, marks=[gpu, pytest.mark.skipif(bool(missing), reason=f"{missing}")], id="cuda"
+        ),
+        pytest.param(_ref_prefix, id="reference"),
     ]
 
 
@@ -225,6 +247,7 @@ def test_prefix_attention(rng, kernel, splits):
 
 
 # --- frame append: destination rows clamp as dynamic_update_slice clamps --------------------------
+@gpu
 @hopper
 def test_frame_append(rng):
     from jaxkv.kernels import ref_write_frame, write_frame
@@ -250,6 +273,7 @@ def test_frame_append(rng):
 
 
 # --- writes through block tables: ids outside the pool write nothing -------------------------------
+@gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 @pytest.mark.parametrize("csa", [True, False], ids=["csa", "hca"])
 def test_flush_write(rng, storage, csa):
@@ -280,6 +304,7 @@ def test_flush_write(rng, storage, csa):
         assert diff[1, 2] and diff.sum() == 1, np.argwhere(diff)
 
 
+@gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_window_write(rng, storage):
     from jaxkv.errors import Fault
@@ -310,6 +335,7 @@ def test_window_write(rng, storage):
     np.testing.assert_array_equal(changed, [[1, 1]])  # slot 1's ring, layer 1: nothing else
 
 
+@gpu
 def test_tail_state(rng):
     from jaxkv.hybrid import flush as F
 
@@ -326,6 +352,7 @@ def test_tail_state(rng):
 
 
 # --- the fused decode compressor: a table cell outside the pool acts as no block ------------------
+@gpu
 @pytest.mark.parametrize("bad", ["past-pool", -2, I32_MAX, I32_MIN], ids=["past-pool", "negative", "max", "min"])
 def test_compress_decode_table(rng, bad):
     """A flush whose table cell names no block of the pool writes nothing and records
