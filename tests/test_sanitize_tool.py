@@ -1,0 +1,52 @@
+"""tools/sanitize.py's reading of compute-sanitizer logs (no GPU: logs in the tool's format)."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("sanitize", ROOT / "tools" / "sanitize.py")
+S = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(S)
+
+PASSED = """tests/kernels/test_adversarial.py::test_pool_attention[cuda-official] PASSED [ 1%]
+tests/kernels/test_adversarial.py::test_dequant_gather[official] PASSED [ 2%]
+"""
+HAZARD = """========= Error: Potential RAW hazard detected at __shared__ 0x32600 in block (2,0,0) :
+=========     Write Thread (64,0,0) at jaxkv::<unnamed>::pool_attention_kernel(jaxkv::<unnamed>::AttnArgs)+0xc200
+=========     Read Thread (192,0,0) at jaxkv::<unnamed>::pool_attention_kernel(jaxkv::<unnamed>::AttnArgs)+0xc4a0
+=========     Current Value : 0
+"""
+UNINIT = """========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_exponential_fusion+0xd0
+=========     by thread (72,0,0) in block (0,0,0)
+"""
+
+
+def _run(text, code=0):
+    return dict(code=code, seconds=1.0, **S.parse(text))
+
+
+def test_reports_are_attributed_to_their_kernel():
+    p = S.parse(PASSED + HAZARD + HAZARD + UNINIT)
+    assert p["where"] == ["jaxkv::<unnamed>::pool_attention_kernel"] * 2 + ["loop_exponential_fusion"]
+    assert ("tests/kernels/test_adversarial.py::test_dequant_gather[official]", "PASSED") in p["results"]
+
+
+def test_matrix_flags_reports_other_kernels_and_cut_runs():
+    lines, clean = S.matrix({"racecheck": _run(PASSED + HAZARD), "memcheck": _run(PASSED)}, list(S.TESTS))
+    row = next(ln for ln in lines if ln.startswith("| cuda/pool_attention.cu |"))
+    assert "1 reports, 1 tests passed" in row.split("|")[2] and "0 reports, 1 tests passed" in row.split("|")[3]
+    assert not clean
+    _, clean = S.matrix({"memcheck": _run(PASSED)}, list(S.TESTS))
+    assert clean
+    _, clean = S.matrix({"initcheck": _run(PASSED + UNINIT)}, list(S.TESTS))
+    assert not clean  # a report in a kernel that is not jaxkv's still fails the run
+    lines, clean = S.matrix({"memcheck": _run(PASSED, code=None)}, list(S.TESTS))
+    assert not clean and any("cut short" in ln for ln in lines)
+
+
+def test_bad_tool_is_refused():
+    with pytest.raises(SystemExit, match="--tools: expected some of memcheck"):
+        S.main(["--tools", "memcheck,helgrind"])
