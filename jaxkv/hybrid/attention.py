@@ -212,12 +212,23 @@ def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
     keys, pos = window_keys(state, step, layer, kv, impl="xla")
     parts = [(keys, window_mask(pos, step, T, c.window))]
     if kind == CSA:
-        ok = entry_visible(idx, step, T, c.compress_ratios[layer])
+        ok = entry_visible(idx, step, T, c.compress_ratios[layer]) & _in_pool(state, step, layer, idx)
         parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
     elif kind == HCA:
         entries, _ = all_entries(state, step, layer, impl="xla")
-        parts.append((entries, causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer])))
+        e = jnp.arange(entries.shape[1], dtype=jnp.int32)[None, None, :]
+        ok = causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer]) & _in_pool(state, step, layer, e)
+        parts.append((entries, ok))
     return sparse_attention(q, parts, sink, scale).astype(jnp.bfloat16)
+
+
+def _in_pool(state, step, layer, entry):
+    """bool, entry's shape: the block holding compressed entry ``entry`` (i32[B or 1, T or 1, k])
+    of each request is one of the pool's (an unallocated or corrupt table cell is not a key,
+    as in the kernel path)."""
+    g, _ = state.group(layer)
+    blk, _ = entry_address(state.alloc[g].table, step.slot[:, None, None], entry, state.config.block_size)
+    return (blk >= 0) & (blk < state.entries[g].shape[1])
 
 
 def _compact(ids, valid):
@@ -259,7 +270,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
             e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
         blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], e, c.block_size)
         # a block id outside the pool would name another layer's rows of the stacked pool: masked
-        valid = entry_visible(e, step, T, ratio) & (blk >= 0) & (blk < state.entries[g].shape[1])
+        valid = entry_visible(e, step, T, ratio) & _in_pool(state, step, layer, e)
         pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
         parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
 
