@@ -212,23 +212,27 @@ def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
     keys, pos = window_keys(state, step, layer, kv, impl="xla")
     parts = [(keys, window_mask(pos, step, T, c.window))]
     if kind == CSA:
-        ok = entry_visible(idx, step, T, c.compress_ratios[layer]) & _in_pool(state, step, layer, idx)
+        ok = entry_visible(idx, step, T, c.compress_ratios[layer]) & _entry_blocks(state, step, layer, idx)[2]
         parts.append((gather_entries(state, step, layer, jnp.where(ok, idx, -1), impl="xla"), ok))
     elif kind == HCA:
         entries, _ = all_entries(state, step, layer, impl="xla")
         e = jnp.arange(entries.shape[1], dtype=jnp.int32)[None, None, :]
-        ok = causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer]) & _in_pool(state, step, layer, e)
+        ok = (
+            causal_entry_mask(entries.shape[1], step, T, c.compress_ratios[layer])
+            & _entry_blocks(state, step, layer, e)[2]
+        )
         parts.append((entries, ok))
     return sparse_attention(q, parts, sink, scale).astype(jnp.bfloat16)
 
 
-def _in_pool(state, step, layer, entry):
-    """bool, entry's shape: the block holding compressed entry ``entry`` (i32[B or 1, T or 1, k])
-    of each request is one of the pool's (an unallocated or corrupt table cell is not a key,
-    as in the kernel path)."""
+def _entry_blocks(state, step, layer, entry):
+    """(block, item, in_pool) of compressed entry ``entry`` (i32[B or 1, T or 1, k]) of each
+    request: ``entry_address``, and whether its block is one of the pool's. An unallocated or
+    corrupt table cell is not a key on either path (past the pool, an id would name another
+    layer's rows of the stacked pool)."""
     g, _ = state.group(layer)
-    blk, _ = entry_address(state.alloc[g].table, step.slot[:, None, None], entry, state.config.block_size)
-    return (blk >= 0) & (blk < state.entries[g].shape[1])
+    blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], entry, state.config.block_size)
+    return blk, item, (blk >= 0) & (blk < state.entries[g].shape[1])
 
 
 def _compact(ids, valid):
@@ -268,9 +272,8 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
             e = idx
         else:
             e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
-        blk, item = entry_address(state.alloc[g].table, step.slot[:, None, None], e, c.block_size)
-        # a block id outside the pool would name another layer's rows of the stacked pool: masked
-        valid = entry_visible(e, step, T, ratio) & _in_pool(state, step, layer, e)
+        blk, item, in_pool = _entry_blocks(state, step, layer, e)
+        valid = entry_visible(e, step, T, ratio) & in_pool
         pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
         parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
 

@@ -78,8 +78,8 @@ def ref_prefix_attention(q, k, v, kv_len, *, scale=None):
     q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; kv_len: i32[B] -> float32[B, Tq, Hq, D]
     """
     mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None] < kv_len[:, None]
-    hide = lambda x: jnp.where(mask[:, :, None, None], x, 0)  # noqa: E731  (masked keys' bytes, NaN included, never count)
-    return ref_attention(q, hide(k), hide(v), mask, scale)
+    k, v = (jnp.where(mask[:, :, None, None], x, 0) for x in (k, v))  # masked rows' bytes (NaN too) never count
+    return ref_attention(q, k, v, mask, scale)
 
 
 def _block_kv(chunk: int) -> int:
@@ -105,7 +105,6 @@ def _partials(q, k, v, kv_len, scale, splits):
         b, start = lax.div(bn, i32(splits)), lax.rem(bn, i32(splits)) * chunk
         length = jnp.clip(jnp.clip(len_ref[b], 0, T) - start, 0, chunk)
         steps = lax.div(length + (block_kv - 1), i32(block_kv))
-
         (qo_smem2, k_smem, v_smem, lse_smem2), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped
 
         def take_turn():  # the two compute warpgroups alternate on the tensor cores
