@@ -17,8 +17,8 @@ reference with the same contract. Shapes::
 
     k_bufs, v_bufs: L x dtype[B, T, H*D]   the cache (``FrameCacheState.k`` / ``.v``, heads flattened)
     k, v: dtype[L, B, NS + P, H*D]          the frame, specials first
-    special_row, patch_row: i32[B]           where the specials / the patch page go, clamped
-                                             into the buffer as dynamic_update_slice clamps
+    special_row, patch_row: i32[B]           where the specials / the patch page go, clipped
+                                             into the buffer (``clip_rows``)
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
         )
 
 
+def clip_rows(special_row, patch_row, rows: int, *, num_special: int, page_size: int):
+    """The destination rows clipped so that both runs land inside a buffer of ``rows`` rows:
+    the one rule of both paths. A negative row clips to 0 (``dynamic_update_slice`` alone
+    would count it from the buffer's end first)."""
+    return jnp.clip(special_row, 0, rows - num_special), jnp.clip(patch_row, 0, rows - page_size)
+
+
 def write_rows(buf, x, special_row, patch_row, *, num_special: int, page_size: int):
     """One buffer, in jnp: each stream's specials at ``special_row``, its patches (zero-padded
     to ``page_size`` rows) at ``patch_row`` — two dynamic-update-slices per stream.
@@ -64,6 +71,9 @@ def write_rows(buf, x, special_row, patch_row, *, num_special: int, page_size: i
     buf: dtype[B, T, ...];  x: [B, NS + P, ...];  special_row, patch_row: i32[B]
     """
     P = x.shape[1] - num_special
+    special_row, patch_row = clip_rows(
+        special_row, patch_row, buf.shape[1], num_special=num_special, page_size=page_size
+    )
     lead = (0,) * (buf.ndim - 2)
     x = x.astype(buf.dtype)
     for b in range(buf.shape[0]):
@@ -179,11 +189,9 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
     L, B = k.shape[:2]
     T = k_bufs[0].shape[1]
-    # clamped as dynamic_update_slice clamps (the reference), so no row lands outside the
-    # stream's buffer; in XLA, where the rows are made (the kernel's scalar min / max compare
-    # int32 unsigned in this lowering)
-    special_row = jnp.clip(special_row, 0, T - num_special)
-    patch_row = jnp.clip(patch_row, 0, T - page_size)
+    # clipped in XLA, where the rows are made: the kernel's scalar min / max compare int32
+    # unsigned in this lowering
+    special_row, patch_row = clip_rows(special_row, patch_row, T, num_special=num_special, page_size=page_size)
     tune = launch("frame_append")
     bufs = [jax.new_ref(b) for b in (*k_bufs, *v_bufs)]
     _write_frame_kernel(

@@ -272,6 +272,24 @@ def test_frame_append(rng):
         assert set(changed) <= set(range(5, 5 + NS)) | set(range(40, 40 + page)), changed
 
 
+def test_frame_rows_clip_to_the_buffer(rng):
+    """The reference (the XLA path) clips as the kernel does: a negative row is row 0, not a row
+    counted from the buffer's end."""
+    from jaxkv.kernels import ref_write_frame
+
+    B, T, NS, P, page, hd = 3, 40, 2, 6, 8, 16
+    kb, vb = ((jnp.asarray(rng.normal(size=(B, T, hd)), jnp.float32),) for _ in range(2))
+    k, v = (jnp.asarray(rng.normal(size=(1, B, NS + P, hd)), jnp.float32) for _ in range(2))
+    special = jnp.asarray([-1, I32_MAX, I32_MIN], jnp.int32)
+    patch = jnp.asarray([I32_MAX, -3, 20], jnp.int32)
+    (got,), _ = ref_write_frame(kb, vb, k, v, special, patch, num_special=NS, page_size=page)
+    got, k = np.asarray(got), np.asarray(k)[0]
+    for b, (s, p) in enumerate(((0, T - page), (T - NS, 0), (0, 20))):
+        np.testing.assert_array_equal(got[b, s : s + NS], k[b, :NS])
+        np.testing.assert_array_equal(got[b, p : p + P], k[b, NS:])
+        np.testing.assert_array_equal(got[b, p + P : p + page], 0)
+
+
 # --- writes through block tables: ids outside the pool write nothing -------------------------------
 @gpu
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
