@@ -2,6 +2,8 @@
 
 import importlib.util
 import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -50,3 +52,37 @@ def test_matrix_flags_reports_other_kernels_and_cut_runs():
 def test_bad_tool_is_refused():
     with pytest.raises(SystemExit, match="--tools: expected some of memcheck"):
         S.main(["--tools", "memcheck,helgrind"])
+
+
+def test_probe_reports_read_the_sanitizers_own_count():
+    race = "mode\n========= RACECHECK SUMMARY: 100 hazards displayed (124 errors, 0 warnings)\n"
+    assert S.probe_reports(race) == 124
+    assert S.probe_reports("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n") == 0
+    assert S.probe_reports("========= ERROR SUMMARY: 480 errors\n") == 480
+    assert S.probe_reports(UNINIT * 3) == 3  # no summary (a run cut short): the reports counted
+
+
+def test_one_process_per_file_so_a_crash_costs_one_file(tmp_path, monkeypatch):
+    """A fake sanitizer that runs nothing: it prints a passed test for the file it is given and
+    dies like a segfault on one; the next file still runs, and the crash fails the matrix."""
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text(
+        "#!/usr/bin/env python3\nimport sys\nf = next(a for a in sys.argv if a.endswith('.py') and '/' in a)\n"
+        "print(f + '::test_x PASSED')\nsys.exit(139 if 'crash' in f else 0)\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(S, "sanitizer", lambda: str(fake))
+    files = ["tests/kernels/test_crash.py", "tests/kernels/test_adversarial.py"]
+    r = S.run_tool("memcheck", files, [], tmp_path, timeout=60)
+    assert [t for t, _ in r["results"]] == [f + "::test_x" for f in files]
+    assert r["crashed"] == ["tests/kernels/test_crash.py (exit 139)"]
+    lines, clean = S.matrix({"memcheck": r}, files)
+    assert not clean and "crashed: tests/kernels/test_crash.py (exit 139)" in lines[-1]
+
+
+@pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc not on PATH (CI has it)")
+def test_racecheck_probes_compile(tmp_path):
+    exe = tmp_path / "handoffs"
+    src = ROOT / "tools" / "sanitizer_probes" / "racecheck_handoffs.cu"
+    r = subprocess.run(["nvcc", "-arch=sm_90a", "-o", str(exe), str(src)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -1,11 +1,11 @@
 """Every GPU kernel test under compute-sanitizer: memcheck, racecheck, synccheck, initcheck.
 
-    python tools/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck]
-                             [--out sanitize-logs] [--timeout 3600] [TEST_PATH ...]
+    python tools/sanitize.py [--tools memcheck,racecheck,synccheck,initcheck] [--probes]
+                             [--out sanitize-logs] [--timeout 3600] [-k EXPR] [TEST_PATH ...]
 
-One ``compute-sanitizer --tool TOOL python -m pytest -m gpu TESTS`` process per tool (the
-tools run side by side on one GPU; each compiles every kernel once), with the settings that
-make the tools see what matters:
+The tools run side by side on one GPU; each runs ``compute-sanitizer --tool TOOL python -m
+pytest -m gpu FILE`` once per test file, in turn (a process the sanitizer brings down costs
+that file, not the rest), with the settings that make the tools see what matters:
 
 * ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``: every jax buffer its own ``cudaMalloc``, so an
   access past a buffer leaves its allocation (with the default pool allocator it would land
@@ -14,11 +14,13 @@ make the tools see what matters:
   off (autotuning compares scratch buffers it never wrote: initcheck reports that are XLA's);
 * ``JAXKV_SANITIZE=1``: ``exhaustive`` tests skip (tests/conftest.py).
 
-Logs go to ``OUT/TOOL.log``. The matrix printed last (and written to ``OUT/matrix.md``) has
-one row per kernel and one column per tool: the sanitizer's reports attributed to that
-kernel, and whether the tests that launch it ran to the end. Exit status 1 when any report,
-failed test or unfinished run remains. docs/reliability.md: what each tool checks, the last
-matrix, what a tool cannot see.
+``--probes`` first runs ``tools/sanitizer_probes/``: minimal programs whose protocols are
+known correct (or known racy), to show which of the kernels' synchronization the installed
+racecheck and initcheck can follow. Logs go to ``OUT/TOOL.log``. The matrix printed last
+(and written to ``OUT/matrix.md``) has one row per kernel and one column per tool: the
+sanitizer's reports attributed to that kernel, and whether the tests that launch it ran to
+the end. Exit status 1 when any report, failed test, crashed or unfinished run remains.
+docs/reliability.md: what each tool checks, the last matrix, what a tool cannot see.
 """
 
 from __future__ import annotations
@@ -94,9 +96,8 @@ def sanitizer() -> str:
     raise SystemExit("compute-sanitizer: not found (it ships with the CUDA toolkit, beside nvcc)")
 
 
-def run_tool(tool: str, tests: list[str], out: Path, timeout: int) -> dict:
-    log = out / f"{tool}.log"
-    env = dict(
+def _env(out: Path) -> dict:
+    return dict(
         os.environ,
         XLA_PYTHON_CLIENT_ALLOCATOR="platform",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
@@ -108,20 +109,77 @@ def run_tool(tool: str, tests: list[str], out: Path, timeout: int) -> dict:
         JAX_COMPILATION_CACHE_DIR=str(out / "xla-cache"),
         PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     )
+
+
+def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout: int) -> dict:
+    """One sanitizer process per test file, in turn, within ``timeout`` seconds in all."""
+    log = out / f"{tool}.log"
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider"]
     cmd = [sanitizer(), "--tool", tool, *TOOL_FLAGS[tool], "--target-processes", "all", "--print-limit", "200"]
     if tool == "synccheck":  # FlashMLA's own kernel (upstream code, built from $FLASHMLA_SRC): docs/reliability.md
         cmd += ["--kernel-name-exclude", "kns=flash_fwd_splitkv_mla"]
-    t0 = time.time()
+    t0, code, crashed = time.time(), 0, []
     with open(log, "w") as f:  # written as it runs: a run cut short still leaves its log
-        try:
-            code = subprocess.run(
-                cmd + pytest + tests, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
-            ).returncode
-        except subprocess.TimeoutExpired:
-            code = None
-            f.write(f"\nTIMEOUT after {timeout} s\n")
-    return dict(tool=tool, code=code, seconds=time.time() - t0, **parse(log.read_text(errors="replace")))
+        for file in files:
+            left = timeout - (time.time() - t0)
+            f.write(f"\n=== {file}\n")
+            f.flush()
+            try:
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(cmd, timeout)
+                rc = subprocess.run(
+                    cmd + pytest + [file] + select,
+                    cwd=ROOT,
+                    env=_env(out),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=left,
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+                f.write(f"\nTIMEOUT after {timeout} s\n")
+                break
+            if rc not in (0, 1, 5):  # 1: a test failed or a report; 5: nothing selected in this file
+                crashed.append(f"{file} (exit {rc})")
+            code = max(code, 0 if rc == 5 else rc)
+    return dict(
+        tool=tool, code=code, crashed=crashed, seconds=time.time() - t0, **parse(log.read_text(errors="replace"))
+    )
+
+
+PROBES = ROOT / "tools" / "sanitizer_probes"
+# (probe, tool, what the protocol is): a tool that follows the protocol reports 0 for a correct one
+PROBE_RUNS = (
+    ("sync", "racecheck", "bar.sync on both sides (correct)"),
+    ("none", "racecheck", "no barrier (racy: must be reported)"),
+    ("arrive", "racecheck", "bar.arrive -> bar.sync, as the attention kernels hand off (correct)"),
+    ("mbarrier", "racecheck", "lanes read, __syncwarp, mbarrier arrive -> wait, then write (correct)"),
+    ("tma_store", "initcheck", "Mosaic GPU TMA stores every element, XLA reads them (correct)"),
+)
+
+
+def run_probes(out: Path) -> list[str]:
+    """The probes under their tools -> the lines of a table: reports per probe."""
+    from jaxkv.cuda.build import nvcc
+
+    exe = out / "racecheck_handoffs"
+    subprocess.run(
+        [nvcc(), "-arch=sm_90a", "-lineinfo", "-o", str(exe), str(PROBES / "racecheck_handoffs.cu")], check=True
+    )
+    lines = ["| probe | protocol | tool | reports | exit |", "|---|---|---|---|---|"]
+    for probe, tool, what in PROBE_RUNS:
+        prog = [str(exe), probe] if tool == "racecheck" else [sys.executable, str(PROBES / "initcheck_tma_store.py")]
+        cmd = [sanitizer(), "--tool", tool, *TOOL_FLAGS[tool], "--print-limit", "0", *prog]
+        r = subprocess.run(cmd, cwd=ROOT, env=_env(out), capture_output=True, text=True, timeout=600)
+        (out / f"probe-{probe}.log").write_text(r.stdout + r.stderr)
+        lines.append(f"| {probe} | {what} | {tool} | {probe_reports(r.stdout + r.stderr)} | {r.returncode} |")
+    return lines
+
+
+def probe_reports(text: str) -> int:
+    """The sanitizer's own count of its reports (racecheck: hazards; the others: errors)."""
+    m = re.search(r"(?:RACECHECK|ERROR) SUMMARY: (?:\d+ hazards displayed \()?(\d+) errors?", text)
+    return int(m.group(1)) if m else len(REPORT.findall(text))
 
 
 def parse(text: str) -> dict:
@@ -154,11 +212,12 @@ def matrix(runs: dict, tests: list[str]) -> tuple[list[str], bool]:
         r = runs[tool]
         others = sorted({w for w in r["where"] if not any(re.search(p, w) for p, _ in KERNELS.values())})
         state = "cut short" if r["code"] is None else f"exit {r['code']}"
-        done = len(r["results"])
+        done, crashed = len(r["results"]), r.get("crashed", [])
         lines.append(
             f"\n{tool}: {state} after {r['seconds']:.0f} s, {done} tests reported; other kernels: {others or 'none'}"
+            + (f"; crashed: {', '.join(crashed)}" if crashed else "")
         )
-        clean &= r["code"] == 0 and not others
+        clean &= r["code"] == 0 and not others and not crashed
     return lines, clean
 
 
@@ -169,6 +228,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="sanitize-logs")
     ap.add_argument("--timeout", type=int, default=3600, help="seconds per tool")
     ap.add_argument("-k", default="", help="pytest's -k: run the tests whose names match")
+    ap.add_argument(
+        "--probes", action="store_true", help="first show what the tools can follow (tools/sanitizer_probes)"
+    )
     a = ap.parse_args(argv)
     tools = [t for t in a.tools.split(",") if t]
     bad = [t for t in tools if t not in TOOLS]
@@ -176,10 +238,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"--tools: expected some of {', '.join(TOOLS)}, got {', '.join(bad)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    probes = run_probes(out) + [""] if a.probes else []
     with cf.ThreadPoolExecutor(len(tools)) as ex:
-        tests = a.tests + (["-k", a.k] if a.k else [])
-        runs = dict(zip(tools, ex.map(lambda t: run_tool(t, tests, out, a.timeout), tools)))
+        select = ["-k", a.k] if a.k else []
+        runs = dict(zip(tools, ex.map(lambda t: run_tool(t, a.tests, select, out, a.timeout), tools)))
     lines, clean = matrix(runs, a.tests)
+    lines = probes + lines
     (out / "matrix.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0 if clean else 1
