@@ -11,8 +11,8 @@ explicit kernel name raises a ``ValueError`` that says why.
 
 | operation | names | auto |
 | --- | --- | --- |
-| ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 and head_dim 64 |
-| ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla |
+| ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 / FP8 caches; ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 and head_dim 64 |
+| ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
@@ -127,6 +127,16 @@ def _cudnn_missing(*, dtype: str = "bfloat16", **_) -> str | None:
     return f"expected an NVIDIA GPU with cuDNN and a bfloat16 or float16 cache, got {jax.devices()[0].device_kind}, {dtype}"
 
 
+def _float_cache_missing(*, dtype: str = "bfloat16", **_) -> str | None:
+    if dtype == "float8_e4m3fn":  # the kernels read and write bf16 / f16 rows
+        return "no kernel reads or writes an FP8 frame cache yet: use impl='xla' or 'reference'"
+    return None
+
+
+def _frame_kernel_missing(check):
+    return lambda **ctx: _float_cache_missing(**ctx) or check(**ctx)
+
+
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
@@ -210,10 +220,13 @@ OPERATIONS = {
             "frame.attention",
             ("reference", "xla", "cudnn", "pallas", "cuda"),
             _frame_attention_auto,
-            {"cudnn": _cudnn_missing, "pallas": _hopper_missing, "cuda": _prefix_cuda_missing},
+            {"cudnn": _cudnn_missing, "pallas": _frame_kernel_missing(_hopper_missing), "cuda": _prefix_cuda_missing},
         ),
         Operation(
-            "frame.append", ("xla", "pallas"), lambda **_: "pallas" if is_hopper() else "xla", {"pallas": _sm90_missing}
+            "frame.append",
+            ("xla", "pallas"),
+            lambda **ctx: "pallas" if is_hopper() and not _float_cache_missing(**ctx) else "xla",
+            {"pallas": _frame_kernel_missing(_sm90_missing)},
         ),
         _cuda_op("hybrid.write"),
         _cuda_op("hybrid.gather"),

@@ -7,6 +7,7 @@ from flax import nnx
 
 from jaxkv import frame
 from jaxkv.flax.rope import apply_rope
+from jaxkv.formats.fp8 import dequantize_fp8_rows, quantize_fp8_rows
 
 
 class QKVProjection(nnx.Module):
@@ -161,7 +162,7 @@ class StreamingGlobalAttention(nnx.Module):
         self._check_x(x, f"streams={self.spec.num_streams}")
         if not self.owns_cache and defer is not False:
             raise ValueError("defer: a shared cache takes it in cache.begin_frame(defer), not per layer")
-        cdt = self.spec.jnp_dtype
+        cdt = self.spec.compute_dtype
         q, k, v = self.proj(x, cos, sin)
         if self.owns_cache:
             self.cache.begin_frame(defer)
@@ -188,15 +189,17 @@ class StreamingGlobalAttention(nnx.Module):
         x: f[F, tokens_per_frame, dim];  cos, sin: f32[F, tokens_per_frame, head_dim/2]
         visible: bool[F, F * tokens_per_frame]  keys frame f's queries see (token ids
           ``frame * tokens_per_frame + token``, as ``jaxkv.frame.visible_token_ids``)
-        returns f[F, tokens_per_frame, dim]; K/V are rounded to the cache dtype as the
-        cache would store them, attention runs in float32.
+        returns f[F, tokens_per_frame, dim]; K/V are rounded as the cache would store them
+        (to its dtype, or FP8 codes and scales), attention runs in float32.
         """
         self._check_x(x, "frames")
         F, T, dim = x.shape
         if visible.shape != (F, F * T):
             raise ValueError(f"visible: expected bool[{F}, {F * T}], got {visible.dtype}{list(visible.shape)}")
-        cdt = self.spec.jnp_dtype
+        cdt = self.spec.compute_dtype
         q, k, v = (a.astype(cdt) for a in self.proj(x, cos, sin))
+        if self.spec.quantized:
+            k, v = (dequantize_fp8_rows(*quantize_fp8_rows(a), cdt) for a in (k, v))
         keys = jnp.broadcast_to(k.reshape(1, F * T, *k.shape[2:]), (F, F * T, *k.shape[2:]))
         vals = jnp.broadcast_to(v.reshape(1, F * T, *v.shape[2:]), keys.shape)
         o = frame.ref_attention(q, keys, vals, visible)

@@ -10,6 +10,7 @@ so every element of the group dequantizes to NaN.
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from jaxkv.formats.numerics import (
     FP8_MAX,
@@ -82,3 +83,33 @@ def dequantize_fp8_ue8m0(q, scale_e8m0, dtype=jnp.bfloat16, tile: int = TILE):
     check_groups(q, tile, "q")
     s = e8m0_to_float(scale_e8m0)
     return ungroup(group(q.astype(jnp.float32), tile) * s[..., None]).astype(dtype)
+
+
+def quantize_fp8_rows(x):
+    """FP8 E4M3 with one bfloat16 scale per row of the last axis: the frame cache's FP8 K/V,
+    a row being one token's head. The scale is ``amax / 448`` rounded up to a bfloat16, so
+    a row's largest value lands at (nearly) 448 and keeps its precision: with a power-of-two
+    scale it lands anywhere in [224, 448] and the attention error doubles
+    (docs/kernels/frame_cache_fp8.md: the measurements). Two bytes a row; nothing is clipped.
+
+    Args:
+      x: float[..., d] within bfloat16's range
+    Returns:
+      q: float8_e4m3fn[..., d]
+      scale: bf16[...]  dequantization multiplier; 0 for an all-zero row, NaN for a row with
+        a NaN or an infinity (every element then dequantizes to NaN)
+    """
+    check_float(x)
+    xf = x.astype(jnp.float32)
+    amax = amax_abs(xf, axis=-1)
+    bits = lax.bitcast_convert_type(exact_div(amax, FP8_MAX), jnp.uint32)
+    up = lax.bitcast_convert_type((bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000), jnp.float32)  # ceil to bf16
+    scale = jnp.where(jnp.isfinite(amax), up, jnp.nan)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = _to_fp8(jnp.where((scale > 0)[..., None], div_rn(xf, safe[..., None]), 0.0))
+    return q, scale.astype(jnp.bfloat16)
+
+
+def dequantize_fp8_rows(q, scale, dtype=jnp.bfloat16):
+    """q: float8_e4m3fn[..., d], scale: bf16[...] (``quantize_fp8_rows``) -> dtype[..., d]."""
+    return (q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import _backend
+from jaxkv.formats.fp8 import dequantize_fp8_rows
 from jaxkv.frame import tuning
 from jaxkv.frame.state import FrameCacheState
 from jaxkv.frame.views import visible_mask
@@ -49,11 +50,13 @@ IMPLS = _backend.choices("frame.attention")
 XLA_BLOCK = 512  # key rows per step of the ``xla`` backend
 
 
-def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XLA_BLOCK):
+def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XLA_BLOCK, kv_scales=None):
     """Online-softmax attention over the key prefix ``[0, num_valid)``, one block per loop step.
 
     q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; num_valid: i32[B];
     row_mask: bool[B, T] or None (rows inside the prefix to skip: page padding)
+    kv_scales: None, or (bf16[B, T, H], bf16[B, T, H]) with k, v float8_e4m3fn[B, T, H, D]: an
+      FP8 cache, each block dequantized as it is read (``jaxkv.formats.dequantize_fp8_rows``)
     returns q.dtype[B, Tq, Hq, D]
     """
     B, Tq, Hq, D = q.shape
@@ -61,16 +64,20 @@ def xla_attention(q, k, v, num_valid, row_mask=None, scale=None, block: int = XL
     G = Hq // H
     block = min(block, T)
     scale = D**-0.5 if scale is None else scale
+    read = lambda x, s: x.astype(jnp.float32) if s is None else dequantize_fp8_rows(x, s, jnp.float32)  # noqa: E731
+    ks, vs = (None, None) if kv_scales is None else kv_scales
     if Tq * G <= tuning.XLA_ONE_PASS_QUERIES and tuning.branch_free():  # one masked pass, no loop
         ok = jnp.arange(T)[None] < num_valid[:, None]
-        return ref_attention(q, k, v, ok if row_mask is None else ok & row_mask, scale).astype(q.dtype)
+        out = ref_attention(q, read(k, ks), read(v, vs), ok if row_mask is None else ok & row_mask, scale)
+        return out.astype(q.dtype)
     qf = (q.astype(jnp.float32) * scale).reshape(B, Tq, H, G, D)
+    rows_of = lambda x, start: None if x is None else lax.dynamic_slice_in_dim(x, start, block, axis=1)  # noqa: E731
 
     def body(i, carry):
         m, l, acc = carry
         start = jnp.minimum(i * block, T - block)  # the last block may overlap the one before
-        kb = lax.dynamic_slice_in_dim(k, start, block, axis=1).astype(jnp.float32)
-        vb = lax.dynamic_slice_in_dim(v, start, block, axis=1).astype(jnp.float32)
+        kb = read(rows_of(k, start), rows_of(ks, start))
+        vb = read(rows_of(v, start), rows_of(vs, start))
         rows = start + jnp.arange(block)
         ok = (rows[None] >= i * block) & (rows[None] < num_valid[:, None])  # [B, block]
         if row_mask is not None:
@@ -158,13 +165,20 @@ def _local(state: FrameCacheState, q, layer, impl: str, scale):
         branches = [lambda st, q, l=l: _local(st, q, l, impl, scale) for l in range(state.spec.num_layers)]
         return lax.switch(layer, branches, state, q)
     k, v = state.k[layer], state.v[layer]
+    scales = (state.k_scale[layer], state.v_scale[layer]) if state.spec.quantized else None
     if impl == "reference":
+        if scales:
+            k, v = (dequantize_fp8_rows(x, s, jnp.float32) for x, s in zip((k, v), scales))
         return ref_attention(q, k, v, visible_mask(state), scale).astype(q.dtype)
-    if q.dtype != k.dtype:
-        raise ValueError(f"q: expected dtype {k.dtype} (the cache's) for impl={impl!r}, got {q.dtype}")
+    if q.dtype != state.spec.compute_dtype:
+        fp8 = f", for its {state.spec.dtype} K/V" if state.spec.quantized else ""
+        raise ValueError(
+            f"q: expected dtype {state.spec.compute_dtype} (the cache's{fp8}) for impl={impl!r}, got {q.dtype}"
+        )
     n = state.num_valid
     if impl == "xla":
-        return xla_attention(q, k, v, n, state.token_id >= 0 if state.spec.pow2_pages else None, scale)
+        mask = state.token_id >= 0 if state.spec.pow2_pages else None
+        return xla_attention(q, k, v, n, mask, scale, kv_scales=scales)
     if state.spec.pow2_pages:
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
     if impl in ("pallas", "cuda"):

@@ -15,6 +15,7 @@ from jax import lax
 
 from jaxkv import _backend
 from jaxkv.errors import Fault, finite_rows, record
+from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, FrameCacheState
 from jaxkv.kernels.frame_append import write_frame, write_rows
@@ -46,7 +47,8 @@ def _move_rows(state, moves, n):
     (``torch_bridge.FlashInferKVCacheManager``).
     """
     trash = state.spec.trash_row
-    arrays = (*state.k, *state.v, state.token_id)
+    rows = ("k", "v", "k_scale", "v_scale")  # the per-layer row buffers, an FP8 cache's scales too
+    arrays = (*(x for name in rows for x in getattr(state, name)), state.token_id)
 
     def run(arrays):
         for b, src, dst, ok in moves:
@@ -59,8 +61,11 @@ def _move_rows(state, moves, n):
         arrays = lax.cond(any_ok, run, lambda a: a, arrays)
     else:
         arrays = run(arrays)
-    L = len(state.k)
-    return dict(k=tuple(arrays[:L]), v=tuple(arrays[L : 2 * L]), token_id=arrays[2 * L])
+    out, i = {}, 0
+    for name in rows:
+        n = len(getattr(state, name))
+        out[name], i = tuple(arrays[i : i + n]), i + n
+    return dict(out, token_id=arrays[i])
 
 
 def row_moves(moves, trash_row):
@@ -116,8 +121,7 @@ def begin_frame_moves(state: FrameCacheState, defer, finite=None):
 
     after = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new.after, plan.counters(state))
     return state.replace(
-        k=moved["k"],
-        v=moved["v"],
+        **{name: moved[name] for name in ("k", "v", "k_scale", "v_scale")},
         token_id=token_id,
         **after._asdict(),
         write_patch_row=patch_row,
@@ -130,12 +134,13 @@ def _check_frame_kv(state, k, v, per_layer: bool):
     s = state.spec
     lead = () if per_layer else (s.num_layers,)
     want = lead + (s.num_streams, s.tokens_per_frame, s.num_heads, s.head_dim)
+    dt = s.compute_dtype  # an FP8 cache takes bfloat16 K/V and quantizes them
     for name, x in (("k", k), ("v", v)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-            raise ValueError(f"{name}: expected an array {s.dtype}{list(want)}, got a {type(x).__name__}")
-        if tuple(x.shape) != want or x.dtype != s.jnp_dtype:
+            raise ValueError(f"{name}: expected an array {dt}{list(want)}, got a {type(x).__name__}")
+        if tuple(x.shape) != want or x.dtype != dt:
             raise ValueError(
-                f"{name}: expected {s.dtype}{list(want)} "
+                f"{name}: expected {dt}{list(want)} "
                 f"([{'' if per_layer else 'layers, '}streams, tokens_per_frame, heads, head_dim]), "
                 f"got {x.dtype}{list(x.shape)}"
             )
@@ -151,7 +156,7 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     """
     s = state.spec
     NS, ps = s.num_special, s.page_size
-    kbufs, vbufs = list(state.k), list(state.v)
+    bufs = {name: list(getattr(state, name)) for name in ("k", "v", "k_scale", "v_scale")}
     error = state.error
     if layer is None:
         targets = [(l, True, k[l], v[l]) for l in range(s.num_layers)]
@@ -172,9 +177,18 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
             special_row=jnp.where(hit, state.write_special_row, s.trash_row),
             patch_row=jnp.where(hit, state.write_patch_row, s.trash_row),
         )
-        kbufs[l] = write_rows(kbufs[l], kl, num_special=NS, page_size=ps, **rows)
-        vbufs[l] = write_rows(vbufs[l], vl, num_special=NS, page_size=ps, **rows)
-    return state.replace(k=tuple(kbufs), v=tuple(vbufs), error=error)
+        for name, x in _stored(s, kl, vl).items():
+            bufs[name][l] = write_rows(bufs[name][l], x, num_special=NS, page_size=ps, **rows)
+    return state.replace(**{name: tuple(b) for name, b in bufs.items()}, error=error)
+
+
+def _stored(spec, k, v) -> dict:
+    """A frame's K/V [..., H, D] as the cache stores them: as they are, or FP8 codes and their
+    scales bf16[..., H] (``jaxkv.formats.quantize_fp8_rows``)."""
+    if not spec.quantized:
+        return dict(k=k, v=v)
+    (kq, ks), (vq, vs) = quantize_fp8_rows(k), quantize_fp8_rows(v)
+    return dict(k=kq, v=vq, k_scale=ks, v_scale=vs)
 
 
 # ---------------------------------------------------------------- commit / rollback
@@ -248,10 +262,10 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     return _write_layer_traced(state, jnp.asarray(layer, jnp.int32), k, v)
 
 
-def default_append_impl() -> str:
+def default_append_impl(dtype: str = "bfloat16") -> str:
     """``pallas`` on a GPU (one launch for every layer; docs/kernels/frame_append.md),
-    ``xla`` elsewhere (``jaxkv._backend``)."""
-    return _backend.choose("frame.append", "auto")
+    ``xla`` elsewhere and for an FP8 cache (``jaxkv._backend``)."""
+    return _backend.choose("frame.append", "auto", dtype=dtype)
 
 
 def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
@@ -293,7 +307,7 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
     A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and no frame.
     """
     _check_frame_kv(state, k, v, per_layer=False)
-    return _append(state, k, v, defer, impl=_backend.choose("frame.append", impl))
+    return _append(state, k, v, defer, impl=_backend.choose("frame.append", impl, dtype=state.spec.dtype))
 
 
 @_donate

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ROW_QUANTUM = 2048  # capacity granularity: 16 chunks of 128 rows
+FP8 = "float8_e4m3fn"
+DTYPES = ("bfloat16", "float16", "float32", FP8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,10 @@ class FrameSpec:
         ``max_frames * num_special``); an append past it is a recorded fault, and
         ``jaxkv.frame.grow`` makes room.
       num_streams: B, independent video streams held side by side.
-      dtype: storage dtype name ("bfloat16", "float16" or "float32").
+      dtype: K/V storage dtype name: "bfloat16", "float16", "float32", or
+        "float8_e4m3fn": FP8 E4M3 with one bfloat16 scale per token and head
+        (``jaxkv.formats.quantize_fp8_rows``; the frame's K/V come in as bfloat16,
+        ``compute_dtype``). Why that granularity: docs/kernels/frame_cache_fp8.md.
       pow2_pages: round the page size up to a power of two (FlashInfer FA3). The
         padding rows are masked by jaxkv's attention but are part of each page.
     """
@@ -73,8 +78,8 @@ class FrameSpec:
                 raise ValueError(f"FrameSpec.{name}: expected a non-negative int, got {val!r}")
         if self.scale_frames + self.sliding_window < 1:
             raise ValueError("FrameSpec: scale_frames + sliding_window must be at least 1, got 0")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise ValueError(f"FrameSpec.dtype: expected 'bfloat16', 'float16' or 'float32', got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"FrameSpec.dtype: expected one of {', '.join(map(repr, DTYPES))}, got {self.dtype!r}")
 
     @property
     def tokens_per_frame(self) -> int:
@@ -117,20 +122,25 @@ class FrameSpec:
 
     @property
     def jnp_dtype(self):
+        """The dtype K/V are stored in."""
         return jnp.dtype(self.dtype)
 
     @property
+    def quantized(self) -> bool:
+        """K/V stored as FP8 codes with a bfloat16 scale per token and head (``k_scale``, ``v_scale``)."""
+        return self.dtype == FP8
+
+    @property
+    def compute_dtype(self):
+        """The dtype a frame's K/V come in as, and queries use: the storage dtype, or
+        bfloat16 for an FP8 cache."""
+        return jnp.dtype(jnp.bfloat16) if self.quantized else self.jnp_dtype
+
+    @property
     def kv_bytes(self) -> int:
-        """Bytes of the K and V buffers."""
-        return (
-            2
-            * self.num_layers
-            * self.num_streams
-            * self.capacity
-            * self.num_heads
-            * self.head_dim
-            * self.jnp_dtype.itemsize
-        )
+        """Bytes of the K and V buffers (and of their scales, FP8)."""
+        rows = 2 * self.num_layers * self.num_streams * self.capacity * self.num_heads
+        return rows * (self.head_dim * self.jnp_dtype.itemsize + 2 * self.quantized)
 
     def with_max_frames(self, max_frames: int) -> FrameSpec:
         return dataclasses.replace(self, max_frames=max_frames)

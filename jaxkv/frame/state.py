@@ -35,6 +35,8 @@ class FrameCacheState:
     error: u32[B]  sticky fault bits (``jaxkv.errors.Fault``)
     layout: where the arrays live (``jaxkv.sharding.Layout``: streams over a data axis,
       heads over a model axis), or None for one device
+    k_scale, v_scale: tuple of L bf16[B, T, H]  an FP8 cache's scale per row and head
+      (``jaxkv.formats.quantize_fp8_rows``); () for a float cache. They move with their rows.
     """
 
     k: tuple
@@ -51,6 +53,8 @@ class FrameCacheState:
     error: jax.Array
     spec: FrameSpec = static_field()
     layout: Layout | None = static_field(default=None)
+    k_scale: tuple = ()
+    v_scale: tuple = ()
 
     @property
     def num_slots_used(self):
@@ -131,7 +135,14 @@ def specs(spec: FrameSpec, lay: Layout) -> FrameCacheState:
         },
         spec=spec,
         layout=lay,
+        **_scales(spec, lambda: lay.spec("streams", None, "heads")),
     )
+
+
+def _scales(spec: FrameSpec, make) -> dict:
+    """``k_scale`` / ``v_scale``: L of ``make()`` each for an FP8 cache, else empty."""
+    n = spec.num_layers if spec.quantized else 0
+    return dict(k_scale=tuple(make() for _ in range(n)), v_scale=tuple(make() for _ in range(n)))
 
 
 def _empty(spec: FrameSpec) -> FrameCacheState:
@@ -151,6 +162,7 @@ def _empty(spec: FrameSpec) -> FrameCacheState:
         write_special_row=jnp.full((B,), spec.trash_row, jnp.int32),
         error=_zeros(B, jnp.uint32),
         spec=spec,
+        **_scales(spec, lambda: jnp.zeros(shape[:3], jnp.bfloat16)),
     )
 
 
@@ -197,10 +209,12 @@ def grow(state: FrameCacheState, max_frames: int) -> FrameCacheState:
         raise ValueError(f"max_frames: expected >= the current {spec.max_frames}, got {max_frames}")
     new = spec.with_max_frames(max_frames)
     extra = new.capacity - spec.capacity
-    pad = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))  # noqa: E731
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, extra)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
     rebuilt = dict(
         k=tuple(map(pad, state.k)),
         v=tuple(map(pad, state.v)),
+        k_scale=tuple(map(pad, state.k_scale)),
+        v_scale=tuple(map(pad, state.v_scale)),
         token_id=jnp.pad(state.token_id, ((0, 0), (0, extra)), constant_values=-1),
         write_patch_row=jnp.where(state.write_patch_row == spec.trash_row, new.trash_row, state.write_patch_row),
         write_special_row=jnp.where(state.write_special_row == spec.trash_row, new.trash_row, state.write_special_row),

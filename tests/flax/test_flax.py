@@ -116,6 +116,16 @@ def test_layer_streaming_equals_dense(rng, keeps):
     assert int(caches(layer)[0].num_frames[0]) == sum(keeps)
 
 
+def test_layer_streaming_equals_dense_fp8_cache(rng):
+    """An FP8 cache: the stream equals dense attention over K/V rounded as FP8 stores them."""
+    keeps = [1, 1, 0, 1, 0, 1]
+    layer = make_layer(cache_dtype="float8_e4m3fn", impl="xla")
+    xs = jnp.asarray(rng.normal(size=(len(keeps), T, DIM)), jnp.float32)
+    got, want = stream_vs_dense(layer, xs, [frame_rope(t) for t in range(len(keeps))], keeps)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())
+    assert caches(layer)[0].k[0].dtype == jnp.float8_e4m3fn
+
+
 def test_scan_over_stacked_layers_equals_unrolled(rng):
     """nnx.vmap-made layers driven by nnx.scan match the same layers called in a Python loop."""
     L, F = 3, 4
