@@ -74,6 +74,22 @@ def test_non_keyframes_leave_no_trace(model):
     assert not np.allclose(every2[3]["pose_enc"], every2[4]["pose_enc"])
 
 
+@pytest.mark.slow  # a second model's compile; tests/frame/test_fp8.py checks the cache itself
+def test_fp8_cache_tracks_the_float_cache(model):
+    """The port with an FP8 global cache (``kv_dtype``) against its float32 cache, the same
+    weights, 10 frames with every other one rolled back and the window evicting: every output
+    within FP8's bound, stated here."""
+    m8 = LingbotMap(TINY.replace(kv_dtype="float8_e4m3fn"), rngs=nnx.Rngs(1))
+    nnx.update(m8, nnx.state(model, nnx.Param))
+    assert m8.aggregator.cache.state.get_value().k[0].dtype == np.dtype("float8_e4m3fn")
+    frames = _frames(10, seed=5)
+    want, got = _run(model, frames, interval=2), _run(m8, frames, interval=2)
+    # measured on a CPU: 3.2e-3, 2.2e-4, 2.4e-4
+    for k, bound in (("pose_enc", 2e-2), ("depth", 5e-3), ("depth_conf", 5e-3)):
+        err = max(np.abs(g[k] - w[k]).max() / np.abs(w[k]).max() for g, w in zip(got, want))
+        assert err < bound, (k, err)
+
+
 def test_outputs_shapes_and_finite(model):
     outs = _run(model, _frames(4, seed=3))
     c = TINY
@@ -166,6 +182,8 @@ def test_other_patch_size_is_rejected(model):
 
 
 def test_bad_frames_and_configs():
+    with pytest.raises(ValueError, match="kv_dtype: expected None or 'float8_e4m3fn', got 'int8'"):
+        TINY.replace(kv_dtype="int8")
     with pytest.raises(ValueError, match="height, width"):
         LingbotConfig.small(height=40)
     with pytest.raises(ValueError, match="enable_3d_rope"):

@@ -37,6 +37,9 @@ class LingbotConfig:
       caches and the DPT convolutions; their matmul weights are stored in it. Norms,
       residuals, the camera head and the final activations stay float32.
     impl: the frame-cache attention backend (``jaxkv.frame.attention``).
+    kv_dtype: the global cache's K/V storage: None (``dtype``), or "float8_e4m3fn" (FP8
+      with a scale per token and head, about half the bytes; the cache then takes and
+      answers bfloat16: docs/kernels/frame_cache_fp8.md).
     """
 
     height: int = 378
@@ -65,6 +68,7 @@ class LingbotConfig:
     num_streams: int = 1
     dtype: str = "bfloat16"
     impl: str = "auto"
+    kv_dtype: str | None = None
 
     def __post_init__(self):
         p = self.patch_size
@@ -109,6 +113,8 @@ class LingbotConfig:
             )
         if self.dtype not in ("bfloat16", "float32"):
             raise ValueError(f"dtype: expected 'bfloat16' or 'float32', got {self.dtype!r}")
+        if self.kv_dtype not in (None, "float8_e4m3fn"):
+            raise ValueError(f"kv_dtype: expected None or 'float8_e4m3fn', got {self.kv_dtype!r}")
 
     @property
     def dim(self) -> int:

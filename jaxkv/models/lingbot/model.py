@@ -51,7 +51,7 @@ def aggregator_spec(c: LingbotConfig) -> frame.FrameSpec:
         sliding_window=c.kv_cache_sliding_window,
         max_frames=c.max_frame_num,
         num_streams=c.num_streams,
-        dtype=c.dtype,
+        dtype=c.kv_dtype or c.dtype,
     )
 
 
@@ -149,7 +149,7 @@ class Aggregator(nnx.Module):
             return run
 
         out = self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
-        T, dt = c.tokens_per_frame, jnp.dtype(c.dtype)
+        T, dt = c.tokens_per_frame, self.cache.spec.compute_dtype
         for s in range(S):
             self.cache.begin_frame()
             for layer in range(c.depth):
@@ -163,7 +163,7 @@ class Aggregator(nnx.Module):
         x = self._embed(image, self._specials(first=False, scale=False)[None])
         start = self.cache.state.get_value().num_frames  # keyframes so far: upstream's total_frames_processed
         self.cache.begin_frame(defer=~keyframe)
-        dt = jnp.dtype(c.dtype)
+        dt = self.cache.spec.compute_dtype  # the cache's: bfloat16 for an FP8 cache
 
         def attend(layer):
             def run(q, k, v):
