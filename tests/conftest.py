@@ -38,12 +38,27 @@ LONG = os.environ.get("JAXKV_LONG") == "1"
 SANITIZE = os.environ.get("JAXKV_SANITIZE") == "1"  # under compute-sanitizer: tools/sanitize.py
 
 
+# The default run's longest tests (about a minute or more each on a 2-core CPU), started
+# first so that xdist's workers end together instead of one finishing a long test alone.
+LONGEST_FIRST = (
+    "tests/cuda/test_wheel.py",
+    "tests/test_notebooks.py",
+    "tests/hybrid/test_hybrid.py::test_decode_equals_prefill",
+    "tests/models/test_dsv4_serving.py",
+    "tests/checkpoint/test_checkpoint.py",
+    "tests/models/test_lingbot_cli.py",
+    "tests/hybrid/test_tier.py",
+    "tests/hybrid/test_attention.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     """``gpu`` tests skip without a GPU. ``slow`` tests (minutes of compiling on a CPU, where a
     smaller test of the default run checks the same rule) run where a GPU is, or with
     ``JAXKV_LONG=1``: the default run stays within CI's budget. ``exhaustive`` tests (every
     case of an identity, seconds natively) skip under compute-sanitizer, where they would take
-    hours: the kernels they exercise run there through the other tests."""
+    hours: the kernels they exercise run there through the other tests. The longest tests
+    run first (``LONGEST_FIRST``)."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA GPU visible to jax")
     long = pytest.mark.skip(reason="long on a CPU: runs with JAXKV_LONG=1 (and where a GPU is)")
     sanitized = pytest.mark.skip(reason="exhaustive: not under compute-sanitizer (JAXKV_SANITIZE=1)")
@@ -54,6 +69,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(long)
         if "exhaustive" in item.keywords and SANITIZE:
             item.add_marker(sanitized)
+    rank = {p: i for i, p in enumerate(LONGEST_FIRST)}
+    first = lambda item: next((rank[p] for p in LONGEST_FIRST if item.nodeid.startswith(p)), len(rank))  # noqa: E731
+    items.sort(key=first)  # stable: the rest keep their order
 
 
 @pytest.fixture
