@@ -21,6 +21,7 @@ def _serve(share, pool_tokens=None, requests=6, burst=False, **kw):
     return server, reqs
 
 
+@pytest.mark.slow  # notebooks/prefix_serving.ipynb checks the same tokens and hit rate in the default run
 def test_shared_prefixes_hit_and_generate_the_same_tokens():
     off, reqs_off = _serve(False)
     on, reqs_on = _serve(True)
