@@ -44,7 +44,6 @@ LONGEST_FIRST = (
     "tests/cuda/test_wheel.py",
     "tests/test_notebooks.py",
     "tests/hybrid/test_hybrid.py::test_decode_equals_prefill",
-    "tests/checkpoint/test_checkpoint.py",
     "tests/models/test_lingbot_cli.py",
     "tests/hybrid/test_tier.py",
     "tests/hybrid/test_attention.py",

@@ -62,7 +62,8 @@ def test_frame_cache_continues_bit_identically_in_a_fresh_process(tmp_path):
     assert int(part["pending"][0]) != frame.NONE
 
 
-@pytest.mark.parametrize("storage", ["official", pytest.param("per_entry", marks=pytest.mark.slow)])
+@pytest.mark.slow  # three processes compile the hybrid model; the frame cache's test runs the same path
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_hybrid_cache_continues_bit_identically_in_a_fresh_process(tmp_path, storage):
     # CSA flushes on both sides of the cut, the SWA ring wraps, HCA tails carry over
     _cut_equals_whole(f"hybrid:{storage}", 21, 14, tmp_path)
