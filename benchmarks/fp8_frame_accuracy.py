@@ -19,14 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.formats.fp8 import (
-    dequantize_fp8_per_entry,
-    dequantize_fp8_rows,
-    dequantize_fp8_ue8m0,
-    quantize_fp8_per_entry,
-    quantize_fp8_rows,
-    quantize_fp8_ue8m0,
-)
+from jaxkv.formats import fp8
 from jaxkv.math.attention import ref_attention
 
 
@@ -58,7 +51,7 @@ def synthetic(rng, frames, tokens, heads=4, dim=64):
 
 def pow2(x):
     """FP8 with one power-of-two (UE8M0) scale per row of the last axis."""
-    return dequantize_fp8_ue8m0(*quantize_fp8_ue8m0(x, tile=x.shape[-1]), jnp.float32, tile=x.shape[-1])
+    return fp8.dequantize_fp8_ue8m0(*fp8.quantize_fp8_ue8m0(x, tile=x.shape[-1]), jnp.float32, tile=x.shape[-1])
 
 
 def per_page(x, page):
@@ -73,18 +66,18 @@ def per_channel(x, page):
     """FP8 with one float32 scale per channel over ``page`` rows and head."""
     n = x.shape[1]
     g = x.reshape(1, n // page, page, *x.shape[2:]).transpose(0, 1, 3, 4, 2)  # [1, pages, H, D, page]
-    back = dequantize_fp8_per_entry(*quantize_fp8_per_entry(g), jnp.float32)
+    back = fp8.dequantize_fp8_per_entry(*fp8.quantize_fp8_per_entry(g), jnp.float32)
     return back.transpose(0, 1, 4, 2, 3).reshape(x.shape)
 
 
 STORAGE = {  # name -> (store K or V as, bytes per 64-dim head row)
     "bf16": (lambda x, page: x.astype(jnp.bfloat16).astype(jnp.float32), 128),
     "fp8, bf16 scale per token and head (quantize_fp8_rows)": (
-        lambda x, page: dequantize_fp8_rows(*quantize_fp8_rows(x), jnp.float32),
+        lambda x, page: fp8.dequantize_fp8_rows(*fp8.quantize_fp8_rows(x), jnp.float32),
         66,
     ),
     "fp8, f32 scale per token and head": (
-        lambda x, page: dequantize_fp8_per_entry(*quantize_fp8_per_entry(x), jnp.float32),
+        lambda x, page: fp8.dequantize_fp8_per_entry(*fp8.quantize_fp8_per_entry(x), jnp.float32),
         68,
     ),
     "fp8, pow2 scale per token and head": (lambda x, page: pow2(x), 65),

@@ -17,7 +17,7 @@ from jaxkv import _backend
 from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.frame import plan, tuning
-from jaxkv.frame.state import NONE, FrameCacheState
+from jaxkv.frame.state import NONE, ROW_BUFFERS, FrameCacheState
 from jaxkv.kernels.frame_append import write_frame, write_rows
 from jaxkv.sharding import on_devices
 
@@ -47,8 +47,7 @@ def _move_rows(state, moves, n):
     (``torch_bridge.FlashInferKVCacheManager``).
     """
     trash = state.spec.trash_row
-    rows = ("k", "v", "k_scale", "v_scale")  # the per-layer row buffers, an FP8 cache's scales too
-    arrays = (*(x for name in rows for x in getattr(state, name)), state.token_id)
+    arrays = (*(x for name in ROW_BUFFERS for x in getattr(state, name)), state.token_id)
 
     def run(arrays):
         for b, src, dst, ok in moves:
@@ -62,7 +61,7 @@ def _move_rows(state, moves, n):
     else:
         arrays = run(arrays)
     out, i = {}, 0
-    for name in rows:
+    for name in ROW_BUFFERS:
         n = len(getattr(state, name))
         out[name], i = tuple(arrays[i : i + n]), i + n
     return dict(out, token_id=arrays[i])
@@ -121,7 +120,7 @@ def begin_frame_moves(state: FrameCacheState, defer, finite=None):
 
     after = jax.tree_util.tree_map(lambda n, o: jnp.where(ok, n, o), new.after, plan.counters(state))
     return state.replace(
-        **{name: moved[name] for name in ("k", "v", "k_scale", "v_scale")},
+        **{name: moved[name] for name in ROW_BUFFERS},
         token_id=token_id,
         **after._asdict(),
         write_patch_row=patch_row,
@@ -156,7 +155,7 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     """
     s = state.spec
     NS, ps = s.num_special, s.page_size
-    bufs = {name: list(getattr(state, name)) for name in ("k", "v", "k_scale", "v_scale")}
+    bufs = {name: list(getattr(state, name)) for name in ROW_BUFFERS}
     error = state.error
     if layer is None:
         targets = [(l, True, k[l], v[l]) for l in range(s.num_layers)]

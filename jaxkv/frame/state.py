@@ -12,6 +12,8 @@ from jaxkv._pytree import cache_dataclass, static_field
 from jaxkv.frame.spec import FrameSpec
 from jaxkv.sharding import Layout
 
+# The fields holding per-layer buffers of rows [B, T, ...]: they move and are written together.
+ROW_BUFFERS = ("k", "v", "k_scale", "v_scale")
 # ``pending`` values: which kind of deferred frame awaits commit or rollback.
 NONE, IN_SLOT, STAGED = 0, 1, 2
 
