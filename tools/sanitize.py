@@ -154,6 +154,8 @@ PROBE_RUNS = (
     ("none", "racecheck", "no barrier (racy: must be reported)"),
     ("arrive", "racecheck", "bar.arrive -> bar.sync, as the attention kernels hand off (correct)"),
     ("mbarrier", "racecheck", "lanes read, __syncwarp, mbarrier arrive -> wait, then write (correct)"),
+    ("cluster", "racecheck", "two CTAs write, barrier.cluster, each reads its peer's (correct)"),
+    ("merge", "racecheck", "bar.arrive -> bar.sync hand-back, then write, bar.sync, read (correct)"),
     ("tma_store", "initcheck", "Mosaic GPU TMA stores every element, XLA reads them (correct)"),
 )
 
