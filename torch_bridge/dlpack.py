@@ -12,6 +12,9 @@ Rules:
 * Ordering: DLPack export makes the consumer's stream wait for the producer's pending
   work, so a JAX update is visible to torch work issued after ``to_torch`` and a torch
   write is visible to JAX work issued after ``from_torch``.
+* Lifetime: JAX frees (or, donated, reuses) a buffer as soon as nothing references it,
+  whatever torch's stream has yet to run on it; wait for torch's stream before the last
+  view of a JAX buffer goes.
 """
 
 from __future__ import annotations

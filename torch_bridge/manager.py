@@ -40,7 +40,9 @@ Differences from lingbot-map's manager, all deliberate:
 
 Ownership: jaxkv allocates every buffer and its layout decides every row; torch writes and
 reads K/V through views, on torch's current stream. JAX reads them only in ``save`` and
-when the special capacity grows, each after a stream sync. See docs/torch.md.
+when the special capacity grows, each after a stream sync; JAX frees or reuses a buffer as
+soon as its last view goes, so the views go (grow, restore, the manager's end) only after
+torch's queued work on them has run. See docs/torch.md.
 """
 
 from __future__ import annotations
@@ -148,6 +150,7 @@ class FlashInferKVCacheManager:
         self.max_patch_pages = spec.num_slots
         self._jax_device = self._jax_device_for(self.device)
         self._queue = ReplayQueue()  # jaxkv's bookkeeping not yet replayed on the device (``_bookkeep``)
+        self._reads_state = None  # an event after torch's last read of the state's metadata
         with jax.default_device(self._jax_device):
             self.state = frame.init(spec)
         self._take_views()
@@ -251,7 +254,29 @@ class FlashInferKVCacheManager:
             self._flush()
 
     def _flush(self):
+        if self._queue.calls and self._reads_state is not None:
+            self._reads_state.synchronize()  # a lagging block's torch ops read token_id: done first
+            self._reads_state = None
         self._state = self._queue.apply(self._state, self._jax_device)
+
+    def _torch_mark(self):
+        """A CUDA event at this point of torch's stream (None off CUDA)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _drain(self):
+        """Wait for torch's queued work on this cache's buffers: before their last views go,
+        since JAX frees or reuses a buffer the moment nothing references it, whatever torch's
+        stream has yet to run (a view dropped early lets the next allocation write under it)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def __del__(self):
+        if getattr(self, "_k", None) and torch.cuda.is_initialized():
+            self._drain()
 
     def _apply_moves(self, moves):
         """Make the layout's row moves (``(src, dst)``, ``page_size`` rows) in every K/V buffer."""
@@ -307,6 +332,7 @@ class FlashInferKVCacheManager:
             src = (tid % tpf).clamp(0, tpf - 1).to(torch.int64)
             self._k[b].copy_(torch.where(hit, k[src], self._k[b]))
             self._v[b].copy_(torch.where(hit, v[src], self._v[b]))
+            self._reads_state = self._torch_mark()  # the next replay reuses token_id's memory
         self.frame_count[b] += 1
 
     def _finite(self, k, v):
@@ -318,8 +344,7 @@ class FlashInferKVCacheManager:
     def _make_room(self):
         s = self.spec
         if (self._pages.frames + 1) * s.num_special > s.special_capacity:
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()  # torch's writes land before JAX copies
+            self._drain()  # torch's writes land before JAX copies; the old views go below
             self.state = frame.grow(self.state, 2 * s.max_frames)
             self._take_views()
 
@@ -443,6 +468,7 @@ class FlashInferKVCacheManager:
         ``"state" + its key path`` (``jaxkv.checkpoint.leaves``'s names), the per-block frame
         counts under ``"frame_count"``, the spec as JSON under ``"spec"``."""
         out = {f"state{k}": to_torch(x).clone() for k, x in checkpoint.leaves(self._faults_in_state()).items()}
+        self._drain()  # the clones read JAX arrays that the next replay reuses
         out["frame_count"] = torch.tensor(self.frame_count, dtype=torch.int64)
         out["spec"] = json.dumps(checkpoint.spec_to_json(self.spec))
         return out
@@ -480,6 +506,7 @@ class FlashInferKVCacheManager:
     def _adopt(self, state: frame.FrameCacheState, counts: list[int]) -> None:
         """Continue from ``state`` (checked) with per-block frame counts ``counts``."""
         self._queue.clear()
+        self._drain()  # the old buffers go with their views
         self.state = state
         self._nonfinite.zero_()  # the faults are the loaded state's
         self._take_views()

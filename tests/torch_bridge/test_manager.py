@@ -681,14 +681,18 @@ def _frames(n, L, tpf, H, D, seed=0):
     ]
 
 
-def _run(mgr, frames, defer_every=0):
+def _run(mgr, frames, defer_every=0, stall=0):
     """Stream ``frames`` (every ``defer_every``-th deferred, then rolled back on odd frames,
-    kept on even ones) with no sync; -> every block's output of every frame."""
+    kept on even ones) with no sync; -> every block's output of every frame. ``stall``: GPU
+    clock cycles of sleep queued on torch's stream before each block's step, so the host
+    runs far ahead of the GPU (the timing of a loaded GPU, or of a sanitizer)."""
     outs = []
     for t, (k, v, q) in enumerate(frames):
         defer = bool(defer_every) and t % defer_every == defer_every - 1
         mgr._defer_eviction = defer
         for b in range(mgr.num_blocks):
+            if stall:
+                torch.cuda._sleep(stall)
             mgr.append_frame(b, k[b], v[b])
             mgr.evict_frames(b, mgr.scale_frames, mgr.sliding_window)
             outs.append(mgr.compute_attention(b, q[b]))
@@ -704,19 +708,22 @@ def _run(mgr, frames, defer_every=0):
 
 @on_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("stall", [0, 200_000], ids=["", "host-ahead"])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS_HERE if b != "sdpa"])
-def test_gpu_backends_equal_sdpa(backend):
+def test_gpu_backends_equal_sdpa(backend, stall):
     """FlashInfer's prefix and paged kernels against torch's SDPA over the same cache, at the
     released model's frame size (1005 tokens: FA3 pages of 1024 hold 25 zero rows, which it attends
     as the seed does, so that backend is held to dense attention over the visible tokens plus those
     rows), 40 frames streamed with no sync: the host runs ahead of the GPU, which is where the
-    paged plan's pinned buffer would be overwritten before its copy ran without the event."""
+    paged plan's pinned buffer would be overwritten before its copy ran without the event.
+    host-ahead: a sleep queued before each step keeps the GPU far behind the host, the first
+    manager dropped (its buffers' views with it) while its attention is still queued."""
     L, H, D, tpf, S, W = 2, 16, 64, 1005, 2, 6
     frames = _frames(40, L, tpf, H, D)
     make = lambda b: FlashInferKVCacheManager(L, 16, tpf, H, D, torch.bfloat16, "cuda", 6, S, W, 64, backend=b)  # noqa
-    got = _run(make(backend), frames, defer_every=3)
+    got = _run(make(backend), frames, defer_every=3, stall=stall)
     if backend != "flashinfer-paged-fa3":
-        want = _run(make("sdpa"), frames, defer_every=3)
+        want = _run(make("sdpa"), frames, defer_every=3, stall=stall)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
         return
