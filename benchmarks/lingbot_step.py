@@ -15,7 +15,9 @@ eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 ``--long N`` / ``--long-upstream M``: instead, stream N frames through the port (its own
 random weights) and M through upstream's FlashInfer path (either alone), recording memory in
 use and the peak every 1,000 frames; prints the growth per 1,000 frames. ``--small``: ViT-S
-on whatever device JAX and torch have (a smoke test of this script on CPU).
+on whatever device JAX and torch have (a smoke test of this script on CPU). ``--kv-dtype fp8``:
+also the port with an FP8 global cache (``LingbotConfig.kv_dtype``), its error column against
+upstream eager; with ``--long``, the port's cache.
 
     LINGBOT_MAP_SRC=... XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/lingbot_step.py --size 518x378
 """
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxkv import frame
 from jaxkv.models.lingbot import LingbotConfig, LingbotMap, LingbotStream, upstream
 from jaxkv.models.lingbot.convert import from_state_dict
 
@@ -189,6 +192,9 @@ def _upstream(config):
     return (ref.cuda() if torch.cuda.is_available() else ref), backend
 
 
+PORT, PORT_FP8 = "port (jaxkv)", "port (jaxkv, fp8 cache)"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="518x378", help="WxH, multiples of 14")
@@ -199,6 +205,12 @@ def main():
     p.add_argument("--long-upstream", type=int, default=0, help="and this many through upstream")
     p.add_argument("--every", type=int, default=1000, help="frames between memory marks in --long")
     p.add_argument("--small", action="store_true", help="ViT-S config (smoke test)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8"],
+        default=None,
+        help="also the port with an FP8 global cache, a row beside the bf16 port; with --long, the port's cache",
+    )
     args = p.parse_args()
     w, h = map(int, args.size.split("x"))
     n = args.warm + args.frames
@@ -210,7 +222,8 @@ def main():
     if args.long or args.long_upstream:
         rows = {}
         if args.long:  # a memory run: the port on its own random weights, before torch is imported
-            rows["port (jaxkv)"] = run_port(config, frames, 0, None, n=args.long, every=args.every)
+            port = config.replace(kv_dtype=frame.FP8) if args.kv_dtype else config
+            rows[PORT_FP8 if args.kv_dtype else PORT] = run_port(port, frames, 0, None, n=args.long, every=args.every)
         if args.long_upstream:
             ref, backend = _upstream(config)
             rows[f"upstream {backend}"] = run_upstream(
@@ -220,8 +233,11 @@ def main():
         return
     ref, backend = _upstream(config)
     sd = upstream.state_dict(ref)
-    rows = {"port (jaxkv)": run_port(config, frames, args.warm, sd)}
-    _print_row("port (jaxkv)", rows["port (jaxkv)"])
+    rows = {PORT: run_port(config, frames, args.warm, sd)}
+    _print_row(PORT, rows[PORT])
+    if args.kv_dtype:
+        rows[PORT_FP8] = run_port(config.replace(kv_dtype=frame.FP8), frames, args.warm, sd)
+        _print_row(PORT_FP8, rows[PORT_FP8])
     rows[f"upstream {backend}"] = run_upstream(ref, frames, args.warm, config.num_scale_frames)
     _print_row(f"upstream {backend}", rows[f"upstream {backend}"])
     if args.compile:
@@ -229,35 +245,37 @@ def main():
         rows["upstream compiled"] = run_upstream(ref, frames, args.warm, config.num_scale_frames, compile_=True)
         print(f"upstream compiled: {time.perf_counter() - t:.1f} s with its torch.compile builds", flush=True)
     ref_ms = np.median(rows[f"upstream {backend}"][0])
-    port_last = rows["port (jaxkv)"][2]
+    eager_last = rows[f"upstream {backend}"][2]
     print(
         f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, median of {args.frames} frames after {args.warm}"
     )
-    print(f"{'contender':<22}{'ms/frame':>10}{'p90':>8}{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}")
+    print(f"{'contender':<24}{'ms/frame':>10}{'p90':>8}{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}")
     for name, (t, peak, last, _) in rows.items():
-        err = (
-            max(
-                float(np.abs(port_last[k][0] - last[k]).max() / np.abs(last[k]).max())
-                for k in ("pose_enc", "depth_conf")
-            )
-            if name != "port (jaxkv)"
-            else 0.0
-        )
+        # upstream rows: the bf16 port against them; the FP8 port: it against upstream eager
+        err = 0.0 if name == PORT else _rel_err(last, eager_last) if name == PORT_FP8 else _rel_err(rows[PORT][2], last)
         print(
-            f"{name:<22}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
+            f"{name:<24}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
             f"{peak / 2**30:>10.2f}{err:>20.3g}"
         )
 
 
+def _rel_err(port_last, upstream_last) -> float:
+    """The port's last-frame outputs against upstream's: max abs error over max abs value."""
+    return max(
+        float(np.abs(port_last[k][0] - upstream_last[k]).max() / np.abs(upstream_last[k]).max())
+        for k in ("pose_enc", "depth_conf")
+    )
+
+
 def _print_long_table(w, h, config, device, every, rows):
     print(f"\nlingbot-map long video, {w}x{h}, {config.dtype}, {device}: memory in use every {every} frames")
-    print(f"{'contender':<22}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
+    print(f"{'contender':<24}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
     for name, (t, _, _, marks) in rows.items():
         for (f, used, peak), ms in zip(marks, t):
-            print(f"{name:<22}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
+            print(f"{name:<24}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
     for name, (_, peak, _, marks) in rows.items():
         print(
-            f"{name:<22} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
+            f"{name:<24} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
             f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames"
         )
 

@@ -68,6 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="cache dtype (default bfloat16)"
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=["fp8"],
+        default=None,
+        help="K/V cache storage: fp8 = FP8 E4M3 with a bfloat16 scale per token and head, about half "
+        "the bytes, attended on the xla path (docs/kernels/frame_cache_fp8.md); default: --dtype. "
+        "With --lingbot, the port's global cache (LingbotConfig.kv_dtype)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     p.add_argument(
         "--model",
@@ -132,10 +140,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def cache_dtype(args) -> str:
+    """The K/V storage dtype the flags ask for."""
+    return frame.FP8 if args.kv_dtype == "fp8" else args.dtype
+
+
 def make_step(spec: frame.FrameSpec, impl: str, keyframe_every: int):
     """One jitted frame step: random K/V/Q on device, append to all layers, attend per layer."""
     shape = (spec.num_layers, spec.num_streams, spec.tokens_per_frame, spec.num_heads, spec.head_dim)
-    dt = spec.jnp_dtype
+    dt = spec.compute_dtype
     defer = keyframe_every > 0
 
     def step(state, key, t):
@@ -170,6 +183,10 @@ def check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')}: expected an int >= {low}, got {getattr(args, flag)}")
     if args.scale_frames + args.window < 1:
         raise ValueError("--scale-frames, --window: expected at least one frame kept (a sum >= 1), got 0 and 0")
+    if args.kv_dtype and args.dtype != "bfloat16" and not args.lingbot:
+        raise ValueError(
+            f"--kv-dtype: an fp8 cache takes K/V in as bfloat16: expected --dtype bfloat16, got {args.dtype}"
+        )
     if args.keyframe_threshold is not None and not args.model:
         raise ValueError("--keyframe-threshold: used only with --model (without it, use --keyframe-every)")
     if args.plot is not None and not args.model:
@@ -335,7 +352,7 @@ def run(args) -> dict:
 
         plan = lingbot_demo.prepare(args)  # images, checkpoint, config: no model yet
         c = plan.config
-        check_impl(plan.impl_flag, c.impl, dtype=c.dtype, head_dim=c.head_dim)
+        check_impl(plan.impl_flag, c.impl, dtype=c.kv_dtype or c.dtype, head_dim=c.head_dim)
         weights = plan.memory.get("weights", 0) > sum(plan.memory.values()) / 2
         check_memory(
             "--checkpoint" if weights else "--images",
@@ -370,13 +387,13 @@ def run_random(args) -> dict:
         scale_frames=args.scale_frames,
         sliding_window=args.window,
         max_frames=max(args.frames, 1),
-        dtype=args.dtype,
+        dtype=cache_dtype(args),
     )
     impl = check_impl("--impl", args.impl, dtype=spec.dtype, head_dim=spec.head_dim)
     per_frame = 3 * spec.num_layers * spec.num_streams * spec.tokens_per_frame * spec.num_heads * spec.head_dim
     check_memory(
         "--frames",
-        {"K/V cache": spec.kv_bytes, "one frame's K/V/Q": per_frame * spec.jnp_dtype.itemsize},
+        {"K/V cache": spec.kv_bytes, "one frame's K/V/Q": per_frame * spec.compute_dtype.itemsize},
         "lower --frames (or --layers, --heads, --head-dim, --resolution)",
     )
     state = frame.init(spec)
@@ -395,12 +412,13 @@ def run_random(args) -> dict:
             bar.set_postfix(ms=f"{times[-1] * 1e3:.1f}", cache=f"{spec.kv_bytes / 2**20:.0f}MiB")
     check(state)
     visible = int(np.asarray(state.num_valid)[0])
-    visible_bytes = 2 * spec.num_layers * visible * spec.num_heads * spec.head_dim * spec.jnp_dtype.itemsize
+    row_bytes = spec.head_dim * spec.jnp_dtype.itemsize + 2 * spec.quantized  # an FP8 row's bf16 scale
+    visible_bytes = 2 * spec.num_layers * visible * spec.num_heads * row_bytes
     steady = times[1:] or times
     summary = {
         "frames": int(np.asarray(frame.num_frames(state))[0]),
         "visible tokens": visible,
-        "cache memory": f"{spec.kv_bytes / 2**20:.1f} MiB (K+V, {spec.num_layers} layers)",
+        "cache memory": f"{spec.kv_bytes / 2**20:.1f} MiB (K+V, {spec.num_layers} layers, {spec.dtype})",
         "visible K/V": f"{visible_bytes / 2**20:.1f} MiB",
         "ms/frame (median, after the first)": f"{np.median(steady) * 1e3:.2f}",
         "first frame (compile) ms": f"{times[0] * 1e3:.0f}",

@@ -46,6 +46,19 @@ def test_demo_keyframes_roll_back_the_rest():
     assert summary["frames"] == 3  # frames 0, 3, 6 kept
 
 
+def test_demo_fp8_cache_keeps_the_frames_in_fewer_bytes():
+    """--kv-dtype fp8: the same frames and visible tokens as the bf16 cache, in (head_dim + 2) /
+    (2 head_dim) of its bytes (an FP8 code per dim, a bf16 scale per token and head)."""
+    p = argparse_parser()
+    argv = ["--frames", "7", "--layers", "1", "--scale-frames", "2", "--window", "3"]  # 16 heads x 64 dims
+    bf16, fp8 = demo.run(p.parse_args(argv)), demo.run(p.parse_args([*argv, "--kv-dtype", "fp8"]))
+    assert fp8["frames"] == bf16["frames"] == 7
+    assert fp8["visible tokens"] == bf16["visible tokens"]
+    assert fp8["backend"] == "xla"  # auto: no kernel takes an FP8 cache yet
+    mib = lambda s: float(s["cache memory"].split()[0])  # noqa: E731
+    assert "float8_e4m3fn" in fp8["cache memory"] and mib(fp8) / mib(bf16) == pytest.approx((64 + 2) / 128, rel=2e-2)
+
+
 def test_demo_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as e:
         main(["demo", "--help"])
@@ -63,6 +76,7 @@ def test_demo_help_lists_every_flag(capsys):
         "--keyframe-every",
         "--impl",
         "--dtype",
+        "--kv-dtype",
         "--seed",
         "--model",
         "--keyframe-threshold",
@@ -140,6 +154,14 @@ def argparse_parser():
         (["--model", "--keyframe-every", "2"], "--keyframe-every: not used with --model (use --keyframe-threshold)"),
         (["--model", "--lingbot"], "--lingbot: not used with --model (pick one)"),
         (["--small"], "--small: used only with --lingbot"),
+        (
+            ["--kv-dtype", "fp8", "--dtype", "float32"],
+            "--kv-dtype: an fp8 cache takes K/V in as bfloat16: expected --dtype bfloat16, got float32",
+        ),
+        (
+            ["--kv-dtype", "fp8", "--impl", "pallas"],
+            "--impl: impl='pallas' for frame.attention: no kernel reads or writes an FP8 frame cache yet",
+        ),
     ],
 )
 def test_demo_bad_flags_are_usage_errors(capsys, argv, message):

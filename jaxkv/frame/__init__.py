@@ -29,11 +29,12 @@ from jaxkv.frame.ops import (
     rollback,
     write_layer,
 )
-from jaxkv.frame.spec import FrameSpec
+from jaxkv.frame.spec import FP8, FrameSpec
 from jaxkv.frame.state import IN_SLOT, NONE, STAGED, FrameCacheState, grow, init, reset
 from jaxkv.frame.views import PageTable, num_frames, page_table, visible_mask, visible_token_ids
 
 __all__ = [
+    "FP8",
     "IMPLS",
     "IN_SLOT",
     "NONE",

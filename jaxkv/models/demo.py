@@ -11,6 +11,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jaxkv import frame
 from jaxkv.flax import CachedStep, caches, check
 from jaxkv.models.reconstructor import ReconstructorConfig, StreamingReconstructor
 from jaxkv.models.synthetic import synthetic_video
@@ -30,7 +31,7 @@ def config_from_args(args) -> ReconstructorConfig:
         sliding_window=args.window,
         max_frames=max(args.frames, 1),
         keyframe_threshold=args.keyframe_threshold,
-        cache_dtype=args.dtype,
+        cache_dtype=frame.FP8 if getattr(args, "kv_dtype", None) == "fp8" else args.dtype,
         impl=args.impl,
         **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"),
     )

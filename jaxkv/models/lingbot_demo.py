@@ -136,6 +136,10 @@ def prepare(args) -> Plan:
         overrides["impl"] = args.impl
     if overrides.get("impl", "auto") not in frame.IMPLS:
         raise ValueError(f"{impl_flag}: expected one of {frame.IMPLS}, got {overrides['impl']!r}")
+    if getattr(args, "kv_dtype", None) == "fp8":
+        if overrides.get("kv_dtype", frame.FP8) != frame.FP8:
+            raise ValueError(f"--set kv_dtype={overrides['kv_dtype']}: --kv-dtype fp8 says otherwise; give one of them")
+        overrides["kv_dtype"] = frame.FP8
     if args.checkpoint:
         convert.checkpoint_kind(args.checkpoint, arg="--checkpoint")  # before reading any image
     paths, frames = load_images(args.images)

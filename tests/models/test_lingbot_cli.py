@@ -75,6 +75,24 @@ def test_demo_bad_inputs_are_clean_errors(tmp_path, capsys):
     )
     assert "--set" in _error(capsys, "demo", "--lingbot", "--images", str(FRAMES), "--small", "--set", "nope=1")
     assert "--checkpoint" in _error(capsys, "demo", "--checkpoint", "x.pt")
+    fp8 = ("demo", "--lingbot", "--images", str(FRAMES), "--small", "--kv-dtype", "fp8")
+    assert "--set kv_dtype=None: --kv-dtype fp8 says otherwise" in _error(capsys, *fp8, "--set", "kv_dtype=null")
+    assert "no kernel reads or writes an FP8 frame cache" in _error(capsys, *fp8, "--impl", "pallas")
+
+
+def test_demo_kv_dtype_is_the_global_cache_storage(tmp_path):
+    """--kv-dtype fp8 with --lingbot: the port's LingbotConfig.kv_dtype (its global cache)."""
+    import argparse
+
+    from jaxkv import demo, frame
+    from jaxkv.models import lingbot_demo
+
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    args = demo.preflight(p.parse_args(["--lingbot", "--images", str(FRAMES), "--small", "--out", str(tmp_path)]))
+    assert lingbot_demo.prepare(args).config.kv_dtype is None
+    args.kv_dtype = "fp8"
+    assert lingbot_demo.prepare(args).config.kv_dtype == frame.FP8
 
 
 def test_convert_lingbot_round_trip(tmp_path, capsys):
