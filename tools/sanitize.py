@@ -5,7 +5,8 @@
 
 The tools run side by side on one GPU; each runs ``compute-sanitizer --tool TOOL python -m
 pytest -m gpu FILE`` once per test file, in turn (a process the sanitizer brings down costs
-that file, not the rest), with the settings that make the tools see what matters:
+that file, not the rest, and runs once more from the test it died in), with the settings
+that make the tools see what matters:
 
 * ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``: every jax buffer its own ``cudaMalloc``, so an
   access past a buffer leaves its allocation (with the default pool allocator it would land
@@ -86,6 +87,7 @@ TOOL_FLAGS = {  # racecheck: shared-memory hazards; initcheck: reads of global m
     "initcheck": [],
 }
 REPORT = re.compile(r"^========= (?:Invalid|Uninitialized|Error|Program hit|Barrier|Race|Potential|Warning)", re.M)
+RESULT = re.compile(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", re.M)  # pytest -v: a test's result
 WHERE = re.compile(r"^=========\s+(?:Write |Read )?(?:Thread \S+ )?at (?:void )?([\w:<>]+)", re.M)
 
 
@@ -112,7 +114,9 @@ def _env(out: Path) -> dict:
 
 
 def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout: int) -> dict:
-    """One sanitizer process per test file, in turn, within ``timeout`` seconds in all."""
+    """One sanitizer process per test file, in turn, within ``timeout`` seconds in all. A file
+    whose process dies (the sanitizer's own crash: no report, no pytest summary) runs once
+    more, from the test it died in (the tests it reported are deselected)."""
     log = out / f"{tool}.log"
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider"]
     cmd = [sanitizer(), "--tool", tool, *TOOL_FLAGS[tool], "--target-processes", "all", "--print-limit", "200"]
@@ -121,27 +125,42 @@ def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout:
     t0, code, crashed = time.time(), 0, []
     with open(log, "w") as f:  # written as it runs: a run cut short still leaves its log
         for file in files:
-            left = timeout - (time.time() - t0)
             f.write(f"\n=== {file}\n")
-            f.flush()
-            try:
-                if left <= 0:
-                    raise subprocess.TimeoutExpired(cmd, timeout)
-                rc = subprocess.run(
-                    cmd + pytest + [file] + select,
-                    cwd=ROOT,
-                    env=_env(out),
-                    stdout=f,
-                    stderr=subprocess.STDOUT,
-                    timeout=left,
-                ).returncode
-            except subprocess.TimeoutExpired:
-                code = None
-                f.write(f"\nTIMEOUT after {timeout} s\n")
-                break
-            if rc not in (0, 1, 5):  # 1: a test failed or a report; 5: nothing selected in this file
-                crashed.append(f"{file} (exit {rc})")
+            reported: list[str] = []
+            for attempt in (1, 2):
+                left = timeout - (time.time() - t0)
+                f.flush()
+                start = f.tell()
+                try:
+                    if left <= 0:
+                        raise subprocess.TimeoutExpired(cmd, timeout)
+                    deselect = [a for t in reported for a in ("--deselect", t)]
+                    rc = subprocess.run(
+                        cmd + pytest + [file] + select + deselect,
+                        cwd=ROOT,
+                        env=_env(out),
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                        timeout=left,
+                    ).returncode
+                except subprocess.TimeoutExpired:
+                    f.write(f"\nTIMEOUT after {timeout} s\n")
+                    return _result(tool, None, crashed, t0, log)
+                if rc in (0, 1, 5):  # 1: a test failed or a report; 5: nothing selected in this file
+                    break
+                f.flush()
+                with open(log, errors="replace") as r:
+                    r.seek(start)
+                    reported += [t for t, _ in RESULT.findall(r.read())]
+                if attempt == 1:
+                    f.write(f"\n=== {file}: the sanitizer's process died (exit {rc}); again, from there\n")
+                else:
+                    crashed.append(f"{file} (exit {rc}, twice)")
             code = max(code, 0 if rc == 5 else rc)
+    return _result(tool, code, crashed, t0, log)
+
+
+def _result(tool, code, crashed, t0, log) -> dict:
     return dict(
         tool=tool, code=code, crashed=crashed, seconds=time.time() - t0, **parse(log.read_text(errors="replace"))
     )
@@ -186,7 +205,7 @@ def probe_reports(text: str) -> int:
 
 def parse(text: str) -> dict:
     """pytest's per-test results (``-v``), and the kernel each sanitizer report names."""
-    results = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", text, re.M)
+    results = RESULT.findall(text)
     blocks = re.split(r"(?=" + REPORT.pattern[1:] + ")", text, flags=re.M)
     where = [(WHERE.findall(b) or ["?"])[0] for b in blocks if REPORT.match(b)]
     return dict(results=results, where=where)
