@@ -47,16 +47,17 @@ def test_demo_keyframes_roll_back_the_rest():
 
 
 def test_demo_fp8_cache_keeps_the_frames_in_fewer_bytes():
-    """--kv-dtype fp8: the same frames and visible tokens as the bf16 cache, in (head_dim + 2) /
-    (2 head_dim) of its bytes (an FP8 code per dim, a bf16 scale per token and head)."""
-    p = argparse_parser()
-    argv = ["--frames", "7", "--layers", "1", "--scale-frames", "2", "--window", "3"]  # 16 heads x 64 dims
-    bf16, fp8 = demo.run(p.parse_args(argv)), demo.run(p.parse_args([*argv, "--kv-dtype", "fp8"]))
-    assert fp8["frames"] == bf16["frames"] == 7
-    assert fp8["visible tokens"] == bf16["visible tokens"]
-    assert fp8["backend"] == "xla"  # auto: no kernel takes an FP8 cache yet
-    mib = lambda s: float(s["cache memory"].split()[0])  # noqa: E731
-    assert "float8_e4m3fn" in fp8["cache memory"] and mib(fp8) / mib(bf16) == pytest.approx((64 + 2) / 128, rel=2e-2)
+    """--kv-dtype fp8: every frame kept, in (head_dim + 2) / (2 head_dim) of the bf16 cache's
+    bytes (an FP8 code per dim, a bf16 scale per token and head)."""
+    from jaxkv import frame
+
+    argv = ["--frames", "7", "--layers", "1", "--scale-frames", "2", "--window", "3", "--kv-dtype", "fp8"]
+    got = demo.run(argparse_parser().parse_args(argv))  # 16 heads x 64 dims at 224x224: 256 patches
+    assert got["frames"] == 7 and got["visible tokens"] == 5 * 256 + 7 * 6
+    assert got["backend"] == "xla"  # auto: no kernel takes an FP8 cache yet
+    bf16 = frame.FrameSpec(1, 16, 64, 256, 6, scale_frames=2, sliding_window=3, max_frames=7).kv_bytes
+    mib = float(got["cache memory"].split()[0])
+    assert "float8_e4m3fn" in got["cache memory"] and mib * 2**20 / bf16 == pytest.approx((64 + 2) / 128, rel=2e-2)
 
 
 def test_demo_help_lists_every_flag(capsys):

@@ -5,10 +5,15 @@ Codes are packed two per byte, element ``2i`` in the low nibble and ``2i+1`` in 
 nibble. E2M1 has no NaN or inf: rounding is to nearest-even and magnitudes above 6
 saturate to ±6. A non-finite input makes its group's scale NaN (E4M3 NaN for NVFP4, the
 UE8M0 NaN byte 0xFF for MXFP4), so the whole group dequantizes to NaN.
+
+The (de)quantizers are jitted: called eagerly, each of their ops would compile on its own.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from jaxkv.formats.numerics import (
@@ -73,6 +78,7 @@ def unpack_nibbles(packed):
     return ungroup(jnp.stack([lo, hi], axis=-1))
 
 
+@jax.jit
 def quantize_mxfp4(x):
     """MXFP4: E2M1 with one UE8M0 scale per 32 elements, no global scale (DeepGEMM's rule).
 
@@ -92,18 +98,21 @@ def quantize_mxfp4(x):
     return pack_nibbles(ungroup(codes)), byte
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_mxfp4(packed, scales, dtype=jnp.bfloat16):
     """packed: uint8[..., d/2], scales: uint8[..., d/32] -> dtype[..., d]."""
     vals = group(e2m1_decode(unpack_nibbles(packed)), MXFP4_GROUP)
     return ungroup(vals * e8m0_to_float(scales)[..., None]).astype(dtype)
 
 
+@jax.jit
 def nvfp4_global_scale(x):
     """The tensor-wide NVFP4 dequantization scale ``amax / (448 * 6)`` (1.0 for an all-zero x)."""
     amax = amax_abs(x.astype(jnp.float32))
     return jnp.where(amax > 0, exact_div(amax, FP8_MAX * FP4_MAX), 1.0).astype(jnp.float32)
 
 
+@jax.jit
 def quantize_nvfp4(x, global_scale=None):
     """NVFP4: E2M1 with one E4M3 scale per 16 elements and one float32 global scale.
 
@@ -131,6 +140,7 @@ def quantize_nvfp4(x, global_scale=None):
     return pack_nibbles(ungroup(e2m1_encode(y))), bs8, g
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_nvfp4(packed, scales, global_scale, dtype=jnp.bfloat16):
     """packed: uint8[..., d/2], scales: float8_e4m3fn[..., d/16], global_scale: f32[] -> dtype[..., d]."""
     vals = group(e2m1_decode(unpack_nibbles(packed)), NVFP4_GROUP)

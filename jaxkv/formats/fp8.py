@@ -5,10 +5,15 @@ Both store ``q = x / s`` rounded to nearest-even in ``float8_e4m3fn`` (values be
 
 Non-finite input: a NaN or ±inf anywhere in a scale group makes that group's scale NaN,
 so every element of the group dequantizes to NaN.
+
+The (de)quantizers are jitted: called eagerly, each of their ops would compile on its own.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -34,6 +39,7 @@ def _to_fp8(y):
     return fp8_e4m3_encode(y)
 
 
+@jax.jit
 def quantize_fp8_per_entry(x):
     """Per-entry FP8 (the entries and SWA ring of the reference DeepSeek-V4 cache design,
     ``docs/glossary.md``).
@@ -55,11 +61,13 @@ def quantize_fp8_per_entry(x):
     return q, scale
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_fp8_per_entry(q, scale, dtype=jnp.bfloat16):
     """q: float8_e4m3fn[..., d], scale: f32[...] -> dtype[..., d]."""
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("tile",))
 def quantize_fp8_ue8m0(x, tile: int = TILE):
     """FP8 with one power-of-two scale per ``tile`` elements (FlashMLA / DeepSeek-V4 rule).
 
@@ -78,6 +86,7 @@ def quantize_fp8_ue8m0(x, tile: int = TILE):
     return ungroup(q), byte
 
 
+@functools.partial(jax.jit, static_argnames=("dtype", "tile"))
 def dequantize_fp8_ue8m0(q, scale_e8m0, dtype=jnp.bfloat16, tile: int = TILE):
     """q: float8_e4m3fn[..., d], scale_e8m0: uint8[..., d/tile] -> dtype[..., d]."""
     check_groups(q, tile, "q")
@@ -85,6 +94,7 @@ def dequantize_fp8_ue8m0(q, scale_e8m0, dtype=jnp.bfloat16, tile: int = TILE):
     return ungroup(group(q.astype(jnp.float32), tile) * s[..., None]).astype(dtype)
 
 
+@jax.jit
 def quantize_fp8_rows(x):
     """FP8 E4M3 with one bfloat16 scale per row of the last axis: the frame cache's FP8 K/V,
     a row being one token's head. The scale is ``amax / 448`` rounded up to a bfloat16, so
@@ -110,6 +120,7 @@ def quantize_fp8_rows(x):
     return q, scale.astype(jnp.bfloat16)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def dequantize_fp8_rows(q, scale, dtype=jnp.bfloat16):
     """q: float8_e4m3fn[..., d], scale: bf16[...] (``quantize_fp8_rows``) -> dtype[..., d]."""
     return (q.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
