@@ -363,7 +363,7 @@ def run(args) -> dict:
     if args.model:
         from jaxkv.models import demo as model_demo
 
-        config = model_demo.config_from_args(args)
+        config = model_demo.config_from_args(args, cache_dtype(args))
         check_impl("--impl", args.impl, dtype=config.cache_dtype, head_dim=config.head_dim)
         check_memory(
             "--frames",

@@ -268,9 +268,10 @@ class FlashInferKVCacheManager:
         return event
 
     def _drain(self):
-        """Wait for torch's queued work on this cache's buffers: before their last views go,
-        since JAX frees or reuses a buffer the moment nothing references it, whatever torch's
-        stream has yet to run (a view dropped early lets the next allocation write under it)."""
+        """Wait for torch's queued work on this cache's buffers: before JAX reads them (save,
+        grow), and before their last views go, since JAX frees or reuses a buffer the moment
+        nothing references it, whatever torch's stream has yet to run (a view dropped early
+        lets the next allocation write under it)."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -518,8 +519,7 @@ class FlashInferKVCacheManager:
 
     def save(self, path) -> None:
         """``jaxkv.save`` of the cache, with the per-block frame counts beside it."""
-        if self.device.type == "cuda":  # JAX reads the buffers: torch's writes land first
-            torch.cuda.current_stream(self.device).synchronize()
+        self._drain()  # JAX reads the buffers: torch's writes land first
         path = checkpoint.save(path, self._faults_in_state())
         (path / "frame_count.json").write_text(json.dumps(self.frame_count))
 

@@ -11,14 +11,14 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxkv import frame
 from jaxkv.flax import CachedStep, caches, check
 from jaxkv.models.reconstructor import ReconstructorConfig, StreamingReconstructor
 from jaxkv.models.synthetic import synthetic_video
 
 
-def config_from_args(args) -> ReconstructorConfig:
-    """The model the demo's flags describe (``--resolution`` is width x height)."""
+def config_from_args(args, cache_dtype: str) -> ReconstructorConfig:
+    """The model the demo's flags describe (``--resolution`` is width x height), its cache
+    stored as ``cache_dtype`` (``jaxkv.demo.cache_dtype``: ``--dtype`` or ``--kv-dtype``)."""
     width, height = (int(x) for x in args.resolution.split("x"))
     return ReconstructorConfig(
         height=height,
@@ -31,7 +31,7 @@ def config_from_args(args) -> ReconstructorConfig:
         sliding_window=args.window,
         max_frames=max(args.frames, 1),
         keyframe_threshold=args.keyframe_threshold,
-        cache_dtype=frame.FP8 if getattr(args, "kv_dtype", None) == "fp8" else args.dtype,
+        cache_dtype=cache_dtype,
         impl=args.impl,
         **dict.fromkeys(("dtype", "param_dtype"), "bfloat16" if jax.default_backend() == "gpu" else "float32"),
     )
@@ -44,10 +44,9 @@ def memory(config: ReconstructorConfig, frames: int) -> dict:
     return {"K/V cache": config.cache_spec.kv_bytes, "synthetic video": 2 * video}
 
 
-def run(args, config: ReconstructorConfig | None = None) -> dict:
-    """Stream ``args.frames`` frames; print a summary table and write ``args.plot`` (a path, or
-    empty for none)."""
-    config = config or config_from_args(args)
+def run(args, config: ReconstructorConfig) -> dict:
+    """Stream ``args.frames`` frames through ``config``'s model; print a summary table and
+    write ``args.plot`` (a path, or empty for none)."""
     video = synthetic_video(args.frames, config.height, config.width, seed=args.seed)
     model = StreamingReconstructor(config, rngs=nnx.Rngs(args.seed))
     step = CachedStep(model)
