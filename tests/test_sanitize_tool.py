@@ -108,6 +108,27 @@ def test_a_process_that_dies_once_runs_again_from_there(tmp_path, monkeypatch):
     assert clean
 
 
+def test_synccheck_instruments_jaxkv_kernels_only(tmp_path, monkeypatch):
+    """synccheck gets a kernel filter that names jaxkv's kernels and not torch's or
+    FlashMLA's; initcheck gets none (a write by a kernel it skips would look unwritten)."""
+    import re
+
+    argv = tmp_path / "argv"
+    fake = tmp_path / "fake-sanitizer"
+    fake.write_text(f"#!/usr/bin/env python3\nimport sys\nopen({str(argv)!r}, 'a').write(repr(sys.argv) + '\\n')\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(S, "sanitizer", lambda: str(fake))
+    for tool in ("synccheck", "initcheck"):
+        S.run_tool(tool, ["tests/kernels/test_adversarial.py"], [], tmp_path, timeout=60)
+    sync, init = (eval(line) for line in argv.read_text().splitlines())
+    assert "--kernel-name" not in init
+    pattern = sync[sync.index("--kernel-name") + 1].removeprefix("regex=")
+    ours = ["jaxkv::<unnamed>::compress_decode_kernel<true>", "jaxkv::check_kernel", "jaxkv_frame_append"]
+    theirs = ["flash_fwd_splitkv_mla_fp8_sparse_kernel", "at::native::vectorized_elementwise_kernel<4>"]
+    assert all(re.search(pattern, k) for k in ours)
+    assert not any(re.search(pattern, k) for k in theirs)
+
+
 @pytest.mark.skipif(not shutil.which("nvcc"), reason="nvcc not on PATH (CI has it)")
 def test_racecheck_probes_compile(tmp_path):
     exe = tmp_path / "handoffs"
