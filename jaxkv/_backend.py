@@ -18,7 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
-| ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer, else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 and head_dim 64 |
+| ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer (not for FP8 storage), else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 or FP8 storage and head_dim 64 |
 """
 
 from __future__ import annotations
@@ -173,15 +173,17 @@ def _torch_missing(
         return "force_fp32 needs float32 attention and the cuda kernel is bf16 (use 'sdpa' or 'auto')"
     if name.startswith("flashinfer") and force_fp32:
         return "force_fp32 needs float32 attention and FlashInfer has no float32 kernels (use 'sdpa' or 'auto')"
-    if name == "cuda" and (dtype != "bfloat16" or head_dim != 64):
+    if name == "cuda" and (dtype not in ("bfloat16", "float8_e4m3fn") or head_dim != 64):
         return f"the cuda kernel expects bfloat16 storage and head_dim 64, got {dtype} and head_dim {head_dim}"
+    if name.startswith("flashinfer-paged") and dtype == "float8_e4m3fn":
+        return "FP8 storage is attended through its dequantized visible rows (sdpa, cuda, flashinfer), not pages"
     return None
 
 
 def _torch_auto(**ctx) -> str:
     if ctx.get("force_fp32") or str(ctx.get("device", "cpu")).split(":")[0] != "cuda":
         return "sdpa"
-    if ctx.get("fa3") and ctx.get("flashinfer"):
+    if ctx.get("fa3") and _torch_missing("flashinfer-paged-fa3", **ctx) is None:
         return "flashinfer-paged-fa3"
     tokens = ctx.get("tokens_per_frame", 0)
     return next((b for least, b in TORCH_AUTO_CUDA if tokens >= least and _torch_missing(b, **ctx) is None), "sdpa")

@@ -41,7 +41,12 @@ except ImportError:  # the prefix backend "sdpa" is used instead
     flashinfer = None
     FLASHINFER_AVAILABLE = False
 
-DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+DTYPES = {  # the storage dtypes, as jaxkv.frame.FrameSpec names them
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+}
 BACKENDS = _backend.choices("torch.attention")  # "auto" first
 PREFIX_BACKENDS = ("sdpa", "cuda", "flashinfer")  # attend the prefix views k[:n], v[:n]
 FLASHINFER_PREFIX_KERNEL = "auto"  # ``backend=`` of flashinfer.single_prefill_with_kv_cache ("auto", "fa2", "fa3")

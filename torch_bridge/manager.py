@@ -61,9 +61,14 @@ from jaxkv.errors import Fault, record
 from jaxkv.errors import check as _check
 from jaxkv.frame import plan
 from jaxkv.frame.state import NONE, STAGED
-from torch_bridge import backends, kernels
+from torch_bridge import backends, fp8, kernels
 from torch_bridge.dlpack import from_torch, to_torch
 from torch_bridge.pages import BEGIN, RESOLVE, Pages, ReplayQueue
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """FP8 as its bytes: torch's copies and scatters do not all take float8 dtypes."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 class FlashInferKVCacheManager:
@@ -111,10 +116,14 @@ class FlashInferKVCacheManager:
                 f"tokens_per_frame: expected more than num_special_tokens={num_special_tokens}, got {tokens_per_frame}"
             )
         self.force_fp32 = force_fp32
+        if dtype == torch.float8_e4m3fn and force_fp32:
+            raise ValueError("dtype: torch.float8_e4m3fn storage attends in bfloat16; force_fp32 asks for float32")
         dtype = torch.float32 if force_fp32 else (torch.bfloat16 if dtype == torch.float32 else dtype)
         if dtype not in backends.DTYPES:
-            raise ValueError(f"dtype: expected torch.bfloat16, float16 or float32, got {dtype}")
-        self.dtype = dtype
+            raise ValueError(f"dtype: expected torch.bfloat16, float16, float32 or float8_e4m3fn, got {dtype}")
+        self.dtype = dtype  # the storage dtype
+        # FP8 storage: K/V come in, are attended and come out as bfloat16
+        self.compute_dtype = torch.bfloat16 if dtype == torch.float8_e4m3fn else dtype
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" means the current CUDA device
             device = torch.device("cuda", torch.cuda.current_device())
@@ -174,7 +183,7 @@ class FlashInferKVCacheManager:
             jax_device=self._jax_device,
             heads=num_heads,
             head_dim=head_dim,
-            dtype=dtype,
+            dtype=self.compute_dtype,
             page_size=self.page_size,
             tokens_per_frame=tokens_per_frame,
         )
@@ -226,8 +235,8 @@ class FlashInferKVCacheManager:
         if x.device != self.device:
             raise ValueError(f"{name}: expected device {self.device}, got {x.device}")
         if not x.dtype.is_floating_point:
-            raise ValueError(f"{name}: expected a floating-point tensor (cast to {self.dtype}), got {x.dtype}")
-        return x.to(self.dtype)
+            raise ValueError(f"{name}: expected a floating-point tensor (cast to {self.compute_dtype}), got {x.dtype}")
+        return x.to(self.compute_dtype)
 
     def _frame_tensor(self, name, x):
         x = self._tensor(name, x, (self.tokens_per_frame, self.num_heads, self.head_dim))
@@ -243,6 +252,8 @@ class FlashInferKVCacheManager:
         s = self.spec
         self._k = [to_torch(x)[0] for x in self._state.k]
         self._v = [to_torch(x)[0] for x in self._state.v]
+        self._k_scale = [to_torch(x)[0] for x in self._state.k_scale]  # FP8: bf16[T, H]; else none
+        self._v_scale = [to_torch(x)[0] for x in self._state.v_scale]
         rows = s.max_pages * s.page_size
         shape = (s.max_pages, s.page_size, self.num_heads, self.head_dim)
         self._paged = [(k[:rows].view(shape), v[:rows].view(shape)) for k, v in zip(self._k, self._v)]
@@ -276,13 +287,14 @@ class FlashInferKVCacheManager:
             torch.cuda.current_stream(self.device).synchronize()
 
     def __del__(self):
-        if getattr(self, "_k", None) and torch.cuda.is_initialized():
+        cuda = getattr(torch, "cuda", None)  # None while the interpreter shuts down
+        if getattr(self, "_k", None) and cuda is not None and cuda.is_initialized():
             self._drain()
 
     def _apply_moves(self, moves):
         """Make the layout's row moves (``(src, dst)``, ``page_size`` rows) in every K/V buffer."""
         ps = self.page_size
-        bufs = (*self._k, *self._v)
+        bufs = [_raw(b) for b in (*self._k, *self._v, *self._k_scale, *self._v_scale)]
         for src, dst in moves:  # one foreach copy over every buffer: a few launches, not 2 per block
             torch._foreach_copy_([b[dst : dst + ps] for b in bufs], [b[src : src + ps] for b in bufs])
 
@@ -310,7 +322,7 @@ class FlashInferKVCacheManager:
             self._frame_open = True
             self._bookkeep(BEGIN, defer)
         if n == p.frames - 1 and self._frame_open:
-            if self._append_scratch is not None:
+            if self._append_scratch is not None and not self._k_scale:
                 kernels.frame_append(
                     k.contiguous(),
                     v.contiguous(),
@@ -323,18 +335,27 @@ class FlashInferKVCacheManager:
                 )
             else:
                 rows = torch.where(self._finite(k, v), self._rows, self.spec.trash_row)
-                self._k[b].index_copy_(0, rows, k)
-                self._v[b].index_copy_(0, rows, v)
+                for buf, x in self._stored(b, k, v):
+                    buf.index_copy_(0, rows, x)
         else:  # a lagging block: its frame n goes where that frame's tokens are now
             ok = self._finite(k, v)
             tid = to_torch(self.state.token_id)[0]
             tpf = self.tokens_per_frame
-            hit = ((tid >= 0) & (tid // tpf == n) & ok)[:, None, None]
+            hit = (tid >= 0) & (tid // tpf == n) & ok
             src = (tid % tpf).clamp(0, tpf - 1).to(torch.int64)
-            self._k[b].copy_(torch.where(hit, k[src], self._k[b]))
-            self._v[b].copy_(torch.where(hit, v[src], self._v[b]))
+            for buf, x in self._stored(b, k, v):
+                buf.copy_(torch.where(hit.view(-1, *[1] * (buf.dim() - 1)), x[src], buf))
             self._reads_state = self._torch_mark()  # the next replay reuses token_id's memory
         self.frame_count[b] += 1
+
+    def _stored(self, b: int, k, v):
+        """(buffer, rows to write into it) for block ``b``'s buffers: k and v as they are, or
+        an FP8 cache's codes and scales (``torch_bridge.fp8``)."""
+        if not self._k_scale:
+            return ((self._k[b], k), (self._v[b], v))
+        (kq, ks), (vq, vs) = fp8.quantize_rows(k), fp8.quantize_rows(v)
+        pairs = ((self._k[b], kq), (self._v[b], vq), (self._k_scale[b], ks), (self._v_scale[b], vs))
+        return tuple((_raw(buf), _raw(x)) for buf, x in pairs)
 
     def _finite(self, k, v):
         """bool[] on the device: k and v hold no NaN / Inf (and the sticky flag records it)."""
@@ -440,7 +461,8 @@ class FlashInferKVCacheManager:
 
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
-        cache shows -> [q_len, H, D] in the storage dtype (``force_fp32``: q's dtype, as
+        cache shows -> [q_len, H, D] in the storage dtype (bfloat16 for FP8 storage;
+        ``force_fp32``: q's dtype, as
         lingbot-map's manager). No host sync, no DLPack: the backends read the views
         ``_take_views`` made."""
         b = self._block(block_idx)
@@ -451,7 +473,14 @@ class FlashInferKVCacheManager:
         return out.to(q.dtype) if self.force_fp32 else out
 
     def _attend(self, b: int, q: torch.Tensor) -> torch.Tensor:
-        return self._attention(q, self._k[b], self._v[b], self._paged[b], self._pages)
+        if not self._k_scale:
+            return self._attention(q, self._k[b], self._v[b], self._paged[b], self._pages)
+        # FP8: the visible rows [0, n) dequantized to one bf16 copy per call (a prefix backend
+        # reads only those rows); docs/kernels/frame_cache_fp8.md
+        n = self._pages.visible_rows()
+        k = fp8.dequantize_rows(self._k[b][:n], self._k_scale[b][:n])
+        v = fp8.dequantize_rows(self._v[b][:n], self._v_scale[b][:n])
+        return self._attention(q, k, v, None, self._pages)
 
     def reset(self) -> None:
         """Empty the cache for a new sequence."""

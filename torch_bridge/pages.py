@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxkv import frame
 from jaxkv.frame import plan
-from jaxkv.frame.state import NONE
+from jaxkv.frame.state import NONE, ROW_BUFFERS
 
 REPLAY = 64  # bookkeeping calls queued before one batched replay on the device
 BEGIN, RESOLVE = 1, 2  # kinds of a queued call (0: none, padding)
@@ -21,7 +21,8 @@ BEGIN, RESOLVE = 1, 2  # kinds of a queued call (0: none, padding)
 
 @functools.partial(jax.jit, donate_argnums=0)
 def replay(meta, calls):
-    """Apply queued bookkeeping to a state without K/V (``k = v = ()``) in one dispatch.
+    """Apply queued bookkeeping to a state without its row buffers (K/V and an FP8 cache's
+    scales: ``()``) in one dispatch.
 
     calls: i32[REPLAY, 2]  (kind, flag) rows in order: ``BEGIN`` with flag = defer,
       ``RESOLVE`` with flag = keep, 0 = nothing (padding)
@@ -60,9 +61,10 @@ class ReplayQueue:
         calls = np.zeros((REPLAY, 2), np.int32)
         calls[: len(self.calls)] = self.calls
         self.calls = []
+        rows = {name: getattr(state, name) for name in ROW_BUFFERS}  # torch's to write and move
         with jax.default_device(device):
-            meta = replay(state.replace(k=(), v=()), calls)
-        return meta.replace(k=state.k, v=state.v)
+            meta = replay(state.replace(**{name: () for name in ROW_BUFFERS}), calls)
+        return meta.replace(**rows)
 
 
 class Pages:
