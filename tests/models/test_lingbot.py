@@ -178,6 +178,19 @@ def test_other_patch_size_is_rejected(model):
         convert.config_from_state_dict(sd, height=42, width=56, selected_idx=(0, 1, 2, 3))
 
 
+def test_frames_of_another_size_are_refused(model):
+    """A frame that is not the model's [H, W, 3], or not the stream's batch: a ValueError
+    naming the frame and both shapes, before anything runs for it."""
+    stream = _STREAMS.setdefault(id(model), LingbotStream(model))
+    h, w = TINY.height, TINY.width
+    with pytest.raises(ValueError, match=rf"frame 0 has shape \[{h}, {w + 14}, 3\], expected \[{h}, {w}, 3\]"):
+        next(stream.run([np.zeros((h, w + 14, 3), np.float32)]))
+    frames = _frames(TINY.num_scale_frames + 1)
+    frames[-1] = np.stack([frames[-1]] * 2)  # two streams where the stream has one
+    with pytest.raises(ValueError, match=rf"frame {TINY.num_scale_frames} has shape \[2, {h}, {w}, 3\]"):
+        list(stream.run(frames))
+
+
 def test_bad_frames_and_configs():
     with pytest.raises(ValueError, match="kv_dtype: expected None or 'float8_e4m3fn', got 'int8'"):
         TINY.replace(kv_dtype="int8")

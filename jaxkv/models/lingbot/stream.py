@@ -45,7 +45,20 @@ class LingbotStream:
         s = self.config.num_scale_frames
         return index < s or (index - s) % (interval or self.keyframe_interval) == 0
 
-    def _batch(self, frames: list) -> jnp.ndarray:
+    def _batch(self, frames: list, index: int, batch: int) -> jnp.ndarray:
+        """frames ``index ..`` -> f32[B, S, H, W, 3]; each must be the model's [H, W, 3] (or
+        [B, H, W, 3], with the stream's B): another size would be a new compile and a wrong
+        number of tokens in the caches."""
+        c = self.config
+        for i, f in enumerate(frames, start=index):
+            shape = tuple(np.shape(f))
+            want = (c.height, c.width, 3)
+            if len(shape) not in (3, 4) or shape[-3:] != want or (shape[:-3] or (1,)) != (batch,):
+                b = f"[{batch}, " if batch > 1 else "["
+                raise ValueError(
+                    f"frames: frame {i} has shape {list(shape)}, expected {b}{c.height}, {c.width}, 3] "
+                    "(LingbotConfig.height, width; the stream's first frames)"
+                )
         x = np.stack([np.asarray(f, np.float32) for f in frames], axis=-4)  # [..., S, H, W, 3]
         if x.ndim == 4:
             x = x[None]
@@ -68,7 +81,8 @@ class LingbotStream:
         first = [f for _, f in zip(range(c.num_scale_frames), it)]
         if not first:
             return
-        out = self.step(self._batch(first), phase="scale")
+        batch = (tuple(np.shape(first[0]))[:-3] or (1,))[0]  # the first frame's: [B, H, W, 3] or one stream
+        out = self.step(self._batch(first, 0, batch), phase="scale")
         for s in range(len(first)):
             yield {k: v[:, s] for k, v in out.items()}
         keyframes, seen = len(first), len(first)
@@ -80,7 +94,7 @@ class LingbotStream:
                     f"({keyframes} keyframes, {seen} frames so far); build the model with a "
                     "larger LingbotConfig.max_frame_num"
                 )
-            out = self.step(self._batch([f]), jnp.asarray(key), phase="stream")
+            out = self.step(self._batch([f], index, batch), jnp.asarray(key), phase="stream")
             keyframes += key
             seen += 1
             yield out
