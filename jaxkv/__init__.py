@@ -5,10 +5,12 @@
 * ``jaxkv.hybrid`` — the DeepSeek-V4 hybrid compressed cache (SWA, CSA, HCA).
 * ``jaxkv.check`` — raise the faults a jitted operation recorded in a state.
 * ``jaxkv.save`` / ``jaxkv.restore`` — durable cache state (``jaxkv.checkpoint``, Orbax).
+* ``jaxkv.persistent_cache`` — compiled steps kept across processes (``jaxkv.compilation``).
 """
 
 from jaxkv import formats, frame, hybrid
 from jaxkv.checkpoint import CheckpointError, restore, save
+from jaxkv.compilation import persistent_cache
 from jaxkv.errors import CacheError, Fault, check, clear_errors
 
 __version__ = "0.1.0"
@@ -21,6 +23,7 @@ __all__ = [
     "formats",
     "frame",
     "hybrid",
+    "persistent_cache",
     "restore",
     "save",
     "__version__",

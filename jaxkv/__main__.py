@@ -15,6 +15,7 @@ import os
 import sys
 
 from jaxkv import demo, launch
+from jaxkv.compilation import persistent_cache
 
 EPILOG = """\
 Each command has its own --help. Exit status: 0 done, 2 a usage error (one line naming the
@@ -134,5 +135,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """``python -m jaxkv`` and the ``jaxkv`` command: ``main`` with the compilation cache on,
+    so a second run loads the steps the first compiled (jaxkv.compilation)."""
+    persistent_cache()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

@@ -25,6 +25,7 @@ LAYERS = {
     "jaxkv.cuda": 2,
     "jaxkv.kernels": 3,
     "jaxkv._backend": 3,
+    "jaxkv.compilation": 3,
     "jaxkv.frame": 4,
     "jaxkv.hybrid": 4,
     "jaxkv.checkpoint": 5,
