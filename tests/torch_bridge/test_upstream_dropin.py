@@ -188,6 +188,26 @@ def test_install_with_a_backend_and_bad_backend(lingbot_map):
     assert flashinfer_cache.FlashInferKVCacheManager is FlashInferKVCacheManager  # the outer install again
 
 
+def test_install_with_an_fp8_cache(lingbot_map):
+    """kv_dtype=torch.float8_e4m3fn: upstream's own lazy construction (which passes bf16)
+    builds an FP8 manager; a kv_dtype that is no storage dtype is refused."""
+    from lingbot_map.layers import flashinfer_cache
+
+    with pytest.raises(ValueError, match="kv_dtype: expected None or one of"):
+        use_in_lingbot_map(kv_dtype=torch.int8)
+    with use_in_lingbot_map("sdpa", kv_dtype=torch.float8_e4m3fn):
+        assert flashinfer_cache.FlashInferKVCacheManager is not FlashInferKVCacheManager
+        model = upstream.build(CONFIG, SRC, use_sdpa=False)
+        agg = model.aggregator
+        agg.kv_cache_force_fp32 = False
+        mgr = agg._get_flashinfer_manager(torch.device("cpu"), torch.bfloat16, tokens_per_frame=CONFIG.tokens_per_frame)
+        assert isinstance(mgr, FlashInferKVCacheManager) and mgr.backend == "sdpa"
+        assert mgr.dtype == torch.float8_e4m3fn and mgr.compute_dtype == torch.bfloat16
+        k = torch.randn(CONFIG.tokens_per_frame, mgr.num_heads, mgr.head_dim)
+        mgr.append_frame(0, k, k)
+        assert mgr.compute_attention(0, k).dtype == torch.bfloat16
+
+
 @pytest.mark.skipif(not os.environ.get("JAXKV_LONG"), reason="ViT-L (1.2 B parameters, twice): JAXKV_LONG=1")
 def test_vitl_lazy_path_matches_upstream_sdpa(lingbot_map, no_tf32):
     """The released backbone width (16 heads of 64, so upstream's own lazy construction builds
