@@ -119,16 +119,24 @@ def index_topk(
     state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *, impl: str = "auto"
 ):
     """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
-    best first. ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
+    best first, ties to the lower entry; a NaN or infinite score is never picked.
+    ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
     _check_scores(state, step, layer, q, weights)
     impl = _scores_impl(state, impl)
 
     def local(st, step, q, w):
-        s = _index_scores(st, step, layer, q, w, impl)
-        val, idx = _top_k(s, min(top_k or st.config.top_k, s.shape[-1]))
-        return jnp.where(jnp.isfinite(val), idx, -1)
+        return _select(_index_scores(st, step, layer, q, w, impl), top_k or st.config.top_k)
 
     return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
+
+
+def _select(s, top_k: int):
+    """f32[..., N] scores -> i32[..., min(top_k, N)]: the best entries, best first, -1 past
+    the finite ones. A NaN or infinite score (a NaN or Inf query or weight) is never picked:
+    it is -inf before the selection, so it cannot take a finite entry's place."""
+    s = jnp.where(jnp.isfinite(s), s, -jnp.inf)
+    val, idx = _top_k(s, min(top_k, s.shape[-1]))
+    return jnp.where(val > -jnp.inf, idx, -1)
 
 
 def _top_k(s, k: int, chunks: int = 4):

@@ -14,7 +14,7 @@ import pytest
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
 from jaxkv.hybrid import indexer
-from jaxkv.hybrid.indexer import _top_k
+from jaxkv.hybrid.indexer import _select, _top_k
 from jaxkv.kernels.index_scores import ref_index_scores
 
 # index heads and block size as the kernel takes them (by 64); two pages of entries a request
@@ -58,6 +58,18 @@ def test_top_k_in_two_stages_equals_lax(rng):
         got, want = _top_k(s, k), jax.lax.top_k(s, k)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_selection_never_picks_a_nonfinite_score(rng):
+    """NaN and +-Inf scores are never picked and take no finite entry's place; past the
+    finite entries the row is -1; elsewhere the picks are lax.top_k's."""
+    s = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
+    s = s.at[0, 3].set(jnp.nan).at[0, 7].set(jnp.inf).at[0, 9].set(-jnp.inf).at[1, 10:].set(-jnp.inf)
+    got = np.asarray(_select(s, 12))
+    finite = np.where(np.isfinite(np.asarray(s[0])), np.asarray(s[0]), -np.inf)
+    np.testing.assert_array_equal(got[0], np.argsort(-finite, kind="stable")[:12])
+    assert not {3, 7, 9} & set(got[0].tolist())
+    np.testing.assert_array_equal(got[1], np.r_[np.asarray(jax.lax.top_k(s[1, :10], 10)[1]), [-1, -1]])
 
 
 def test_xla_scores_equal_float64(rng, filled):
