@@ -79,7 +79,7 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def make_manager(cls, tpf, layers, device, backend=None):
+def make_manager(cls, tpf, layers, device, backend=None, dtype=torch.bfloat16):
     extra = {} if backend is None else {"backend": backend}  # the seed takes no backend
     return cls(
         num_blocks=layers,
@@ -87,7 +87,7 @@ def make_manager(cls, tpf, layers, device, backend=None):
         tokens_per_frame=tpf,
         num_heads=16,
         head_dim=64,
-        dtype=torch.bfloat16,
+        dtype=dtype,
         device=device,
         max_total_frames=256,
         **extra,
@@ -104,8 +104,8 @@ def frame_step(mgr, layers, frame, out):
     sync(mgr.device)
 
 
-def bench(cls, tpf, layers, warm, iters, frames, device, backend=None):
-    mgr, out = make_manager(cls, tpf, layers, device, backend), {}
+def bench(cls, tpf, layers, warm, iters, frames, device, backend=None, dtype=torch.bfloat16):
+    mgr, out = make_manager(cls, tpf, layers, device, backend, dtype), {}
     times = times_ms(lambda i: frame_step(mgr, layers, frames[i % len(frames)], out), iters, warmup=warm)
     return times, out
 
@@ -190,18 +190,25 @@ def manager_table(args, seed_cls):
             )
             for _ in range(2)
         ]
-        entries = ([(SEED, seed_cls, None)] if seed_cls else []) + [
-            (f"jaxkv drop-in ({b})", FlashInferKVCacheManager, b) for b in args.backends
+        bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+        entries = ([(SEED, seed_cls, None, bf16)] if seed_cls else []) + [
+            (f"jaxkv drop-in ({b})", FlashInferKVCacheManager, b, bf16) for b in args.backends
         ]
+        if args.fp8:  # the FP8 cache: the prefix backends attend its dequantized visible rows
+            entries += [
+                (f"jaxkv drop-in ({b}, FP8 cache)", FlashInferKVCacheManager, b, fp8)
+                for b in args.backends
+                if b in M.PREFIX_BACKENDS
+            ]
         outs, times = {}, {}
-        for name, cls, backend in entries + entries[::-1]:  # A-B-..-B-A: clock or thermal drift hits all alike
-            t, outs[name] = bench(cls, tpf, args.layers, args.warm, args.iters, frames, dev, backend)
+        for name, cls, backend, dtype in entries + entries[::-1]:  # A-B-..-B-A: drift hits all alike
+            t, outs[name] = bench(cls, tpf, args.layers, args.warm, args.iters, frames, dev, backend, dtype)
             times.setdefault(name, []).extend(t)
             print(f"  {res} {name}: {statistics.median(t):.2f} ms/frame", flush=True)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         ref = outs[entries[0][0]]
-        for name, _, _ in entries:
+        for name, *_ in entries:
             row = dict(resolution=res, manager=name, ms_per_frame=statistics.median(times[name]))
             if name != entries[0][0]:
                 row["max_abs_diff"] = max(
@@ -442,6 +449,7 @@ def main(argv=None):
         help="smoke run: 'small' frames (38 tokens), 2 layers, 10 warm-up + 5 timed frames",
     )
     p.add_argument("--json", default=None)
+    p.add_argument("--fp8", action="store_true", help="also the drop-in with an FP8 cache (prefix backends)")
     p.add_argument("--profile", action="store_true", help="cProfile the drop-in's host side over --iters frames")
     p.add_argument(
         "--kernels",
