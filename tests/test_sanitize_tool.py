@@ -62,16 +62,19 @@ def test_probe_reports_read_the_sanitizers_own_count():
     assert S.probe_reports(UNINIT * 3) == 3  # no summary (a run cut short): the reports counted
 
 
-def _fake_sanitizer(tmp_path, monkeypatch, crash_if):
-    """A sanitizer that runs nothing: for the file it is given it prints test_a and test_b
-    (less those deselected) as passed, and dies like a segfault before test_b when
-    ``crash_if`` (Python over ``f``, the file, and ``tmp``, a folder to keep marks in) holds."""
+def _fake_sanitizer(tmp_path, monkeypatch, crash_if, before_any=False):
+    """A sanitizer that runs nothing: for the file it is given it prints test_a, test_b and
+    test_c (less those deselected) as passed, and dies like a segfault in test_b (or,
+    ``before_any``, before a test begins) when ``crash_if`` (Python over ``f``, the file, and
+    ``tmp``, a folder to keep marks in) holds."""
     fake = tmp_path / "fake-sanitizer"
     fake.write_text(
         "#!/usr/bin/env python3\nimport pathlib, sys\n"
         "f = next(a for a in sys.argv if a.endswith('.py') and '/' in a)\n"
         f"tmp = pathlib.Path({str(tmp_path)!r})\n"
-        "for t in ('test_a', 'test_b'):\n"
+        f"if {before_any} and ({crash_if}):\n"
+        "    sys.exit(139)\n"
+        "for t in ('test_a', 'test_b', 'test_c'):\n"
         "    if f + '::' + t in sys.argv:\n"
         "        continue\n"
         f"    if t == 'test_b' and ({crash_if}):\n"
@@ -84,15 +87,29 @@ def _fake_sanitizer(tmp_path, monkeypatch, crash_if):
 
 
 def test_one_process_per_file_so_a_crash_costs_one_file(tmp_path, monkeypatch):
-    """A file whose process dies every time is listed as crashed, its tests up to the crash
-    counted once; the next file still runs; the crash fails the matrix."""
+    """A test the process dies in every time is listed as crashed and the file goes on past
+    it; its other tests are counted once; the next file still runs; the crash fails the matrix."""
     _fake_sanitizer(tmp_path, monkeypatch, "'crash' in f")
     files = ["tests/kernels/test_crash.py", "tests/kernels/test_adversarial.py"]
     r = S.run_tool("memcheck", files, [], tmp_path, timeout=60)
-    assert [t for t, _ in r["results"]] == [files[0] + "::test_a", files[1] + "::test_a", files[1] + "::test_b"]
-    assert r["crashed"] == ["tests/kernels/test_crash.py (exit 139, twice)"]
+    assert [t for t, _ in r["results"]] == [
+        files[0] + "::test_a",
+        files[0] + "::test_c",
+        files[1] + "::test_a",
+        files[1] + "::test_b",
+        files[1] + "::test_c",
+    ]
+    assert r["crashed"] == ["tests/kernels/test_crash.py::test_b (exit 139, twice)"]
     lines, clean = S.matrix({"memcheck": r}, files)
-    assert not clean and "crashed: tests/kernels/test_crash.py (exit 139, twice)" in lines[-1]
+    assert not clean and "crashed: tests/kernels/test_crash.py::test_b (exit 139, twice)" in lines[-1]
+
+
+def test_a_process_that_dies_before_any_test_gives_the_file_up(tmp_path, monkeypatch):
+    _fake_sanitizer(tmp_path, monkeypatch, "'crash' in f", before_any=True)
+    files = ["tests/kernels/test_crash.py", "tests/kernels/test_adversarial.py"]
+    r = S.run_tool("memcheck", files, [], tmp_path, timeout=60)
+    assert [t for t, _ in r["results"]] == [files[1] + "::test_a", files[1] + "::test_b", files[1] + "::test_c"]
+    assert r["crashed"] == ["tests/kernels/test_crash.py (exit 139)"]
 
 
 def test_a_process_that_dies_once_runs_again_from_there(tmp_path, monkeypatch):
@@ -101,7 +118,7 @@ def test_a_process_that_dies_once_runs_again_from_there(tmp_path, monkeypatch):
     _fake_sanitizer(tmp_path, monkeypatch, "not (tmp / 'died').exists() and (tmp / 'died').touch() is None")
     files = ["tests/kernels/test_adversarial.py"]
     r = S.run_tool("memcheck", files, [], tmp_path, timeout=60)
-    assert [t for t, _ in r["results"]] == [files[0] + "::test_a", files[0] + "::test_b"]
+    assert [t for t, _ in r["results"]] == [files[0] + "::test_a", files[0] + "::test_b", files[0] + "::test_c"]
     assert r["crashed"] == [] and r["code"] == 0
     assert "the sanitizer's process died (exit 139); again, from there" in (tmp_path / "memcheck.log").read_text()
     _, clean = S.matrix({"memcheck": r}, files)

@@ -4,9 +4,9 @@
                              [--out sanitize-logs] [--timeout 3600] [-k EXPR] [TEST_PATH ...]
 
 The tools run side by side on one GPU; each runs ``compute-sanitizer --tool TOOL python -m
-pytest -m gpu FILE`` once per test file, in turn (a process the sanitizer brings down costs
-that file, not the rest, and runs once more from the test it died in), with the settings
-that make the tools see what matters:
+pytest -m gpu FILE`` once per test file, in turn (a process the sanitizer brings down runs
+again from the test it died in; a test it dies in twice is listed and passed over), with
+the settings that make the tools see what matters:
 
 * ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``: every jax buffer its own ``cudaMalloc``, so an
   access past a buffer leaves its allocation (with the default pool allocator it would land
@@ -95,6 +95,7 @@ TOOL_FLAGS = {  # racecheck: shared-memory hazards; initcheck: reads of global m
 }
 REPORT = re.compile(r"^========= (?:Invalid|Uninitialized|Error|Program hit|Barrier|Race|Potential|Warning)", re.M)
 RESULT = re.compile(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", re.M)  # pytest -v: a test's result
+STARTED = re.compile(r"^(tests/\S+::\S+) ", re.M)  # pytest -v: a test begun (its result follows)
 WHERE = re.compile(r"^=========\s+(?:Write |Read )?(?:Thread \S+ )?at (?:void )?([\w:<>]+)", re.M)
 
 
@@ -122,8 +123,9 @@ def _env(out: Path) -> dict:
 
 def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout: int) -> dict:
     """One sanitizer process per test file, in turn, within ``timeout`` seconds in all. A file
-    whose process dies (the sanitizer's own crash: no report, no pytest summary) runs once
-    more, from the test it died in (the tests it reported are deselected)."""
+    whose process dies (the sanitizer's own crash: no report, no pytest summary) runs again
+    from the test it died in (the tests it reported are deselected); a test it dies in twice
+    is listed as crashed and the file goes on past it."""
     log = out / f"{tool}.log"
     pytest = [sys.executable, "-m", "pytest", "-v", "-rfE", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider"]
     cmd = [sanitizer(), "--tool", tool, *TOOL_FLAGS[tool], "--target-processes", "all", "--print-limit", "200"]
@@ -133,15 +135,16 @@ def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout:
     with open(log, "w") as f:  # written as it runs: a run cut short still leaves its log
         for file in files:
             f.write(f"\n=== {file}\n")
-            reported: list[str] = []
-            for attempt in (1, 2):
+            skip: list[str] = []  # reported, or died in twice
+            died: list[str] = []
+            while True:
                 left = timeout - (time.time() - t0)
                 f.flush()
                 start = f.tell()
                 try:
                     if left <= 0:
                         raise subprocess.TimeoutExpired(cmd, timeout)
-                    deselect = [a for t in reported for a in ("--deselect", t)]
+                    deselect = [a for t in skip for a in ("--deselect", t)]
                     rc = subprocess.run(
                         cmd + pytest + [file] + select + deselect,
                         cwd=ROOT,
@@ -158,11 +161,21 @@ def run_tool(tool: str, files: list[str], select: list[str], out: Path, timeout:
                 f.flush()
                 with open(log, errors="replace") as r:
                     r.seek(start)
-                    reported += [t for t, _ in RESULT.findall(r.read())]
-                if attempt == 1:
-                    f.write(f"\n=== {file}: the sanitizer's process died (exit {rc}); again, from there\n")
+                    text = r.read()
+                done = [t for t, _ in RESULT.findall(text)]
+                began = [t for t in STARTED.findall(text) if t not in done]
+                skip += done
+                where = began[-1] if began else None
+                if where is None:  # it died before any test began: give the file up
+                    crashed.append(f"{file} (exit {rc})")
+                    break
+                if where in died:
+                    crashed.append(f"{where} (exit {rc}, twice)")
+                    skip.append(where)
+                    f.write(f"\n=== {file}: the sanitizer's process died in {where} twice; on past it\n")
                 else:
-                    crashed.append(f"{file} (exit {rc}, twice)")
+                    died.append(where)
+                    f.write(f"\n=== {file}: the sanitizer's process died (exit {rc}); again, from there\n")
             code = max(code, 0 if rc == 5 else rc)
     return _result(tool, code, crashed, t0, log)
 
