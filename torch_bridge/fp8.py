@@ -4,7 +4,7 @@ The rule is ``jaxkv.formats.quantize_fp8_rows``'s (its docstring says why this s
 bfloat16 scale per token and head, ``amax / 448`` rounded up to a bfloat16, the codes
 E4M3 rounded to nearest even. The drop-in writes K/V with torch ops, without a JAX dispatch
 per frame, so the rule is repeated here and a test holds the bytes equal to jaxkv's on
-random rows, zero rows and non-finite rows (tests/torch_bridge/test_fp8.py).
+random rows, zero rows and non-finite rows (tests/torch_bridge/test_dropin_fp8.py).
 """
 
 from __future__ import annotations
