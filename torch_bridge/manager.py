@@ -462,9 +462,8 @@ class FlashInferKVCacheManager:
     def compute_attention(self, block_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Non-causal attention of ``q`` ([q_len, H, D]) over what block ``block_idx``'s
         cache shows -> [q_len, H, D] in the storage dtype (bfloat16 for FP8 storage;
-        ``force_fp32``: q's dtype, as
-        lingbot-map's manager). No host sync, no DLPack: the backends read the views
-        ``_take_views`` made."""
+        ``force_fp32``: q's dtype, as lingbot-map's manager). No host sync, no DLPack: the
+        backends read the views ``_take_views`` made."""
         b = self._block(block_idx)
         x = self._tensor("q", q, (None, self.num_heads, self.head_dim))
         if self.frame_count[b] == 0:
