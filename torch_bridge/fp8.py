@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+from jaxkv.formats.numerics import FP8_MAX
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

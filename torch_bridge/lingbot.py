@@ -33,11 +33,11 @@ def use_in_lingbot_map(backend: str = "auto", *, kv_dtype=None) -> _Installed:
     Replaces ``lingbot_map.layers.flashinfer_cache.FlashInferKVCacheManager`` with that
     class (with ``backend`` other than ``"auto"``: a subclass whose default ``backend`` is
     that; with ``kv_dtype``, e.g. ``torch.float8_e4m3fn``, a subclass that stores K/V in that
-    dtype whatever upstream asks for: its FP8 cache, docs/torch.md). Upstream imports that name at call time in both places that matter, so both
-    pick this class up: the lazy construction in ``aggregator/stream.py``
-    (``_get_flashinfer_manager``) and the ``isinstance`` check in
-    ``FlashInferAttention.forward``, which otherwise takes the batch-SDPA branch in the
-    scale phase and never appends (silently wrong output).
+    dtype whatever upstream asks for: its FP8 cache, docs/torch.md). Upstream imports that
+    name at call time in both places that matter, so both pick this class up: the lazy
+    construction in ``aggregator/stream.py`` (``_get_flashinfer_manager``) and the
+    ``isinstance`` check in ``FlashInferAttention.forward``, which otherwise takes the
+    batch-SDPA branch in the scale phase and never appends (silently wrong output).
 
     Where ``flashinfer`` is not importable it also sets
     ``lingbot_map.layers.attention.FLASHINFER_AVAILABLE = True``, so that upstream's

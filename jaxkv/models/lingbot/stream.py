@@ -50,9 +50,9 @@ class LingbotStream:
         [B, H, W, 3], with the stream's B): another size would be a new compile and a wrong
         number of tokens in the caches."""
         c = self.config
+        want = (c.height, c.width, 3)
         for i, f in enumerate(frames, start=index):
             shape = tuple(np.shape(f))
-            want = (c.height, c.width, 3)
             if len(shape) not in (3, 4) or shape[-3:] != want or (shape[:-3] or (1,)) != (batch,):
                 b = f"[{batch}, " if batch > 1 else "["
                 raise ValueError(
