@@ -6,10 +6,14 @@ context, the indexer-key pool holding random MXFP4 keys. Contenders, in one proc
 * ``xla, f32 (before)``: every key dequantized to BF16, then float32 copies and a float32
   HIGHEST matmul, then ``lax.top_k`` (the formulation ``hybrid.index_topk`` had before the
   kernel; kept here as the baseline);
-* ``xla``: ``index_topk(impl="xla")``: BF16 keys and queries, float32 sums;
-* ``pallas``: ``index_topk(impl="pallas")``: ``kernels.index_scores`` (FP4 keys read in
-  place) + ``lax.top_k``;
-* ``pallas scores``: ``index_scores(impl="pallas")`` alone, and ``top_k``: ``lax.top_k`` alone.
+* ``xla``: ``index_topk(impl="xla", select="xla")``: BF16 keys and queries, float32 sums,
+  XLA's top-k (a sort);
+* ``pallas + sort``: ``kernels.index_scores`` (FP4 keys read in place) + XLA's top-k;
+* ``pallas + select``: ``kernels.index_scores`` + ``kernels.top_k`` (a radix select): what
+  ``index_topk`` runs by default on Hopper;
+* ``pallas scores``: ``index_scores(impl="pallas")`` alone; the selection alone on the same
+  scores: ``lax.top_k``, the indexer's two-stage XLA top-k, and ``kernels.top_k``, each also
+  as the sum of its GPU kernels' durations from a profiler trace (``kernel ms``).
 
 Floors: the FP4 key bytes of the visible entries at the measured device-copy bandwidth, and
 their FLOPs (2 * heads * 128 per entry) at the H100's dense BF16 peak. Wall per synchronized
@@ -27,11 +31,13 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import times_ms
+from _timing import kernel_ms_per_step, times_ms
 from dsv4_step import fill_random
 
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
+from jaxkv.hybrid.indexer import _top_k
+from jaxkv.kernels.top_k import top_k as select_kernel
 
 PEAK_TFLOPS = 989.0  # H100 SXM dense BF16
 
@@ -71,8 +77,9 @@ def run_case(B, context, iters, gbps):
     k = min(cfg.top_k, cfg.max_entries(4))
     fns = {
         "xla, f32 (before)": jax.jit(lambda s, p, q, w: _before(s, p, 0, q, w, k)),
-        "xla": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="xla")),
-        "pallas": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas")),
+        "xla": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="xla", select="xla")),
+        "pallas + sort": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="xla")),
+        "pallas + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="cuda")),
         "pallas scores": jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="pallas")),
     }
     ref = jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="xla"))(state, step, q, w)
@@ -81,15 +88,28 @@ def run_case(B, context, iters, gbps):
         scores = fns["pallas scores"](state, step, q, w)
         fin = jnp.isfinite(ref)
         err = float(jnp.max(jnp.where(fin, jnp.abs(scores - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
-        same = float(jnp.mean(fns["pallas"](state, step, q, w) == fns["xla"](state, step, q, w)))
+        same = float(jnp.mean(fns["pallas + sort"](state, step, q, w) == fns["xla"](state, step, q, w)))
     else:  # the kernel is Hopper only
         fns = {n: f for n, f in fns.items() if not n.startswith("pallas")}
-    topk = jax.jit(lambda s: jax.lax.top_k(s, k))
+    selects = {
+        "top-k: lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, k)[1]),
+        "top-k: two stages": jax.jit(lambda s: _top_k(s, k)[1]),
+        "top-k: select kernel": jax.jit(lambda s: select_kernel(s, k)),
+    }
+    if jax.default_backend() != "gpu":  # the kernel needs a CUDA GPU
+        selects.pop("top-k: select kernel")
+    else:
+        picks = {n: np.asarray(f(scores)) for n, f in selects.items()}
+        same_k = np.array_equal(picks["top-k: select kernel"], picks["top-k: lax.top_k"])
+        print(f"  select kernel picks == lax.top_k's: {same_k}", flush=True)
     rows = []
     for name, f in fns.items():
         ms = statistics.median(times_ms(lambda i, f=f: jax.block_until_ready(f(state, step, q, w)), iters, warmup=3))
-        rows.append((name, ms))
-    rows.append(("top_k", statistics.median(times_ms(lambda i: jax.block_until_ready(topk(scores)), iters, warmup=3))))
+        rows.append((name, ms, float("nan")))
+    for name, f in selects.items():
+        ms = statistics.median(times_ms(lambda i, f=f: jax.block_until_ready(f(scores)), iters, warmup=3))
+        kms = kernel_ms_per_step(lambda i, f=f: jax.block_until_ready(f(scores)), 10) or float("nan")
+        rows.append((name, ms, kms))
     visible = float(jnp.sum((start + 1) // 4))
     byts = visible * cfg.storage_format.index_key_bytes(cfg.index_dim)
     flops = visible * 2 * cfg.index_heads * cfg.index_dim
@@ -99,7 +119,7 @@ def run_case(B, context, iters, gbps):
         f"top-k positions equal {same:.4f}, floor {floor_ms:.4f} ms",
         flush=True,
     )
-    return [(B, context, name, ms, byts / ms / 1e6, flops / ms / 1e9, floor_ms) for name, ms in rows]
+    return [(B, context, name, ms, kms, byts / ms / 1e6, flops / ms / 1e9, floor_ms) for name, ms, kms in rows]
 
 
 def main():
@@ -115,10 +135,10 @@ def main():
     for B in map(int, args.requests.split(",")):
         for context in map(int, args.contexts.split(",")):
             table += run_case(B, context, args.iters, gbps)
-    print("\n| requests | context | contender | ms | key GB/s | TFLOP/s | floor ms |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-    for B, context, name, ms, gb, tf, floor in table:
-        print(f"| {B} | {context} | {name} | {ms:.4f} | {gb:.0f} | {tf:.1f} | {floor:.4f} |")
+    print("\n| requests | context | contender | ms | kernel ms | key GB/s | TFLOP/s | floor ms |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for B, context, name, ms, kms, gb, tf, floor in table:
+        print(f"| {B} | {context} | {name} | {ms:.4f} | {kms:.4f} | {gb:.0f} | {tf:.1f} | {floor:.4f} |")
 
 
 if __name__ == "__main__":

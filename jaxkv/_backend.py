@@ -17,6 +17,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
 | ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
+| ``hybrid.index_topk`` (``select=``) | xla, cuda | cuda on a GPU with nvcc and k up to the kernel's bound (``kernels.top_k``: a radix select, ``cuda/``), else xla (``lax.top_k``, which sorts) |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
 | ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer (not for FP8 storage), else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 or FP8 storage and head_dim 64 |
 """
@@ -100,6 +101,12 @@ def _flashmla_missing(
         f"{heads} heads, block_size {block_size}, window {window}, {storage} storage",
     )
     return why or flashmla.missing()
+
+
+def _select_missing(*, top_k: int = 512, max_top_k: int = 2048, **_) -> str | None:
+    if top_k > max_top_k:
+        return f"expected top_k at most {max_top_k} (the kernel sorts its picks in shared memory), got {top_k}"
+    return _cuda_missing()
 
 
 def _attention_auto(**ctx) -> str:
@@ -238,6 +245,13 @@ OPERATIONS = {
             ("xla", "pallas"),
             lambda **ctx: "xla" if _index_missing(**ctx) else "pallas",
             {"pallas": _index_missing},
+        ),
+        Operation(
+            "hybrid.index_topk",
+            ("xla", "cuda"),
+            lambda **ctx: "xla" if _select_missing(**ctx) else "cuda",
+            {"cuda": _select_missing},
+            arg="select",
         ),
         Operation(
             "hybrid.attention",

@@ -57,6 +57,7 @@ KERNELS = {  # kernel: (its symbol in the reports, the tests that launch it), bo
         r"torch_bridge/test_prefix|adversarial\S*-cuda",
     ),
     "cuda/frame_append.cu (torch)": ("check_kernel|write_kernel", r"torch_bridge/test_manager"),
+    "cuda/top_k.cu": ("top_k_kernel", r"test_top_k.py::test_kernel|test_indexer.py::test_select"),
     "cuda/flashmla_sparse_decode.cu": ("flash|sparse|splitkv|combine", r"test_flashmla|adversarial\S*flashmla"),
     "Mosaic GPU: pool attention": (
         "pool_attention_pallas|_partials",

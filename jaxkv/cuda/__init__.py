@@ -25,6 +25,7 @@ FFI_TARGETS = {
     "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
     "jaxkv_pool_attention": "JaxkvPoolAttention",  # pool_attention.cu
     "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
+    "jaxkv_top_k": "JaxkvTopK",  # top_k.cu
 }
 
 

@@ -20,6 +20,8 @@ from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
 from jaxkv.kernels.index_scores import index_scores as score_kernel
+from jaxkv.kernels.top_k import MAX_K
+from jaxkv.kernels.top_k import top_k as top_k_kernel
 from jaxkv.math.rotation import hadamard
 
 
@@ -116,26 +118,41 @@ def _index_scores(state, step, layer, q, weights, impl):
 
 
 def index_topk(
-    state: HybridCacheState, step: Step, layer: int, q, weights, top_k: int | None = None, *, impl: str = "auto"
+    state: HybridCacheState,
+    step: Step,
+    layer: int,
+    q,
+    weights,
+    top_k: int | None = None,
+    *,
+    impl: str = "auto",
+    select: str = "auto",
 ):
     """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
     best first, ties to the lower entry; a NaN or infinite score is never picked.
-    ``k = min(top_k or config.top_k, max_entries)``. impl: as ``index_scores``."""
+    ``k = min(top_k or config.top_k, max_entries)``. impl: the scores, as ``index_scores``.
+    select: "xla" (``lax.top_k``, which sorts), "cuda" (``kernels.top_k``, a radix select; k
+    up to ``kernels.top_k.MAX_K``), "auto" (cuda on a GPU with nvcc where k allows, else
+    xla); both pick the same entries in the same order."""
     _check_scores(state, step, layer, q, weights)
     impl = _scores_impl(state, impl)
+    _backend.choose("hybrid.index_topk", select, top_k=top_k or state.config.top_k, max_top_k=MAX_K)
 
     def local(st, step, q, w):
-        return _select(_index_scores(st, step, layer, q, w, impl), top_k or st.config.top_k)
+        s = _index_scores(st, step, layer, q, w, impl)
+        k = min(top_k or st.config.top_k, s.shape[-1])
+        return _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K))
 
     return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
 
 
-def _select(s, top_k: int):
-    """f32[..., N] scores -> i32[..., min(top_k, N)]: the best entries, best first, -1 past
-    the finite ones. A NaN or infinite score (a NaN or Inf query or weight) is never picked:
-    it is -inf before the selection, so it cannot take a finite entry's place."""
-    s = jnp.where(jnp.isfinite(s), s, -jnp.inf)
-    val, idx = _top_k(s, min(top_k, s.shape[-1]))
+def _select(s, k: int, select: str = "xla"):
+    """f32[..., N] scores -> i32[..., k]: ``kernels.ref_top_k``'s picks (NaN / Inf never
+    picked, -1 past the finite ones), by the kernel or by XLA."""
+    if select == "cuda":
+        return top_k_kernel(s, k)
+    s = jnp.where(jnp.isfinite(s), jnp.where(s == 0, 0.0, s), -jnp.inf)
+    val, idx = _top_k(s, k)
     return jnp.where(val > -jnp.inf, idx, -1)
 
 

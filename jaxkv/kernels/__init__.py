@@ -27,6 +27,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   from ``$FLASHMLA_SRC`` (``impl="flashmla"``).
 * ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
   Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
+* ``top_k``: the k best of each score row by a radix select, no sort (``hybrid.index_topk
+  (select="cuda")``; ``jaxkv/cuda/top_k.cu``).
 """
 
 from jaxkv.kernels.compress_decode import compress_decode
@@ -42,6 +44,7 @@ from jaxkv.kernels.pool_attention import (
     ref_pool_attention,
 )
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
+from jaxkv.kernels.top_k import ref_top_k, top_k
 
 __all__ = [
     "compress_decode",
@@ -61,7 +64,9 @@ __all__ = [
     "ref_prefix_attention",
     "ref_quantize_mxfp4",
     "ref_quantize_nvfp4",
+    "ref_top_k",
     "ref_write_frame",
+    "top_k",
     "window_write",
     "write_frame",
 ]

@@ -137,12 +137,28 @@ def test_kernel_equals_xla_on_gpu(rng, filled):
         assert (top == ref).mean() > 0.99  # the same entries, but for near-ties
 
 
+@pytest.mark.gpu
+def test_select_kernel_equals_xla(rng, filled):
+    """select="cuda" (the radix-select kernel) picks exactly select="xla"'s entries, in order,
+    on the same scores; -1 where fewer entries are visible than k."""
+    state = filled
+    for step, T in _steps(state):
+        q, w = _query(state, rng, T)
+        for k in (None, 200):
+            got = H.index_topk(state, step, 1, q, w, k, impl="xla", select="cuda")
+            want = H.index_topk(state, step, 1, q, w, k, impl="xla", select="xla")
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+            assert (np.asarray(got) < 0).any()
+
+
 def test_bad_impl(rng, filled):
     state = filled
     step, T = next(_steps(state))
     q, w = _query(state, rng, T)
     with pytest.raises(ValueError, match="impl"):
         H.index_scores(state, step, 1, q, w, impl="triton-nope")
+    with pytest.raises(ValueError, match="select: expected one of"):
+        H.index_topk(state, step, 1, q, w, select="sort")
     if not is_hopper():
         with pytest.raises(ValueError, match="Hopper"):
             H.index_topk(state, step, 1, q, w, impl="pallas")

@@ -1,0 +1,55 @@
+"""Top-k selection over score rows without sorting them: a radix select in one CUDA kernel.
+
+XLA's ``lax.top_k`` sorts each row; a CSA layer needs only the k best of it. The kernel
+(``jaxkv/cuda/top_k.cu``, one block of threads per row, through ``jax.ffi``) finds the k-th
+largest score digit by digit from histograms, keeps every larger score and the lowest
+indices of the equal ones in one pass, then sorts the k picks. A row whose keys fit in
+shared memory (about 48K scores) is read from HBM once. The measurements:
+docs/kernels/index_scores.md.
+
+The meaning, both paths: a NaN or infinite score is never picked (its slot is -1), -0.0
+equals +0.0, equal scores go to the lower index, and the picks come best first.
+
+    scores: f32[..., n]  ->  i32[..., k]   (1 <= k <= min(n, MAX_K))
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxkv.cuda import register_ffi_targets
+
+MAX_K = 2048  # the kernel sorts its picks in shared memory
+
+
+def _check(scores, k: int):
+    if scores.ndim < 1 or scores.dtype != jnp.float32:
+        raise ValueError(f"scores: expected f32[..., n], got {scores.dtype}{list(scores.shape)}")
+    n = scores.shape[-1]
+    if not 1 <= k <= n:
+        raise ValueError(f"k: expected 1 <= k <= {n} (the scores' last axis), got {k}")
+
+
+def ref_top_k(scores, k: int):
+    """The jnp reference: ``lax.top_k`` after NaN / Inf become -inf and -0.0 becomes +0.0
+    (``lax.top_k`` gives equal values to the lower index first)."""
+    _check(scores, k)
+    s = jnp.where(jnp.isfinite(scores), jnp.where(scores == 0, 0.0, scores), -jnp.inf)
+    val, idx = jax.lax.top_k(s, k)
+    return jnp.where(val > -jnp.inf, idx, -1).astype(jnp.int32)
+
+
+def top_k(scores, k: int):
+    """The kernel: i32[..., k], the same as ``ref_top_k``. k at most ``MAX_K``."""
+    _check(scores, k)
+    if k > MAX_K:
+        raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
+    register_ffi_targets()
+    rows = scores.reshape(-1, scores.shape[-1])
+    out = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32))(rows, k=np.int32(k))
+    return out.reshape(*scores.shape[:-1], k)
+
+
+__all__ = ["MAX_K", "ref_top_k", "top_k"]

@@ -1,0 +1,88 @@
+"""kernels.top_k (jaxkv/cuda/top_k.cu, a radix select) against kernels.ref_top_k, and the
+reference against numpy's stable argsort: random rows, heavy ties, signed zeros, NaN / Inf,
+rows with fewer finite scores than k, rows held in shared memory and rows read from HBM."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv import _backend
+from jaxkv.kernels.top_k import MAX_K, ref_top_k, top_k
+
+
+def _numpy_top_k(s, k):
+    """The meaning, independently: non-finite never picked, -0.0 == +0.0, ties to the lower
+    index, best first, -1 past the finite scores."""
+    s = np.where(np.isfinite(s), s, -np.inf).astype(np.float64) + 0.0
+    order = np.argsort(-s, axis=-1, kind="stable")[..., :k]
+    return np.where(np.take_along_axis(s, order, -1) > -np.inf, order, -1)
+
+
+def _rows(rng, kind, shape):
+    if kind == "normal":
+        return rng.normal(size=shape).astype(np.float32)
+    if kind == "ties":  # a handful of values: most keys equal the k-th
+        return rng.integers(-2, 3, size=shape).astype(np.float32)
+    if kind == "relu":  # weighted ReLU sums: many exact zeros of either sign, few positives
+        x = np.maximum(rng.normal(size=shape) - 2.0, 0.0) * rng.choice([-1.0, 1.0], size=shape)
+        return np.where(rng.random(shape) < 0.5, -0.0, x).astype(np.float32)
+    if kind == "nonfinite":  # NaN / +-Inf sprinkled, one row mostly -inf (fewer finite than k)
+        x = rng.normal(size=shape).astype(np.float32)
+        bad = rng.random(shape)
+        x[bad < 0.02] = np.nan
+        x[(bad >= 0.02) & (bad < 0.04)] = np.inf
+        x[(bad >= 0.04) & (bad < 0.06)] = -np.inf
+        x[0, 5:] = -np.inf
+        return x
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu", "nonfinite"])
+def test_reference_is_the_stated_rule(rng, kind):
+    s = _rows(rng, kind, (4, 300))
+    for k in (1, 17, 300):
+        np.testing.assert_array_equal(np.asarray(ref_top_k(jnp.asarray(s), k)), _numpy_top_k(s, k))
+
+
+def test_bad_arguments():
+    s = jnp.zeros((2, 4096), jnp.float32)
+    with pytest.raises(ValueError, match="k: expected at most"):
+        top_k(s, MAX_K + 1)
+    with pytest.raises(ValueError, match="k: expected 1 <= k <= 4096"):
+        ref_top_k(s, 4097)
+    with pytest.raises(ValueError, match="scores: expected f32"):
+        top_k(s.astype(jnp.bfloat16), 4)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="select='cuda'"):
+            _backend.choose("hybrid.index_topk", "cuda", top_k=512, max_top_k=MAX_K)
+    with pytest.raises(ValueError, match="select='cuda'.*top_k at most 2048"):
+        _backend.choose("hybrid.index_topk", "cuda", top_k=4096, max_top_k=MAX_K)
+    assert _backend.choose("hybrid.index_topk", "auto", top_k=4096, max_top_k=MAX_K) == "xla"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["normal", "ties", "relu", "nonfinite"])
+@pytest.mark.parametrize(
+    "rows, n, ks",
+    [
+        (3, 100, (1, 7, 100)),
+        (5, 1001, (64, 512, 1001)),  # n not a multiple of 4
+        (64, 16384, (512, 2048)),  # V4-Flash at 64K context: the row in shared memory
+        (2, 70001, (1, 1024)),  # too long for shared memory: every pass reads HBM
+    ],
+)
+def test_kernel_equals_reference(rng, kind, rows, n, ks):
+    s = jnp.asarray(_rows(rng, kind, (rows, n)))
+    for k in ks:
+        got = np.asarray(jax.jit(top_k, static_argnums=1)(s, k))
+        np.testing.assert_array_equal(got, np.asarray(ref_top_k(s, k)), err_msg=f"k={k}")
+
+
+@pytest.mark.gpu
+def test_kernel_batch_axes_and_determinism(rng):
+    s = jnp.asarray(_rows(rng, "ties", (2, 3, 5000)))
+    got = np.asarray(top_k(s, 300))
+    assert got.shape == (2, 3, 300)
+    np.testing.assert_array_equal(got, np.asarray(ref_top_k(s, 300)))
+    np.testing.assert_array_equal(got, np.asarray(top_k(s, 300)))
