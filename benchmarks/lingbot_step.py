@@ -7,6 +7,11 @@ upstream's ``gct_profile.py`` does); ms/frame is their median, peak memory the
 framework's peak allocation over the whole run (the port: XLA's allocator; upstream:
 torch's), weights included.
 
+Besides the synchronized ms/frame, each contender then queues ``STREAMED`` frames with one
+sync at the end (streamed ms/frame) and times each call's return (host ms/frame: launching
+a frame); the port also traces ``TRACED`` frames (GPU kernel ms/frame, the costliest kernels
+listed) and reports its first frames' seconds (both phases compiled).
+
 Contenders: ``port`` (``LingbotStream``), ``upstream-flashinfer`` (its default backend,
 eager), ``upstream-compiled`` (``--compile``: ``gct_profile.py``'s torch.compile
 "reduce-overhead" targets on the FlashInfer path). Upstream comes from
@@ -31,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import kernel_ms_per_step
 from flax import nnx
 
 from jaxkv import frame
@@ -78,12 +84,15 @@ def run_port(config, frames, warm, sd=None, n=None, every=None):
     n = len(frames) if n is None else n
     if every is not None:
         _print_step_buffers(stream, frames)
-    times, marks = [], []
+    times, marks, extra = [], [], {}
+    timed = every is None
+    frames_out = stream.run(video(frames, n + (STREAMED + TRACED if timed else 0)))
     t0 = start = time.perf_counter()
-    for i, out in enumerate(stream.run(video(frames, n)), start=1):
+    for i, out in enumerate(itertools.islice(frames_out, n), start=1):
         if i == config.num_scale_frames + 1:
             jax.block_until_ready(out)
-            print(f"port: first {i} frames (both phases compiled) in {time.perf_counter() - start:.1f} s", flush=True)
+            extra["first_s"] = time.perf_counter() - start
+            print(f"port: first {i} frames (both phases compiled) in {extra['first_s']:.1f} s", flush=True)
         if every is None or i % every == 0 or i == n:
             jax.block_until_ready(out)
             t = time.perf_counter()
@@ -95,10 +104,30 @@ def run_port(config, frames, warm, sd=None, n=None, every=None):
                 marks.append((i, *_jax_mem()))
                 _print_mark("port", marks[-1], times[-1])
             t0 = t
-    peak = _jax_mem()[1]
     last = {k: np.asarray(v, np.float32) for k, v in out.items()}
+    if timed:
+        extra.update(streamed(lambda: next(frames_out), jax.block_until_ready))
+        extra["kernel_ms"] = kernel_ms_per_step(lambda i: jax.block_until_ready(next(frames_out)), TRACED, top=8)
+    frames_out.close()
+    peak = _jax_mem()[1]
     del stream, model
-    return np.array(times) * 1e3, peak, last, marks
+    return np.array(times) * 1e3, peak, last, marks, extra
+
+
+STREAMED, TRACED = 20, 5  # frames after the synchronized ones: queued without a sync; profiled
+
+
+def streamed(step, sync) -> dict:
+    """``STREAMED`` frames queued one after another, one sync at the end: ms per frame, and
+    the host's ms per frame (until each call returns: what launching the frame costs)."""
+    host = []
+    t0 = time.perf_counter()
+    for _ in range(STREAMED):
+        t = time.perf_counter()
+        out = step()
+        host.append(time.perf_counter() - t)
+    sync(out)
+    return {"streamed_ms": (time.perf_counter() - t0) / STREAMED * 1e3, "host_ms": float(np.median(host)) * 1e3}
 
 
 def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
@@ -139,8 +168,17 @@ def run_upstream(model, frames, warm, s, compile_=False, n=None, every=None):
                 marks.append((i + 1, *_torch_mem()))
                 _print_mark("upstream", marks[-1], times[-1])
                 t0 = t
-    last = {k: out[k][0, 0].float().cpu().numpy() for k in ("pose_enc", "depth", "depth_conf")}
-    return np.array(times) * 1e3, _torch_mem()[1], last, marks
+        last = {k: out[k][0, 0].float().cpu().numpy() for k in ("pose_enc", "depth", "depth_conf")}
+        extra = {}
+        if every is None:
+            x = imgs[:, s : s + 1].to(dev)
+
+            def step():
+                torch.compiler.cudagraph_mark_step_begin()
+                return model.forward(x, num_frame_for_scale=s, num_frame_per_block=1, causal_inference=True)
+
+            extra = streamed(step, lambda _: _torch_sync())
+    return np.array(times) * 1e3, _torch_mem()[1], last, marks, extra
 
 
 def _print_step_buffers(stream, frames):
@@ -247,15 +285,23 @@ def main():
     ref_ms = np.median(rows[f"upstream {backend}"][0])
     eager_last = rows[f"upstream {backend}"][2]
     print(
-        f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, median of {args.frames} frames after {args.warm}"
+        f"\nlingbot-map frame step, {w}x{h}, {config.dtype}, {device}, median of {args.frames} frames after {args.warm}; "
+        f"streamed: {STREAMED} frames queued, one sync; host: until each queued call returns; kernel: a trace of "
+        f"{TRACED} frames"
     )
-    print(f"{'contender':<24}{'ms/frame':>10}{'p90':>8}{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}")
-    for name, (t, peak, last, _) in rows.items():
+    print(
+        f"{'contender':<24}{'ms/frame':>10}{'p90':>8}{'streamed':>10}{'host':>8}{'kernel':>8}{'first s':>9}"
+        f"{'x upstream':>12}{'peak GiB':>10}{'last-frame rel err':>20}"
+    )
+    for name, (t, peak, last, _, extra) in rows.items():
         # upstream rows: the bf16 port against them; the FP8 port: it against upstream eager
         err = 0.0 if name == PORT else _rel_err(last, eager_last) if name == PORT_FP8 else _rel_err(rows[PORT][2], last)
+        cols = [extra.get(k) for k in ("streamed_ms", "host_ms", "kernel_ms", "first_s")]
+        cols = [float("nan") if v is None else v for v in cols]
         print(
-            f"{name:<24}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}{np.median(t) / ref_ms:>12.2f}"
-            f"{peak / 2**30:>10.2f}{err:>20.3g}"
+            f"{name:<24}{np.median(t):>10.2f}{np.percentile(t, 90):>8.2f}"
+            + "".join(f"{v:>{wd}.{p}f}" for v, wd, p in zip(cols, (10, 8, 8, 9), (2, 2, 2, 1)))
+            + f"{np.median(t) / ref_ms:>12.2f}{peak / 2**30:>10.2f}{err:>20.3g}"
         )
 
 
@@ -270,10 +316,10 @@ def _rel_err(port_last, upstream_last) -> float:
 def _print_long_table(w, h, config, device, every, rows):
     print(f"\nlingbot-map long video, {w}x{h}, {config.dtype}, {device}: memory in use every {every} frames")
     print(f"{'contender':<24}{'frames':>8}{'in use GiB':>12}{'peak GiB':>10}{'ms/frame':>10}")
-    for name, (t, _, _, marks) in rows.items():
+    for name, (t, _, _, marks, _) in rows.items():
         for (f, used, peak), ms in zip(marks, t):
             print(f"{name:<24}{f:>8}{used / 2**30:>12.3f}{peak / 2**30:>10.3f}{ms:>10.2f}")
-    for name, (_, peak, _, marks) in rows.items():
+    for name, (_, peak, _, marks, _) in rows.items():
         print(
             f"{name:<24} peak {peak / 2**30:.3f} GiB after {marks[-1][0]} frames; "
             f"growth {_growth(marks) / 2**20:.2f} MiB per 1,000 frames"
