@@ -88,6 +88,7 @@ def parser() -> tuple[argparse.ArgumentParser, dict]:
         description=launch.__doc__,
         epilog="Docs: docs/sharding.md.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # the script's own flags follow it: none may read as an abbreviated launcher flag
     )
     launch.add_arguments(n)
     return p, {"demo": d, "convert-lingbot": c, "launch": n}
