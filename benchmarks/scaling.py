@@ -361,7 +361,7 @@ def worker(args):
 def per_process(args, n) -> list[dict]:
     """Run this script as ``n`` processes (``jaxkv launch``); their rows merged per case."""
     out = tempfile.mktemp(prefix="scaling.", suffix=".json")
-    cmd = [sys.executable, "-m", "jaxkv", "launch", "--processes", str(n), "--cpus", args.cpus]
+    cmd = [sys.executable, "-m", "jaxkv", "launch", "--processes", str(n)]
     if args.cpu:
         cmd += ["--cpu-devices", "1"]
     argv = [a for a in sys.argv[1:] if a not in ("--worker",)]
@@ -396,7 +396,6 @@ def main():
     ap.add_argument("--devices", default=None, help="comma-separated GPU counts (default: 1 and all)")
     ap.add_argument("--modes", default="single,process", help="single (one process) and/or process (one per GPU)")
     ap.add_argument("--cases", default=",".join(CASES), help="hybrid, decode and/or frame")
-    ap.add_argument("--cpus", choices=("split", "all"), default="split", help="the launcher's --cpus (process mode)")
     ap.add_argument("--requests", type=int, default=256, help="hybrid bookkeeping: requests per GPU")
     ap.add_argument("--decode-requests", type=int, default=64, help="whole decode step: requests per GPU")
     ap.add_argument("--context", type=int, default=8192)

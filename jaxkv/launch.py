@@ -5,8 +5,7 @@ host thread; one process per GPU launches only its own, so N GPUs step in one GP
 (docs/sharding.md, measured in benchmarks/RESULTS.md). The launcher starts N copies of a
 script on this host, each seeing one GPU (``CUDA_VISIBLE_DEVICES``) and told the coordinator,
 the process count and its own id through the environment (``JAXKV_COORDINATOR``,
-``JAXKV_NUM_PROCESSES``, ``JAXKV_PROCESS_ID``) and, unless ``--cpus all``, its share of the
-host's cores (``JAXKV_CPUS``). The script calls
+``JAXKV_NUM_PROCESSES``, ``JAXKV_PROCESS_ID``). The script calls
 ``initialize()`` before it touches a device; ``jax.devices()`` is then the global device
 list, a cache made with ``init(spec, mesh=Mesh(jax.devices(), ("data",)))`` gives each
 process its own streams or requests, and ``Layout.local_rows`` / ``Layout.my_rows`` move a
@@ -30,7 +29,6 @@ import jax
 
 COORDINATOR, NUM_PROCESSES, PROCESS_ID = "JAXKV_COORDINATOR", "JAXKV_NUM_PROCESSES", "JAXKV_PROCESS_ID"
 ENV = (COORDINATOR, NUM_PROCESSES, PROCESS_ID)
-CPUS = "JAXKV_CPUS"  # the cores a process runs on ("0-15"), set by the launcher; unset: all
 TIMEOUT = "JAXKV_INIT_TIMEOUT"  # seconds a process waits for the others to join
 DEFAULT_TIMEOUT = 120
 GRACE_S = 5  # after one process fails, how long the others get to exit before they are killed
@@ -53,8 +51,6 @@ def initialize(timeout_s: int | None = None) -> int:
         )
     coordinator = os.environ[COORDINATOR]
     n, me = _int_env(NUM_PROCESSES, 1), _int_env(PROCESS_ID, 0)
-    if os.environ.get(CPUS):  # before jax starts its threads, which inherit it
-        os.sched_setaffinity(0, _parse_cpus(os.environ[CPUS]))
     if me >= n:
         raise RuntimeError(f"{PROCESS_ID}: expected an id below {NUM_PROCESSES} = {n}, got {me}")
     timeout = timeout_s if timeout_s is not None else _int_env(TIMEOUT, 1, DEFAULT_TIMEOUT)
@@ -95,41 +91,6 @@ def _exit_on_error(hook):
     return excepthook
 
 
-def _parse_cpus(text: str) -> set[int]:
-    """ "0-3,8" -> {0, 1, 2, 3, 8}; a RuntimeError naming ``JAXKV_CPUS`` otherwise."""
-    try:
-        out = set()
-        for part in text.split(","):
-            lo, _, hi = part.partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise RuntimeError(f"{CPUS}: expected cores as '0-15' or '0,2,4', got {text!r}") from None
-    if not out:
-        raise RuntimeError(f"{CPUS}: expected at least one core, got {text!r}")
-    return out
-
-
-def _format_cpus(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    runs, start = [], cpus[0]
-    for a, b in zip(cpus, cpus[1:] + [None]):
-        if b != a + 1:
-            runs.append(f"{start}-{a}" if a > start else str(a))
-            start = b
-    return ",".join(runs)
-
-
-def split_cpus(n: int) -> list[str] | None:
-    """This process's cores in ``n`` contiguous shares, one a local process: a process that
-    drives a GPU launches its kernels from a host thread, and processes that share cores slow
-    each other's launches (docs/sharding.md). None where there are fewer cores than processes."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if n < 2 or len(cpus) < n:
-        return None
-    per = len(cpus) // n
-    return [_format_cpus(cpus[i * per : (i + 1) * per if i < n - 1 else len(cpus)]) for i in range(n)]
-
-
 def _int_env(name: str, low: int, default: int | None = None) -> int:
     raw = os.environ.get(name)
     if raw is None and default is not None:
@@ -168,12 +129,6 @@ def add_arguments(p: argparse.ArgumentParser):
         default=None,
         metavar="HOST:PORT",
         help="address of process 0's coordinator (default: a free port on localhost; required with --hosts > 1)",
-    )
-    p.add_argument(
-        "--cpus",
-        choices=("split", "all"),
-        default="split",
-        help="split: each local process runs on its own share of this host's cores (default); all: every core",
     )
     p.add_argument(
         "--timeout",
@@ -223,13 +178,10 @@ def plan(args) -> list[dict]:
     if gpus and n > len(gpus):
         raise ValueError(f"--processes: {n} processes, but this host shows {len(gpus)} GPU(s) ({','.join(gpus)})")
     coordinator = args.coordinator or f"localhost:{_free_port()}"
-    cpus = split_cpus(n) if gpus and getattr(args, "cpus", "split") == "split" else None
     envs = []
     for i in range(n):
         env = {COORDINATOR: coordinator, NUM_PROCESSES: str(n * args.hosts), PROCESS_ID: str(args.host_index * n + i)}
         env[TIMEOUT] = str(args.timeout)
-        if cpus:
-            env[CPUS] = cpus[i]
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = gpus[i]
         if args.cpu_devices:
@@ -311,4 +263,4 @@ def _stop(procs):
             p.wait()
 
 
-__all__ = ["CPUS", "ENV", "add_arguments", "initialize", "plan", "run", "split_cpus", "visible_gpus"]
+__all__ = ["ENV", "add_arguments", "initialize", "plan", "run", "visible_gpus"]

@@ -119,39 +119,11 @@ def test_plan_gives_each_process_its_gpu_and_id(monkeypatch):
         launch.plan(_args("x.py"))
 
 
-def test_each_gpu_process_gets_its_share_of_the_cores(monkeypatch):
-    """Two GPU processes: disjoint contiguous core lists covering this process's cores;
-    ``--cpus all`` and CPU-device runs leave the cores alone."""
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {0, 1, 2, 3, 4, 6, 7})
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    envs = launch.plan(_args("x.py"))
-    assert [e[launch.CPUS] for e in envs] == ["0-2", "3-4,6-7"]
-    assert [launch._parse_cpus(e[launch.CPUS]) for e in envs] == [{0, 1, 2}, {3, 4, 6, 7}]
-    assert all(launch.CPUS not in e for e in launch.plan(_args("--cpus", "all", "x.py")))
-    assert all(launch.CPUS not in e for e in launch.plan(_args("--processes", "2", "--cpu-devices", "1", "x.py")))
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {0})
-    assert all(launch.CPUS not in e for e in launch.plan(_args("x.py")))  # fewer cores than processes
-    with pytest.raises(RuntimeError, match="JAXKV_CPUS: expected cores as '0-15'"):
-        launch._parse_cpus("zero")
-
-
 def test_the_scripts_flags_pass_through():
-    """A script flag that abbreviates a launcher flag (``--cpu``: ``--cpus``, ``--cpu-devices``)
-    is the script's."""
-    args = _args("--processes", "1", "--cpu-devices", "1", "x.py", "--cpu", "--timeout", "3")
-    assert args.args == ["--cpu", "--timeout", "3"] and args.timeout == launch.DEFAULT_TIMEOUT
-
-
-def test_initialize_runs_the_process_on_its_cores(tmp_path):
-    """``JAXKV_CPUS`` (as the launcher sets it) is the process's CPU affinity after initialize."""
-    script = tmp_path / "cores.py"
-    script.write_text(
-        "import os, jaxkv.launch\njaxkv.launch.initialize()\nprint('cores', sorted(os.sched_getaffinity(0)))\n"
-    )
-    core = min(os.sched_getaffinity(0))
-    p = _launch("--processes", "2", "--cpu-devices", "1", str(script), env={launch.CPUS: str(core)})
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    assert f"[0] cores [{core}]" in p.stdout and f"[1] cores [{core}]" in p.stdout, p.stdout[-2000:]
+    """A script flag that abbreviates launcher flags (``--host``: ``--hosts``, ``--host-index``)
+    is the script's, as is one that names a launcher flag."""
+    args = _args("--processes", "1", "--cpu-devices", "1", "x.py", "--host", "h", "--timeout", "3")
+    assert args.args == ["--host", "h", "--timeout", "3"] and args.timeout == launch.DEFAULT_TIMEOUT
 
 
 def test_a_missing_script_is_a_usage_error(capsys):
