@@ -27,6 +27,17 @@ def times_ms(fn, iters: int, warmup: int = 0) -> list[float]:
     return out
 
 
+def copy_gbps(iters: int = 20) -> float:
+    """The device's copy bandwidth, GB/s: a 1 GiB ``x + 0`` read and written, median of
+    ``iters`` synchronized calls. The floor a memory-bound step is measured against."""
+    import jax.numpy as jnp
+
+    x = jnp.ones((1 << 29,), jnp.bfloat16)
+    f = jax.jit(lambda x: x + 0)
+    ms = sorted(times_ms(lambda i: f(x).block_until_ready(), iters, warmup=3))[iters // 2]
+    return 2 * x.nbytes / ms / 1e6
+
+
 def kernel_ms_per_step(fn, steps: int, top: int = 0):
     """Sum of GPU kernel durations per step from a profiler trace (None if unavailable);
     with ``top``, also print the kernels that take the most time."""

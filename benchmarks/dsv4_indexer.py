@@ -31,7 +31,7 @@ import statistics
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import kernel_ms_per_step, times_ms
+from _timing import copy_gbps, kernel_ms_per_step, times_ms
 from dsv4_step import fill_random
 
 from jaxkv import hybrid as H
@@ -51,13 +51,6 @@ def _before(state, step, layer, q, w, k):
     s = jnp.where(H.causal_entry_mask(s.shape[-1], step, 1, state.config.compress_ratios[layer]), s, -jnp.inf)
     val, idx = jax.lax.top_k(s, k)
     return jnp.where(jnp.isfinite(val), idx, -1)
-
-
-def copy_gbps():
-    x = jnp.ones((2**28,), jnp.float32)  # 1 GiB read, 1 GiB written
-    f = jax.jit(lambda x: x * 2)
-    ms = statistics.median(times_ms(lambda i: f(x).block_until_ready(), 20, warmup=3))
-    return 2 * x.nbytes / ms / 1e6
 
 
 def run_case(B, context, iters, gbps):

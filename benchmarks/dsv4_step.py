@@ -24,6 +24,9 @@ Contenders per (requests, context), in one process:
   blocks (``hybrid.share`` of slot 0's prefix, the CSA-block-aligned minimum position, then
   each request's own tokens): the same reads through block tables that name shared blocks.
 
+Beside every row, the floor: the cache bytes the step must read (``step_bytes``: indexer
+keys, CSA top-k entries, HCA entries, windows) at the copy bandwidth measured in the same run.
+
 The differences split the step: indexer = ``indexer`` - ``bookkeeping``, attention =
 ``step`` - ``indexer``. Wall is per synchronized step (median); kernel is the sum of GPU
 kernel time in a profiler trace of the same steps (``--top N`` also lists the whole step's
@@ -48,7 +51,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import kernel_ms_per_step, times_ms
+from _timing import copy_gbps, kernel_ms_per_step, times_ms
 from hybrid_step import make_inputs, make_params
 from jax import lax
 
@@ -147,6 +150,26 @@ def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: boo
     return state, acc
 
 
+def step_bytes(cfg, position) -> dict:
+    """Bytes of cache one decode step must read with requests at ``position`` (i32[B], the
+    tokens before the step's): per CSA layer the indexer keys of every visible entry and the
+    top-k entries, per HCA layer every visible entry, per layer the window. The queries and
+    outputs (about 0.13 MB a request and layer) are not counted."""
+    fmt = cfg.storage_format
+    entry, key = fmt.entry_bytes, fmt.index_key_bytes(cfg.index_dim)
+    p = np.asarray(position, np.int64) + 1
+    out = dict.fromkeys(("indexer keys", "CSA top-k", "HCA entries", "windows"), 0)
+    for layer in range(cfg.num_layers):
+        out["windows"] += int(np.minimum(p, cfg.window).sum()) * entry
+        ratio = cfg.compress_ratios[layer]
+        if cfg.kind(layer) == H.CSA:
+            out["indexer keys"] += int((p // ratio).sum()) * key
+            out["CSA top-k"] += int(np.minimum(p // ratio, cfg.top_k).sum()) * entry
+        elif ratio:
+            out["HCA entries"] += int((p // ratio).sum()) * entry
+    return out
+
+
 def run_case(B, context, args):
     cfg = dataclasses.replace(H.V4_FLASH, max_requests=B, max_context=context)
     if args.quick:
@@ -160,6 +183,14 @@ def run_case(B, context, args):
     )  # steps this run takes after the prefill positions (each contender:
     # compile, 2 warm-up, iters timed, 3 profiled)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
+    need = step_bytes(cfg, start)
+    floor_ms = sum(need.values()) / args.gbps / 1e6
+    print(
+        f"  {B} requests, context {context}: a step reads {sum(need.values()) / 1e9:.2f} GB of cache ("
+        + ", ".join(f"{k} {v / 1e9:.2f}" for k, v in need.items())
+        + f"): floor {floor_ms:.3f} ms at {args.gbps:.0f} GB/s",
+        flush=True,
+    )
     states = {}
 
     def state_for(shared: bool):  # one cache per layout, made when first asked for
@@ -191,7 +222,7 @@ def run_case(B, context, args):
             ms = statistics.median(times_ms(run, args.iters, warmup=2))
         top = args.top if kw["attend"] else 0
         kern = kernel_ms_per_step(run, 3, top=top) if jax.default_backend() == "gpu" else None
-        rows.append((name, ms, kern))
+        rows.append((name, ms, kern, sum(need.values()) / 1e9, floor_ms))
         print(
             f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
             + ("" if kern is None else f" ({kern:.3f} ms of kernels)"),
@@ -243,6 +274,8 @@ def main():
     if args.quick:
         args.requests, args.contexts, args.iters = "4", "2048", min(args.iters, 3)
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    args.gbps = copy_gbps(3 if args.quick else 20)
+    print(f"  device copy: {args.gbps:.0f} GB/s (the floor's bandwidth)", flush=True)
     table = []
     for B in map(int, args.requests.split(",")):
         for context in map(int, args.contexts.split(",")):
@@ -252,21 +285,23 @@ def main():
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
                 print(f"  {B} requests, context {context}: does not fit ({str(e).splitlines()[0][:160]})")
-                table.append((B, context, None, "does not fit", None, None))
+                table.append((B, context, None, "does not fit", None, None, None, None))
                 continue
-            table += [(B, context, gib, name, ms, kern) for name, ms, kern in rows]
+            table += [(B, context, gib, *row) for row in rows]
+    fields = ("requests", "context", "cache_gib", "contender", "ms", "kernel_ms", "read_gb", "floor_ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(
-                [dict(zip(("requests", "context", "cache_gib", "contender", "ms", "kernel_ms"), r)) for r in table],
-                f,
-                indent=1,
-            )
-    print("\n| requests | context | cache GiB | contender | wall ms | kernel ms |")
-    print("| ---: | ---: | ---: | --- | ---: | ---: |")
-    for B, context, gib, name, ms, kern in table:
+            json.dump([dict(zip(fields, r)) for r in table], f, indent=1)
+    print(f"\ncopy bandwidth {args.gbps:.0f} GB/s; floor: the cache bytes a step reads at it")
+    print("| requests | context | cache GiB | contender | wall ms | kernel ms | GB read | floor ms | wall / floor |")
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for B, context, gib, name, ms, kern, gb, floor in table:
         f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
-        print(f"| {B} | {context} | {'' if gib is None else f'{gib:.2f}'} | {name} | {f(ms)} | {f(kern)} |")
+        ratio = "" if ms is None or not floor else f"{ms / floor:.1f}x"
+        print(
+            f"| {B} | {context} | {'' if gib is None else f'{gib:.2f}'} | {name} | {f(ms)} | {f(kern)} | {f(gb)} "
+            f"| {f(floor)} | {ratio} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from _timing import kernel_ms_per_step, times_ms  # noqa: E402
+from _timing import copy_gbps, kernel_ms_per_step, times_ms  # noqa: E402
 
 from jaxkv import frame  # noqa: E402
 from jaxkv.formats.storage import STORAGES  # noqa: E402
@@ -41,14 +41,6 @@ from jaxkv.kernels.dequant_gather import ref_dequant_gather  # noqa: E402
 
 KERNEL_MS = {}  # (operation, impl) -> GPU kernel time per call from a profiler trace
 TRITON_DIR = None  # --triton: a directory of the pre-port kernel modules
-
-
-def copy_gbps(iters):
-    x = jnp.ones((1 << 29,), jnp.bfloat16)  # 1 GiB
-    f = jax.jit(lambda x: x + 0)
-    f(x).block_until_ready()
-    ms = statistics.median(times_ms(lambda i: f(x).block_until_ready(), iters))
-    return 2 * x.nbytes / ms / 1e6
 
 
 def triton_kernels(name):
