@@ -88,6 +88,11 @@ def attention(
                 f"idx: a CSA layer expects int[{B}, {T}, k] entry indices (index_topk), got "
                 f"{None if idx is None else (jnp.result_type(idx), list(jnp.shape(idx)))}"
             )
+        if jnp.shape(idx)[2] > state.config.top_k:
+            raise ValueError(
+                f"idx: expected at most HybridConfig.top_k = {state.config.top_k} picks per query, got "
+                f"{jnp.shape(idx)[2]} (index_topk with a top_k above the config's?)"
+            )
     elif idx is not None:
         raise ValueError(f"idx: layer {layer} is {kind.upper()}, which attends to no picked entries; pass idx=None")
     impl = _backend.choose(

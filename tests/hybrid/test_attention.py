@@ -188,6 +188,9 @@ def test_bad_inputs(rng, filled):
         H.attention(st, step, 1, q, sink, kv, None, impl="xla")
     with pytest.raises(ValueError, match="idx: layer 2 is HCA"):
         H.attention(st, step, 2, q, sink, kv, idx, impl="xla")
+    wide = jnp.concatenate([idx, jnp.full(idx.shape[:2] + (st.config.top_k + 1 - idx.shape[2],), -1, idx.dtype)], -1)
+    with pytest.raises(ValueError, match=f"idx: expected at most HybridConfig.top_k = {st.config.top_k} picks"):
+        H.attention(st, step, 1, q, sink, kv, wide, impl="xla")
     with pytest.raises(ValueError, match="q: expected bf16"):
         H.attention(st, step, 1, q.astype(jnp.float32), sink, kv, idx, impl="xla")
     with pytest.raises(ValueError, match="sink: expected"):
