@@ -36,6 +36,7 @@ pick fewer with ``--contenders`` to stay within one call's time.
 
     PYTHONPATH=$PWD python benchmarks/dsv4_step.py [--requests 64,256] [--contexts 8192,65536]
         [--contenders step,indexer,bookkeeping,xla] [--top 12]
+    PYTHONPATH=$PWD python benchmarks/dsv4_step.py --prefill [--prefill-requests 8 --prompt 8192 --chunk 2048]
     PYTHONPATH=$PWD python benchmarks/dsv4_step.py --quick      # CPU smoke run: 4 layers, 4 requests
 """
 
@@ -71,18 +72,19 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
 }
 
 
-def make_extra(cfg, B, key):
-    """Per-layer attention inputs: q, sink, and for CSA layers the indexer query and weights."""
+def make_extra(cfg, B, key, T=1):
+    """Per-layer attention inputs of T tokens a request: q, sink, and for CSA layers the
+    indexer query and weights."""
     out = {}
     for layer in range(cfg.num_layers):
         ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
         e = {
-            "q": jax.random.normal(ks[0], (B, 1, HEADS, cfg.head_dim), jnp.bfloat16),
+            "q": jax.random.normal(ks[0], (B, T, HEADS, cfg.head_dim), jnp.bfloat16),
             "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32),
         }
         if cfg.kind(layer) == H.CSA:
-            e["iq"] = jax.random.normal(ks[2], (B, 1, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
-            e["iw"] = jax.random.normal(ks[3], (B, 1, cfg.index_heads), jnp.float32)
+            e["iq"] = jax.random.normal(ks[2], (B, T, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
+            e["iw"] = jax.random.normal(ks[3], (B, T, cfg.index_heads), jnp.float32)
         out[layer] = e
     return out
 
@@ -119,14 +121,17 @@ def fill_random(state, key):
     return state.replace(window=window, entries=entries, index_keys=index_keys)
 
 
-def decode_step(state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto"):
+def decode_step(
+    state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto", chunk=1
+):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write. Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
-    device's rows are its own requests). Returns (state, f32[B]: per row, the sum over layers
-    of a slice of the reads' results, which keeps the reads live; per row, so a sharded step
-    sums nothing across devices)."""
+    device's rows are its own requests). ``chunk``: tokens a request (1: decode; more: a
+    prefill chunk, the inputs' token axis). Returns (state, f32[B]: per row, the sum over
+    layers of a slice of the reads' results, which keeps the reads live; per row, so a sharded
+    step sums nothing across devices)."""
     cfg = state.config
-    state, step = H.prepare_forward(state, slots, state.position, chunk=1)
+    state, step = H.prepare_forward(state, slots, state.position, chunk=chunk)
     acc = jnp.zeros(slots.shape, jnp.float32)
     for layer in range(cfg.num_layers):
         x, e = inputs[layer], extra[layer]
@@ -236,6 +241,67 @@ def run_case(B, context, args):
     return gib, rows
 
 
+def prefill_flops(cfg, start: int, T: int, B: int) -> tuple[float, float]:
+    """FLOPs of one prefill chunk (tokens start .. start + T of B requests): attention
+    (4 * heads * 512 per query and key: window, the step's tokens, top-k or every visible HCA
+    entry) and the indexer's scores (2 * index heads * index_dim per query and visible entry)."""
+    t = np.arange(start, start + T, dtype=np.int64) + 1  # tokens a query sees, itself included
+    attn = index = 0.0
+    for layer in range(cfg.num_layers):
+        ratio = cfg.compress_ratios[layer]
+        keys = np.minimum(t, cfg.window)
+        if cfg.kind(layer) == H.CSA:
+            keys = keys + np.minimum(t // ratio, cfg.top_k)
+            index += 2 * cfg.index_heads * cfg.index_dim * float((t // ratio).sum())
+        elif ratio:
+            keys = keys + t // ratio
+        attn += 4 * HEADS * cfg.head_dim * float(keys.sum())
+    return attn * B, index * B
+
+
+def run_prefill(args):
+    """``--prefill``: B requests' prompts through the 43 layers in chunks, each chunk one
+    jitted call (the same ops as the decode step, T tokens a request); ms a chunk (median over
+    the prompt's chunks and ``--iters`` prompts), the attention's and indexer's FLOPs over it,
+    and the last chunk's reads against the same chunk with ``impl="xla"`` (float32 math)."""
+    B, prompt, T = args.prefill_requests, args.prompt, args.chunk
+    if prompt % T:
+        raise SystemExit(f"--prompt: expected a multiple of --chunk = {T}, got {prompt}")
+    cfg = dataclasses.replace(H.V4_FLASH, max_requests=B, max_context=prompt)
+    if args.quick:
+        cfg = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:4])
+    key = jax.random.key(0)
+    params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key, T), make_extra(cfg, B, key, T)
+    slots = jnp.arange(B, dtype=jnp.int32)
+    kw = dict(index=True, attend=True, chunk=T)
+    fn = jax.jit(functools.partial(decode_step, impl="auto", **kw), donate_argnums=0)
+    ref = jax.jit(functools.partial(decode_step, impl="xla", index_impl="xla", **kw))
+    times, t0 = [], time.perf_counter()
+    for it in range(args.iters + 1):  # the first prompt compiles and warms
+        state = H.init(cfg)
+        for c in range(prompt // T):
+            if it == args.iters and c == prompt // T - 1:  # the last chunk, also through the reference
+                _, want = ref(jax.tree.map(jnp.copy, state), slots, inputs, params, extra)
+            t = time.perf_counter()
+            state, got = fn(state, slots, inputs, params, extra)
+            got.block_until_ready()
+            if it:
+                times.append((time.perf_counter() - t) * 1e3)
+        if not it:
+            print(f"  prefill: first prompt (compile + run) {time.perf_counter() - t0:.0f} s", flush=True)
+    import jaxkv
+
+    jaxkv.check(state)
+    ms = statistics.median(times)
+    flops = [prefill_flops(cfg, c * T, T, B) for c in range(prompt // T)]
+    attn, index = (sum(f[i] for f in flops) / len(flops) for i in range(2))
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    print(f"\nprefill: {B} requests x {prompt} prompt tokens in chunks of {T}, {cfg.num_layers} layers")
+    print("| chunk ms | attention TFLOP / chunk | indexer TFLOP / chunk | (attention + indexer) TFLOP/s | vs xla f32 |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
+    print(f"| {ms:.3f} | {attn / 1e12:.3f} | {index / 1e12:.3f} | {(attn + index) / ms / 1e9:.1f} | {err:.1e} |")
+
+
 def make_state(cfg, start, key, shared: bool):
     """Every request prefilled to ``start`` (i32[B]), every pool random; ``shared``: the
     requests' first ``min(start)`` tokens (rounded down to a CSA block) are slot 0's, shared."""
@@ -265,6 +331,10 @@ def main():
     )
     ap.add_argument("--top", type=int, default=0, help="list the whole step's N costliest kernels")
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
+    ap.add_argument("--prefill", action="store_true", help="chunked prefill instead of decode (run_prefill)")
+    ap.add_argument("--prefill-requests", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=8192, help="prefill: prompt tokens a request")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill: tokens a request per chunk")
     ap.add_argument("--json")
     args = ap.parse_args()
     args.contenders = args.contenders.split(",")
@@ -273,7 +343,10 @@ def main():
         ap.error(f"--contenders: expected names from {sorted(CONTENDERS)}, got {sorted(unknown)}")
     if args.quick:
         args.requests, args.contexts, args.iters = "4", "2048", min(args.iters, 3)
+        args.prefill_requests, args.prompt, args.chunk = 2, 1024, 256
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.prefill:
+        return run_prefill(args)
     args.gbps = copy_gbps(3 if args.quick else 20)
     print(f"  device copy: {args.gbps:.0f} GB/s (the floor's bandwidth)", flush=True)
     table = []

@@ -74,19 +74,19 @@ def make_params(cfg, key):
     return out
 
 
-def make_inputs(cfg, B, key):
-    """Per-layer decode inputs (one token per request), random."""
+def make_inputs(cfg, B, key, T=1):
+    """Per-layer inputs of T tokens a request (1: decode), random."""
     out = {}
     for layer in range(cfg.num_layers):
         ks = jax.random.split(jax.random.fold_in(key, layer), 5)
-        x = {"kv": jax.random.normal(ks[0], (B, 1, cfg.head_dim), jnp.bfloat16)}
+        x = {"kv": jax.random.normal(ks[0], (B, T, cfg.head_dim), jnp.bfloat16)}
         if cfg.compress_ratios[layer]:
             coff = 2 if cfg.kind(layer) == H.CSA else 1
-            x["ckv"] = jax.random.normal(ks[1], (B, 1, coff * cfg.head_dim))
-            x["cscore"] = jax.random.normal(ks[2], (B, 1, coff * cfg.head_dim))
+            x["ckv"] = jax.random.normal(ks[1], (B, T, coff * cfg.head_dim))
+            x["cscore"] = jax.random.normal(ks[2], (B, T, coff * cfg.head_dim))
             if coff == 2:
-                x["ikv"] = jax.random.normal(ks[3], (B, 1, 2 * cfg.index_dim))
-                x["iscore"] = jax.random.normal(ks[4], (B, 1, 2 * cfg.index_dim))
+                x["ikv"] = jax.random.normal(ks[3], (B, T, 2 * cfg.index_dim))
+                x["iscore"] = jax.random.normal(ks[4], (B, T, 2 * cfg.index_dim))
         out[layer] = x
     return out
 
