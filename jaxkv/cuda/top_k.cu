@@ -138,9 +138,9 @@ __device__ __forceinline__ unsigned long long pick(uint32_t key, int index) {
   return (static_cast<unsigned long long>(~key) << 32) | static_cast<uint32_t>(index);  // ascending = best first
 }
 
-// Every key above t, and every key equal to it when take_equal: all are picked, so their
-// places may be in any order (one shared-memory atomic per warp and pass).
-__device__ void place_all(const Row& r, uint32_t t, bool take_equal, unsigned long long* picks, Found* f) {
+// Every key >= lowest: all are picked, so their places may be in any order (one
+// shared-memory atomic per warp and pass).
+__device__ void place_all(const Row& r, uint32_t lowest, unsigned long long* picks, Found* f) {
   const int lane = threadIdx.x & 31;
   for (int base = 0; base < r.groups; base += kThreads) {
     const int g = base + threadIdx.x;
@@ -148,7 +148,7 @@ __device__ void place_all(const Row& r, uint32_t t, bool take_equal, unsigned lo
     if (g < r.groups) r.load(g, k);
     uint32_t cnt = 0;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) cnt += k[j] > t || (take_equal && k[j] == t);
+    for (int j = 0; j < 4; ++j) cnt += k[j] >= lowest;
     uint32_t incl = cnt;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -160,7 +160,7 @@ __device__ void place_all(const Row& r, uint32_t t, bool take_equal, unsigned lo
     at = __shfl_sync(0xffffffffu, at, 31) + incl - cnt;
 #pragma unroll
     for (int j = 0; j < 4; ++j)
-      if (k[j] > t || (take_equal && k[j] == t)) picks[at++] = pick(k[j], 4 * g + j);
+      if (k[j] >= lowest) picks[at++] = pick(k[j], 4 * g + j);
   }
 }
 
@@ -271,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 2) top_k_kernel(const float* __restr
   const uint32_t t = f.prefix, take = t ? f.need : 0u, above = static_cast<uint32_t>(k) - f.need;
   if (t && f.ties > take)
     place_in_order(r, t, take, above, picks, warp_sums);
-  else
-    place_all(r, t, t != 0, picks, &f);
+  else  // every key equal to t is picked too; t == 0: every finite key (all are >= 1)
+    place_all(r, t ? t : 1u, picks, &f);
   __syncthreads();
 
   const int filled = static_cast<int>(above + take);
