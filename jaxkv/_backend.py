@@ -16,7 +16,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
-| ``hybrid.index_scores`` | xla, pallas | pallas on Hopper with index heads a multiple of 64, index_dim 128, block_size a multiple of 64 (``kernels.index_scores``, Mosaic GPU), else xla |
+| ``hybrid.index_scores`` | xla, pallas, cuda | cuda on Hopper with nvcc, 64 or 128 index heads, index_dim 128, block_size a multiple of 64 (``kernels.index_scores_cuda``, ``cuda/``); else pallas on Hopper with index heads a multiple of 64 (``kernels.index_scores``, Mosaic GPU); else xla |
 | ``hybrid.index_topk`` (``select=``) | xla, cuda | cuda on a GPU with nvcc and k up to the kernel's bound (``kernels.top_k``: a radix select, ``cuda/``), else xla (``lax.top_k``, which sorts) |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
 | ``torch.attention`` | sdpa, cuda, flashinfer, flashinfer-paged-fa2, flashinfer-paged-fa3 | the torch drop-in's ``backend=``: sdpa on a CPU or with ``force_fp32``; on CUDA paged FA3 with ``fa3`` and FlashInfer (not for FP8 storage), else the first ``TORCH_AUTO_CUDA`` row the frame's tokens reach whose backend can run, else sdpa. ``cuda`` needs sm_90, nvcc, bf16 or FP8 storage and head_dim 64 |
@@ -119,6 +119,17 @@ def _index_missing(*, index_heads: int = 64, index_dim: int = 128, block_size: i
         index_heads % 64 == 0 and index_dim == 128 and block_size % 64 == 0,
         f"{index_heads} heads, index_dim {index_dim}, block_size {block_size}",
     )
+
+
+def _index_cuda_missing(*, index_heads: int = 64, **ctx) -> str | None:
+    why = _index_missing(index_heads=index_heads, **ctx) or _hopper_and(
+        "64 or 128 index heads", index_heads <= 128, f"{index_heads} heads"
+    )
+    return why or _cuda_missing()
+
+
+def _index_auto(**ctx) -> str:
+    return "cuda" if not _index_cuda_missing(**ctx) else "xla" if _index_missing(**ctx) else "pallas"
 
 
 def _prefix_cuda_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str | None:
@@ -242,9 +253,9 @@ OPERATIONS = {
         _cuda_op("hybrid.index_query"),
         Operation(
             "hybrid.index_scores",
-            ("xla", "pallas"),
-            lambda **ctx: "xla" if _index_missing(**ctx) else "pallas",
-            {"pallas": _index_missing},
+            ("xla", "pallas", "cuda"),
+            _index_auto,
+            {"pallas": _index_missing, "cuda": _index_cuda_missing},
         ),
         Operation(
             "hybrid.index_topk",

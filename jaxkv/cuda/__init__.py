@@ -26,6 +26,7 @@ FFI_TARGETS = {
     "jaxkv_pool_attention": "JaxkvPoolAttention",  # pool_attention.cu
     "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
     "jaxkv_top_k": "JaxkvTopK",  # top_k.cu
+    "jaxkv_index_scores": "JaxkvIndexScores",  # index_scores.cu
 }
 
 

@@ -43,6 +43,7 @@ SOURCES = (
     "pool_attention.cu",
     "prefix_attention.cu",
     "top_k.cu",
+    "index_scores.cu",
 )  # the kernels library
 HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "ptx.cuh", "write_entry.cuh")  # included by the sources
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch

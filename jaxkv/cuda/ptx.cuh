@@ -1,4 +1,4 @@
-// PTX wrappers the attention kernels share (pool_attention.cu, prefix_attention.cu): shared
+// PTX wrappers the wgmma kernels share (pool_attention.cu, prefix_attention.cu, index_scores.cu): shared
 // addresses, cp.async, the 128-byte-swizzle tile layout, and on sm_90a the wgmma instructions,
 // fences and shared-memory descriptors, mbarriers and named barriers.
 #pragma once
@@ -138,6 +138,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[32], const uint32_t (&a)[4],
                "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                : JAXKV_D32(0)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+// d (+)= a b^T for one warpgroup, a bf16[64, 16] in registers (the accumulator layout), b bf16[64, 16]
+// K-major in shared memory, d f32[64, 64]; accumulate = 0 overwrites d
+__device__ __forceinline__ void wgmma_rs_kmajor(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" JAXKV_R0_31
+               "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+               : JAXKV_D32(0)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 __device__ __forceinline__ void wgmma_rs(float (&d)[128], const uint32_t (&a)[4], uint64_t b) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"

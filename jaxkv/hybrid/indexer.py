@@ -20,6 +20,7 @@ from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
 from jaxkv.kernels.index_scores import index_scores as score_kernel
+from jaxkv.kernels.index_scores import index_scores_cuda
 from jaxkv.kernels.top_k import MAX_K
 from jaxkv.kernels.top_k import top_k as top_k_kernel
 from jaxkv.math.rotation import hadamard
@@ -98,10 +99,10 @@ def _index_scores(state, step, layer, q, weights, impl):
     c = state.config
     B, T, H, D = q.shape
     ratio = c.compress_ratios[layer]
-    if impl == "pallas":
+    if impl in ("pallas", "cuda"):
         g, j = state.group(layer)
         visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
-        s = score_kernel(
+        s = (score_kernel if impl == "pallas" else index_scores_cuda)(
             q.reshape(B * T, H, D).astype(jnp.bfloat16),
             weights.reshape(B * T, H),
             state.index_keys,

@@ -36,7 +36,7 @@ from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import flush_write, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
-from jaxkv.kernels.index_scores import index_scores, ref_index_scores
+from jaxkv.kernels.index_scores import index_scores, index_scores_cuda, ref_index_scores
 from jaxkv.kernels.pool_attention import (
     pool_attention_cuda,
     pool_attention_flashmla,
@@ -51,6 +51,7 @@ __all__ = [
     "dequant_gather",
     "flush_write",
     "index_scores",
+    "index_scores_cuda",
     "pool_attention_cuda",
     "pool_attention_flashmla",
     "pool_attention_pallas",

@@ -42,8 +42,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.formats.numerics import e8m0_to_float
 from jaxkv.formats.storage import STORAGES, from_bytes, segment_offsets
 from jaxkv.kernels.launch import launch
@@ -271,4 +273,27 @@ def index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
     return jnp.where(counted(pages, count, pool.shape[1], bs), raw[:, : NP * bs], -jnp.inf)
 
 
-__all__ = ["TILE", "check", "counted", "group_multipliers", "index_scores", "ref_index_scores"]
+@functools.partial(jax.jit, static_argnames=("layer", "storage"))
+def index_scores_cuda(q, weights, pool, layer, pages, count, *, storage="official"):
+    """The contract above on ``jaxkv/cuda/index_scores.cu`` through ``jax.ffi``: the scale
+    bytes are read in the kernel too (no multipliers from XLA), the masking is the kernel's,
+    and H is 64 or 128. Needs an sm_90 GPU and nvcc (the first use builds ``cuda/``)."""
+    check(q, weights, pool, layer, pages, count, storage)
+    if q.shape[1] > 2 * TILE:
+        raise ValueError(f"q: expected 64 or 128 heads for the CUDA kernel, got {q.shape[1]}")
+    register_ffi_targets()
+    N = q.shape[0]
+    bs = _geometry(pool, storage, q.shape[2])[0]
+    return jax.ffi.ffi_call("jaxkv_index_scores", jax.ShapeDtypeStruct((N, pages.shape[1] * bs), jnp.float32))(
+        q,
+        weights.astype(jnp.float32),
+        pool,
+        pages,
+        count,
+        layer=np.int32(layer),
+        storage=np.int32(STORAGE_CODES[storage]),
+        tiles=np.int32(launch("index_scores_cuda")["tiles"]),
+    )
+
+
+__all__ = ["TILE", "check", "counted", "group_multipliers", "index_scores", "index_scores_cuda", "ref_index_scores"]

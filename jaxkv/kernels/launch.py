@@ -103,6 +103,7 @@ TABLES = {
             block_kv=192, stages=2
         ),  # one of the shapes jaxkv/cuda/prefix_attention.cu builds
         "index_scores": dict(tiles=8),  # 64-key tiles per program; not swept
+        "index_scores_cuda": dict(tiles=16),  # 64-key tiles per CTA
     },
 }
 

@@ -92,9 +92,12 @@ def test_xla_scores_equal_float64(rng, filled):
 def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: wiring on CPU."""
     monkeypatch.setattr(indexer, "score_kernel", ref_index_scores)
+    monkeypatch.setattr(indexer, "index_scores_cuda", ref_index_scores)
     choose = indexer._backend.choose
     monkeypatch.setattr(
-        indexer._backend, "choose", lambda op, impl, **ctx: "pallas" if impl == "pallas" else choose(op, impl, **ctx)
+        indexer._backend,
+        "choose",
+        lambda op, impl, **ctx: impl if impl in ("pallas", "cuda") else choose(op, impl, **ctx),
     )
 
 
@@ -104,11 +107,11 @@ def _real(step, T, *arrays):
     return [np.asarray(a)[real] for a in arrays]
 
 
-def _assert_paths_agree(state, step, T, q, w):
-    """impl="pallas" and impl="xla" scores: -inf at the same entries, float32 sums in another
-    order elsewhere (real rows); returns how many finite scores were compared."""
+def _assert_paths_agree(state, step, T, q, w, impl):
+    """A kernel's scores (impl) and impl="xla"'s: -inf at the same entries, float32 sums in
+    another order elsewhere (real rows); returns how many finite scores were compared."""
     got, want = _real(
-        step, T, H.index_scores(state, step, 1, q, w, impl="pallas"), H.index_scores(state, step, 1, q, w, impl="xla")
+        step, T, H.index_scores(state, step, 1, q, w, impl=impl), H.index_scores(state, step, 1, q, w, impl="xla")
     )
     np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
     fin = np.isfinite(want)
@@ -116,22 +119,24 @@ def _assert_paths_agree(state, step, T, q, w):
     return fin.sum()
 
 
-def test_kernel_path_equals_xla(rng, filled, reference_kernel):
+@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+def test_kernel_path_equals_xla(rng, filled, reference_kernel, impl):
     state = filled
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
-        assert _assert_paths_agree(state, step, T, q, w) > 100
+        assert _assert_paths_agree(state, step, T, q, w, impl) > 100
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90)")
-def test_kernel_equals_xla_on_gpu(rng, filled):
+@pytest.mark.skipif(not is_hopper(), reason="the kernels are written for Hopper (sm_90)")
+@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+def test_kernel_equals_xla_on_gpu(rng, filled, impl):
     state = filled
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
-        _assert_paths_agree(state, step, T, q, w)
+        _assert_paths_agree(state, step, T, q, w, impl)
         top, ref = _real(
-            step, T, H.index_topk(state, step, 1, q, w, impl="pallas"), H.index_topk(state, step, 1, q, w, impl="xla")
+            step, T, H.index_topk(state, step, 1, q, w, impl=impl), H.index_topk(state, step, 1, q, w, impl="xla")
         )
         np.testing.assert_array_equal(top < 0, ref < 0)
         assert (top == ref).mean() > 0.99  # the same entries, but for near-ties

@@ -1,4 +1,5 @@
-"""kernels.index_scores (Mosaic GPU, Hopper) against its float32 reference on fresh random pools."""
+"""kernels.index_scores (Mosaic GPU) and kernels.index_scores_cuda (cuda/), Hopper, against
+their float32 reference on fresh random pools."""
 
 import jax
 import jax.numpy as jnp
@@ -8,9 +9,10 @@ import pytest
 from jaxkv._backend import is_hopper
 from jaxkv.formats.fp4 import e2m1_decode, unpack_nibbles
 from jaxkv.formats.storage import STORAGES, pack_items, segment_offsets
-from jaxkv.kernels.index_scores import group_multipliers, index_scores, ref_index_scores
+from jaxkv.kernels.index_scores import group_multipliers, index_scores, index_scores_cuda, ref_index_scores
 
-hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
+hopper = pytest.mark.skipif(not is_hopper(), reason="the kernels are written for Hopper (sm_90); no such GPU here")
+KERNELS = {"pallas": index_scores, "cuda": index_scores_cuda}
 
 
 def _case(rng, storage, *, B=3, T=1, H=64, bs=64, pages=3, layers=2, counts=None):
@@ -89,19 +91,35 @@ def _assert_close(got, want):
 
 @pytest.mark.gpu
 @hopper
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 @pytest.mark.parametrize("T,H,bs", [(1, 64, 64), (2, 128, 128)])
-def test_kernel_equals_reference(rng, storage, T, H, bs):
+def test_kernel_equals_reference(rng, kernel, storage, T, H, bs):
     q, w, pool, table, count = _case(rng, storage, B=5, T=T, H=H, bs=bs, pages=4)
-    got = index_scores(q, w, pool, 1, table, count, storage=storage)
+    got = KERNELS[kernel](q, w, pool, 1, table, count, storage=storage)
     _assert_close(got, ref_index_scores(q, w, pool, 1, table, count, storage=storage))
-    again = index_scores(q, w, pool, 1, table, count, storage=storage)
+    again = KERNELS[kernel](q, w, pool, 1, table, count, storage=storage)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(again))  # run to run: bit for bit
 
 
 @pytest.mark.gpu
 @hopper
-def test_kernel_long_rows(rng):
+@pytest.mark.parametrize("kernel", sorted(KERNELS))
+def test_kernel_long_rows(rng, kernel):
     """Many tiles per row: several programs per row, pages shuffled over a large pool."""
     q, w, pool, table, count = _case(rng, "official", B=4, pages=40, counts=[2560, 1, 1000, 2559])
-    _assert_close(index_scores(q, w, pool, 0, table, count), ref_index_scores(q, w, pool, 0, table, count))
+    _assert_close(KERNELS[kernel](q, w, pool, 0, table, count), ref_index_scores(q, w, pool, 0, table, count))
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+def test_cuda_kernel_pages_outside_the_pool(rng, storage):
+    """A page table entry outside the pool (-1, or past its pages) masks that page's entries
+    (-inf) and is never read; the entries around it score as the reference does."""
+    q, w, pool, table, count = _case(rng, storage, B=3, pages=4, counts=[256, 200, 130])
+    table = table.at[0, 1].set(-1).at[1, 3].set(pool.shape[1] + 5).at[2, 0].set(-7)
+    got = np.asarray(index_scores_cuda(q, w, pool, 0, table, count, storage=storage))
+    want = np.asarray(ref_index_scores(q, w, pool, 0, table, count, storage=storage))
+    assert np.all(np.isneginf(got[0, 64:128])) and np.all(np.isneginf(got[2, :64]))
+    _assert_close(got, want)
