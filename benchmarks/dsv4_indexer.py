@@ -11,9 +11,12 @@ context, the indexer-key pool holding random MXFP4 keys. Contenders, in one proc
 * ``pallas + sort``: ``kernels.index_scores`` (FP4 keys read in place) + XLA's top-k;
 * ``pallas + select``: ``kernels.index_scores`` + ``kernels.top_k`` (a radix select): what
   ``index_topk`` runs by default on Hopper;
-* ``pallas scores``: ``index_scores(impl="pallas")`` alone; the selection alone on the same
-  scores: ``lax.top_k``, the indexer's two-stage XLA top-k, and ``kernels.top_k``, each also
-  as the sum of its GPU kernels' durations from a profiler trace (``kernel ms``).
+* ``cuda + select``: ``kernels.index_scores_cuda`` (``cuda/``) + ``kernels.top_k``: what
+  ``index_topk`` runs by default on Hopper with nvcc;
+* ``pallas scores``, ``cuda scores``: ``index_scores(impl=)`` alone; the selection alone on
+  the same scores: ``lax.top_k``, the indexer's two-stage XLA top-k, and ``kernels.top_k``.
+  Each of these also as the sum of its GPU kernels' durations from a profiler trace
+  (``kernel ms``).
 
 Floors: the FP4 key bytes of the visible entries at the measured device-copy bandwidth, and
 their FLOPs (2 * heads * 128 per entry) at the H100's dense BF16 peak. Wall per synchronized
@@ -73,17 +76,22 @@ def run_case(B, context, iters, gbps):
         "xla": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="xla", select="xla")),
         "pallas + sort": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="xla")),
         "pallas + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="cuda")),
+        "cuda + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="cuda", select="cuda")),
         "pallas scores": jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="pallas")),
+        "cuda scores": jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="cuda")),
     }
     ref = jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="xla"))(state, step, q, w)
-    scores, err, same = ref, float("nan"), float("nan")
+    scores, err, same = ref, {}, float("nan")
+    fin = jnp.isfinite(ref)
     if is_hopper():
-        scores = fns["pallas scores"](state, step, q, w)
-        fin = jnp.isfinite(ref)
-        err = float(jnp.max(jnp.where(fin, jnp.abs(scores - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0)))
-        same = float(jnp.mean(fns["pallas + sort"](state, step, q, w) == fns["xla"](state, step, q, w)))
-    else:  # the kernel is Hopper only
-        fns = {n: f for n, f in fns.items() if not n.startswith("pallas")}
+        for kern in ("pallas", "cuda"):
+            scores = fns[f"{kern} scores"](state, step, q, w)
+            err[kern] = float(
+                jnp.max(jnp.where(fin, jnp.abs(scores - ref), 0)) / jnp.max(jnp.where(fin, jnp.abs(ref), 0))
+            )
+        same = float(jnp.mean(fns["cuda + select"](state, step, q, w) == fns["xla"](state, step, q, w)))
+    else:  # the kernels are Hopper only
+        fns = {n: f for n, f in fns.items() if not n.startswith(("pallas", "cuda"))}
     selects = {
         "top-k: lax.top_k": jax.jit(lambda s: jax.lax.top_k(s, k)[1]),
         "top-k: two stages": jax.jit(lambda s: _top_k(s, k)[1]),
@@ -98,7 +106,10 @@ def run_case(B, context, iters, gbps):
     rows = []
     for name, f in fns.items():
         ms = statistics.median(times_ms(lambda i, f=f: jax.block_until_ready(f(state, step, q, w)), iters, warmup=3))
-        rows.append((name, ms, float("nan")))
+        kms = float("nan")
+        if name.endswith("scores"):
+            kms = kernel_ms_per_step(lambda i, f=f: jax.block_until_ready(f(state, step, q, w)), 10) or kms
+        rows.append((name, ms, kms))
     for name, f in selects.items():
         ms = statistics.median(times_ms(lambda i, f=f: jax.block_until_ready(f(scores)), iters, warmup=3))
         kms = kernel_ms_per_step(lambda i, f=f: jax.block_until_ready(f(scores)), 10) or float("nan")
@@ -108,7 +119,8 @@ def run_case(B, context, iters, gbps):
     flops = visible * 2 * cfg.index_heads * cfg.index_dim
     floor_ms = max(byts / gbps / 1e6, flops / PEAK_TFLOPS / 1e9)
     print(
-        f"  {B} requests, context {context}: kernel vs xla scores max rel err {err:.2e}, "
+        f"  {B} requests, context {context}: kernels vs xla scores max rel err "
+        f"{', '.join(f'{k} {v:.2e}' for k, v in err.items()) or '-'}, "
         f"top-k positions equal {same:.4f}, floor {floor_ms:.4f} ms",
         flush=True,
     )
