@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(kThreads, 3) index_scores_kernel(const __grid_
 
     uint32_t A[8][4];
     decode_tile<S>(cur, A);
-    float p[2][4] = {};  // partial sums over heads: four short chains a row, not one long one
+    float s[2] = {0.f, 0.f};
 #pragma unroll
     for (int hb = 0; hb < HB; ++hb) {
       float d[32];
@@ -206,15 +206,12 @@ __global__ void __launch_bounds__(kThreads, 3) index_scores_kernel(const __grid_
       wgmma_wait();
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float* q0 = &p[0][j & 3];
-        float* q1 = &p[1][j & 3];
-        *q0 = fmaf(fmaxf(d[4 * j], 0.f), wr[hb][2 * j], *q0);
-        *q0 = fmaf(fmaxf(d[4 * j + 1], 0.f), wr[hb][2 * j + 1], *q0);
-        *q1 = fmaf(fmaxf(d[4 * j + 2], 0.f), wr[hb][2 * j], *q1);
-        *q1 = fmaf(fmaxf(d[4 * j + 3], 0.f), wr[hb][2 * j + 1], *q1);
+        s[0] = fmaf(fmaxf(d[4 * j], 0.f), wr[hb][2 * j], s[0]);
+        s[0] = fmaf(fmaxf(d[4 * j + 1], 0.f), wr[hb][2 * j + 1], s[0]);
+        s[1] = fmaf(fmaxf(d[4 * j + 2], 0.f), wr[hb][2 * j], s[1]);
+        s[1] = fmaf(fmaxf(d[4 * j + 3], 0.f), wr[hb][2 * j + 1], s[1]);
       }
     }
-    float s[2] = {(p[0][0] + p[0][1]) + (p[0][2] + p[0][3]), (p[1][0] + p[1][1]) + (p[1][2] + p[1][3])};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       s[r] += __shfl_xor_sync(0xffffffffu, s[r], 1);
