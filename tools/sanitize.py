@@ -58,6 +58,7 @@ KERNELS = {  # kernel: (its symbol in the reports, the tests that launch it), bo
     ),
     "cuda/frame_append.cu (torch)": ("check_kernel|write_kernel", r"torch_bridge/test_manager"),
     "cuda/top_k.cu": ("top_k_kernel", r"test_top_k.py::test_kernel|test_indexer.py::test_select"),
+    "cuda/index_scores.cu": ("index_scores_kernel", r"test_index_scores.py::\S*cuda|adversarial.py::test_index\S*cuda"),
     "cuda/flashmla_sparse_decode.cu": ("flash|sparse|splitkv|combine", r"test_flashmla|adversarial\S*flashmla"),
     "Mosaic GPU: pool attention": (
         "pool_attention_pallas|_partials",
@@ -66,7 +67,7 @@ KERNELS = {  # kernel: (its symbol in the reports, the tests that launch it), bo
     "Mosaic GPU: prefix attention": ("prefix_attention|_partials", r"test_frame_gpu.py::test_prefix|\[\d-pallas\]"),
     "Mosaic GPU: index scores": (
         "index_scores|_scores",
-        r"test_index_scores.py::test_kernel|adversarial.py::test_index",
+        r"test_index_scores.py::\S*pallas|adversarial.py::test_index\S*pallas",
     ),
     "Mosaic GPU: frame append": ("jaxkv_frame_append", r"test_frame_append.py|adversarial.py::test_frame_append"),
 }

@@ -1,8 +1,8 @@
 """The lightning indexer: its queries (``index_query``), scores (``index_scores``) and the
 top-k entries a CSA layer attends to (``index_topk``).
 
-The XLA path is the meaning the kernels are tested against; ``index_scores(impl="pallas")``
-runs ``kernels.index_scores`` (Hopper).
+The XLA path is the meaning the kernels are tested against; ``index_scores(impl="cuda")``
+runs ``kernels.index_scores_cuda``, ``impl="pallas"`` ``kernels.index_scores`` (Hopper).
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *,
     q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
     scales them by ``index_dim**-0.5 * H**-0.5``).
     Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
-    are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "pallas"
-    (``kernels.index_scores``: the FP4 keys read in place, Hopper), "auto" (pallas where it
-    runs, else xla). Both multiply the same BF16 keys and queries with float32 sums; they
-    differ only in summation order.
+    are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "cuda"
+    (``kernels.index_scores_cuda``: the FP4 keys read in place, Hopper, nvcc), "pallas"
+    (``kernels.index_scores``: the same in Mosaic GPU, Hopper), "auto" (the first that runs
+    here, in that order from cuda). All multiply the same BF16 keys and queries with float32
+    sums; they differ only in summation order.
     """
     _check_scores(state, step, layer, q, weights)
     impl = _scores_impl(state, impl)

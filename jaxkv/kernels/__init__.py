@@ -25,8 +25,9 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   ``pool_attention_pallas``: the same contract in Mosaic GPU (Hopper, official storage;
   ``impl="pallas"``); ``pool_attention_flashmla``: on FlashMLA's sm90 decode kernel, built
   from ``$FLASHMLA_SRC`` (``impl="flashmla"``).
-* ``index_scores``: the lightning indexer's scores over FP4 keys read in place (Mosaic GPU,
-  Hopper; ``hybrid.index_scores`` / ``index_topk(impl="pallas")``).
+* ``index_scores_cuda``, ``index_scores``: the lightning indexer's scores over FP4 keys read in
+  place (``cuda/`` and Mosaic GPU, Hopper; ``hybrid.index_scores`` / ``index_topk(impl="cuda")``,
+  ``impl="pallas"``).
 * ``top_k``: the k best of each score row by a radix select, no sort (``hybrid.index_topk
   (select="cuda")``; ``jaxkv/cuda/top_k.cu``).
 """

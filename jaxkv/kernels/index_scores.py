@@ -32,8 +32,10 @@ of the head sum differs from ``ref_index_scores``.
     count: i32[N]             entries row n sees: entries [0, count)
     -> f32[N, NP * bs]        the scores; -inf at and past count, and on pages outside the pool
 
-``ref_index_scores`` is the float32 reference with the same contract. Mosaic GPU only (no
-interpret mode): the tests run it on a GPU; elsewhere the hybrid cache uses XLA.
+``ref_index_scores`` is the float32 reference with the same contract. ``index_scores_cuda``
+is the same contract in ``jaxkv/cuda/index_scores.cu`` (faster: it also reads the scale
+bytes in place; ``auto`` where nvcc is found). Neither has an interpret mode: the tests run
+them on a GPU; elsewhere the hybrid cache uses XLA.
 """
 
 from __future__ import annotations

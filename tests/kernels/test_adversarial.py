@@ -166,13 +166,14 @@ def test_pool_attention(rng, kernel, storage):
 
 
 # --- index scores: pages outside the pool score -inf, counts clamp --------------------------------
-@pytest.mark.parametrize("impl", [pytest.param("kernel", marks=[gpu, hopper]), "reference"])
+@pytest.mark.parametrize(
+    "impl", [pytest.param("pallas", marks=[gpu, hopper]), pytest.param("cuda", marks=[gpu, hopper]), "reference"]
+)
 @pytest.mark.parametrize("storage", ["official", "per_entry"])
 def test_index_scores(rng, storage, impl):
-    from jaxkv.kernels.index_scores import index_scores, ref_index_scores
+    from jaxkv.kernels.index_scores import index_scores, index_scores_cuda, ref_index_scores
 
-    if impl == "reference":
-        index_scores = ref_index_scores
+    index_scores = {"pallas": index_scores, "cuda": index_scores_cuda, "reference": ref_index_scores}[impl]
 
     codec = STORAGES[storage].index_key(128)
     L, P, bs, NP = 2, 12, 64, 3
