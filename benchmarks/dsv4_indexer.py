@@ -73,10 +73,10 @@ def run_case(B, context, iters, gbps):
     k = min(cfg.top_k, cfg.max_entries(4))
     fns = {
         "xla, f32 (before)": jax.jit(lambda s, p, q, w: _before(s, p, 0, q, w, k)),
-        "xla": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="xla", select="xla")),
-        "pallas + sort": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="xla")),
-        "pallas + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="cuda")),
-        "cuda + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="cuda", select="cuda")),
+        "xla": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="xla", select="xla")[1]),
+        "pallas + sort": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="xla")[1]),
+        "pallas + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="pallas", select="cuda")[1]),
+        "cuda + select": jax.jit(lambda s, p, q, w: H.index_topk(s, p, 0, q, w, impl="cuda", select="cuda")[1]),
         "pallas scores": jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="pallas")),
         "cuda scores": jax.jit(lambda s, p, q, w: H.index_scores(s, p, 0, q, w, impl="cuda")),
     }

@@ -141,7 +141,7 @@ def decode_step(
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"], index_kv)
         idx = out = None
         if (index or attend) and cfg.kind(layer) == H.CSA:
-            idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
+            state, idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx[..., 0]
         if attend:  # a model's output projection reads every element: the barrier has the step write the
             # whole output (and any split merge) instead of letting XLA compute only the slice summed below

@@ -31,6 +31,7 @@ class Fault(enum.IntFlag):
     SLOT_IN_USE = 1 << 12
     SHARE_INVALID = 1 << 13
     SLOT_EMPTY = 1 << 14
+    NONFINITE_SCORES = 1 << 15
 
 
 _MESSAGES = {
@@ -57,6 +58,9 @@ _MESSAGES = {
     "the slot itself, fewer tokens than asked, or length < 1), or complete_share before the slot was re-fed to "
     "the prefix's length: nothing was shared",
     Fault.SLOT_EMPTY: "finish of a slot that holds nothing (released twice, or never used): nothing was released",
+    Fault.NONFINITE_SCORES: "non-finite indexer scores (NaN or Inf) among a query's visible entries, from the "
+    "step's indexer query or weights (keys are checked when written): index_topk picked none of those entries "
+    "(the cache is unchanged)",
     Fault.CONTEXT_EXHAUSTED: "num_tokens out of range: negative, above the step's token axis, or past "
     "max_context; the step was skipped",
 }

@@ -75,7 +75,7 @@ def layer_step(state, step, layer, x, p):
         state = H.compress(
             state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"])
         )
-        idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
+        state, idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
         parts.append((H.gather_entries(state, step, layer, idx), idx >= 0))
     elif kind == H.HCA:
         state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])

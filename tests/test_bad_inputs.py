@@ -587,6 +587,13 @@ def _nonfinite_compress(rng):
     return _copy(replay), H.compress(st, step, layer, kv, _poison(score, jnp.inf, (1, 3, 0)), params)
 
 
+def _nonfinite_index_scores(rng):
+    st, step = _admitted(rng)
+    q = H.index_query(st, jnp.asarray(rng.normal(size=(2, 4, CFG.index_heads, CFG.index_dim)), jnp.bfloat16))
+    w = jnp.asarray(rng.normal(size=(2, 4, CFG.index_heads)), jnp.float32)
+    return _copy(st), H.index_topk(st, step, 1, q, _poison(w, jnp.nan, (1, 3, 0)))[0]
+
+
 def _copy_j(state):
     """A device copy (the ops donate their state)."""
     return jax.tree.map(jnp.array, state)
@@ -635,6 +642,7 @@ FAULTS = [
     ("frame.write_layer: -Inf in V", _nonfinite_write_layer, Fault.NONFINITE_KV),
     ("hybrid.write_window: NaN in one row", _nonfinite_write_window, Fault.NONFINITE_KV),
     ("hybrid.compress: Inf in one row's score", _nonfinite_compress, Fault.NONFINITE_KV),
+    ("hybrid.index_topk: NaN in one row's weights", _nonfinite_index_scores, Fault.NONFINITE_SCORES),
 ]
 
 

@@ -8,7 +8,7 @@ Functional API (pure functions over ``HybridCacheState``; writes are jitted, sta
     for layer in range(config.num_layers):
         if config.compress_ratios[layer]:
             state = compress(state, step, layer, ckv, cscore, params, index=...)  # CSA: index=(...)
-        idx = index_topk(state, step, layer, qi, weights)             # CSA layers only
+        state, idx = index_topk(state, step, layer, qi, weights)      # CSA layers only
         out = attention(state, step, layer, q, sink, kv, idx=idx)     # reads the ring before this step's write
         state = after_reads(state, out)                               # so the writes below stay in place
         state = write_window(state, step, layer, kv)

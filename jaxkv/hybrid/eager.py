@@ -9,7 +9,7 @@ now and then).
 from __future__ import annotations
 
 from jaxkv.errors import check as _check
-from jaxkv.hybrid import ops
+from jaxkv.hybrid import indexer, ops
 from jaxkv.hybrid import state as _state
 from jaxkv.hybrid import step as _step
 from jaxkv.hybrid.config import HybridConfig
@@ -45,6 +45,13 @@ class HybridCache:
 
     def compress(self, layer: int, kv, score, params, index=None, *, impl: str = "auto"):
         return self._done(ops.compress(self.state, self.step, layer, kv, score, params, index, impl=impl))
+
+    def index_topk(self, layer: int, q, weights, top_k=None, *, impl: str = "auto", select: str = "auto"):
+        """The step's top-k entries (``hybrid.index_topk``); with ``check=True`` a NaN or Inf
+        score raises ``CacheError`` here."""
+        new_state, idx = indexer.index_topk(self.state, self.step, layer, q, weights, top_k, impl=impl, select=select)
+        self._done(new_state)
+        return idx
 
     def finish(self, slots):
         return self._done(_step.finish(self.state, slots))

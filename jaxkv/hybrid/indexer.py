@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
+from jaxkv.errors import Fault
 from jaxkv.formats import nvfp4_global_scale
 from jaxkv.formats.storage import as_bytes
 from jaxkv.hybrid.attention import causal_entry_mask, visible_entries
 from jaxkv.hybrid.config import CSA
-from jaxkv.hybrid.ops import check_layer, entry_count, index_keys
+from jaxkv.hybrid.ops import check_layer, entry_count, index_keys, record_rows
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
@@ -130,8 +131,13 @@ def index_topk(
     impl: str = "auto",
     select: str = "auto",
 ):
-    """Top-k entries per query by indexer score: i32[B, T, k] (-1 where fewer are visible),
-    best first, ties to the lower entry; a NaN or infinite score is never picked.
+    """Top-k entries per query by indexer score: ``(state, idx)``, idx i32[B, T, k] (-1 where
+    fewer are visible), best first, ties to the lower entry.
+
+    A NaN or infinite score is never picked; a real query row with one among its visible
+    entries records ``Fault.NONFINITE_SCORES`` on its request (``jaxkv.check`` raises it).
+    Keys are checked when written, so such a score comes from the step's query or weights:
+    the returned state differs from ``state`` only in that error field.
     ``k = min(top_k or config.top_k, max_entries)``. impl: the scores, as ``index_scores``.
     select: "xla" (``lax.top_k``, which sorts), "cuda" (``kernels.top_k``, a radix select; k
     up to ``kernels.top_k.MAX_K``), "auto" (cuda on a GPU with nvcc where k allows, else
@@ -143,9 +149,21 @@ def index_topk(
     def local(st, step, q, w):
         s = _index_scores(st, step, layer, q, w, impl)
         k = min(top_k or st.config.top_k, s.shape[-1])
-        return _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K))
+        idx = _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K))
+        return st.replace(error=record_rows(st, step, _nonfinite_rows(st, step, layer, s), Fault.NONFINITE_SCORES)), idx
 
-    return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out="batch")
+    return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out=("state", "batch"))
+
+
+def _nonfinite_rows(state, step: Step, layer: int, s):
+    """bool[B]: an active row with a NaN or Inf score among the entries its real tokens see
+    (s: f32[B, T, N]; the -inf past them is the masking, not a fault)."""
+    B, T, N = s.shape
+    ratio = state.config.compress_ratios[layer]
+    visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])  # [B, T]
+    real = jnp.arange(T)[None, :] < step.num_tokens[:, None]
+    seen = (jnp.arange(N)[None, None, :] < visible[..., None]) & real[..., None]
+    return jnp.any(seen & ~jnp.isfinite(s), axis=(1, 2)) & step.active
 
 
 def _select(s, k: int, select: str = "xla"):

@@ -132,7 +132,7 @@ def _nonfinite_rows(step: Step, *xs):
     return bad & step.active
 
 
-def _record_rows(state, step: Step, rows, fault: Fault):
+def record_rows(state, step: Step, rows, fault: Fault):
     """u32 error field with ``fault`` set on the requests of batch ``rows`` (bool[B])."""
     R = state.config.max_requests
     return state.error.at[jnp.where(rows, step.slot, R + 1)].set(
@@ -148,7 +148,7 @@ def _skip_rows(state, step: Step, bad):
         num_tokens=jnp.where(bad, 0, step.num_tokens),
         active=step.active & ~bad,
     )
-    return state.replace(error=_record_rows(state, step, bad, Fault.NONFINITE_KV)), step
+    return state.replace(error=record_rows(state, step, bad, Fault.NONFINITE_KV)), step
 
 
 def _write_window(state, step, layer, kv, impl):
@@ -336,7 +336,7 @@ def _compress(state, step, layer, kv, score, params, index, impl):
     else:
         entries = write(state.entries[g], j, x.reshape(B * nw, -1), blk, slot, storage=c.storage)
     new["entries"] = _put(state.entries, g, entries)
-    return state.replace(error=_record_rows(state, step, missing, Fault.POOL_EXHAUSTED), **new)
+    return state.replace(error=record_rows(state, step, missing, Fault.POOL_EXHAUSTED), **new)
 
 
 def _compress_decode(state, step, layer, kv, score, params, index):

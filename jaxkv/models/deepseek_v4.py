@@ -160,7 +160,7 @@ class V4Attention(nnx.Module):
             iq = self.index_wq_b(qr).reshape(B, T, hc.index_heads, hc.index_dim)
             iq = H.index_query(state, apply_rope_tail(iq, pos[..., None], freqs, rd))
             w = self.index_weights(x).astype(jnp.float32) * (hc.index_dim**-0.5 * hc.index_heads**-0.5)
-            idx = H.index_topk(state, step, layer, iq, w)
+            state, idx = H.index_topk(state, step, layer, iq, w)
         o = H.attention(state, step, layer, q, self.sink[...], kv, idx, impl=impl)
         state = H.after_reads(state, o)
         state = H.write_window(state, step, layer, kv)

@@ -68,7 +68,7 @@ def _layer_inputs(state, rng, step, T, params, layer):
             params[layer]["main"],
             index=(x["ikv"], x["iscore"], params[layer]["index"]),
         )
-        idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
+        state, idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
     elif c.kind(layer) == H.HCA:
         state = H.compress(state, step, layer, x["ckv"], x["cscore"], params[layer]["main"])
     return state, q, x["kv"], idx
@@ -242,7 +242,7 @@ def _decode_step(state, slots, inputs, params, q, ordered):
             state = H.compress(
                 state, step, layer, x["ckv"], x["cscore"], p["main"], index=(x["ikv"], x["iscore"], p["index"])
             )
-            idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
+            state, idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
         elif c.kind(layer) == H.HCA:
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])
         out = H.attention(state, step, layer, q, p["sink"], x["kv"], idx, impl="xla")

@@ -538,3 +538,16 @@ def test_eager_wrapper_raises(rng):
     cache.write_window(0, x[0]["kv"])
     with pytest.raises(CacheError, match="position went backwards"):
         cache.prepare_forward(jnp.array([0]), jnp.array([2]), chunk=4)
+
+
+def test_eager_index_topk_raises_on_a_nonfinite_score(rng):
+    cfg = _tiny()
+    csa = cfg.compress_ratios.index(4)
+    cache = H.HybridCache(cfg)
+    cache.prepare_forward(jnp.array([0]), jnp.array([0]), chunk=8)
+    q = H.index_query(cache.state, jnp.asarray(rng.normal(size=(1, 8, cfg.index_heads, cfg.index_dim)), jnp.bfloat16))
+    w = jnp.asarray(rng.normal(size=(1, 8, cfg.index_heads)), jnp.float32)
+    idx = cache.index_topk(csa, q, w)
+    assert idx.shape == (1, 8, min(cfg.top_k, cfg.max_entries(4)))
+    with pytest.raises(CacheError, match="non-finite indexer scores"):
+        cache.index_topk(csa, q, w.at[0, 7, 0].set(jnp.nan))

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxkv
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
+from jaxkv.errors import Fault
 from jaxkv.hybrid import indexer
 from jaxkv.hybrid.indexer import _select, _top_k
 from jaxkv.kernels.index_scores import ref_index_scores
@@ -136,7 +138,10 @@ def test_kernel_equals_xla_on_gpu(rng, filled, impl):
         q, w = _query(state, rng, T)
         _assert_paths_agree(state, step, T, q, w, impl)
         top, ref = _real(
-            step, T, H.index_topk(state, step, 1, q, w, impl=impl), H.index_topk(state, step, 1, q, w, impl="xla")
+            step,
+            T,
+            H.index_topk(state, step, 1, q, w, impl=impl)[1],
+            H.index_topk(state, step, 1, q, w, impl="xla")[1],
         )
         np.testing.assert_array_equal(top < 0, ref < 0)
         assert (top == ref).mean() > 0.99  # the same entries, but for near-ties
@@ -150,10 +155,33 @@ def test_select_kernel_equals_xla(rng, filled):
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
         for k in (None, 200):
-            got = H.index_topk(state, step, 1, q, w, k, impl="xla", select="cuda")
-            want = H.index_topk(state, step, 1, q, w, k, impl="xla", select="xla")
+            got = H.index_topk(state, step, 1, q, w, k, impl="xla", select="cuda")[1]
+            want = H.index_topk(state, step, 1, q, w, k, impl="xla", select="xla")[1]
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
             assert (np.asarray(got) < 0).any()
+
+
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl):
+    """A NaN in request 0's indexer query, an Inf in request 2's weights: those requests get
+    NONFINITE_SCORES and request 1 nothing; no non-finite score is picked (request 0's first row
+    picks none); the state is otherwise the same arrays' values. impl "cuda": the kernel path's
+    own masks, with the kernel replaced by its reference (CPU)."""
+    state = filled
+    for step, T in _steps(state):
+        q, w = _query(state, rng, T)
+        new, clean = H.index_topk(state, step, 1, q, w, impl=impl)
+        np.testing.assert_array_equal(np.asarray(new.error), np.asarray(state.error))  # finite: no fault
+        new, idx = H.index_topk(state, step, 1, q.at[0, 0, 3, 5].set(jnp.nan), w.at[2, 0, 7].set(jnp.inf), impl=impl)
+        err = np.asarray(new.error) & ~np.asarray(state.error)
+        assert err[0] & Fault.NONFINITE_SCORES and err[2] & Fault.NONFINITE_SCORES and not err[1], err
+        idx = np.asarray(idx)
+        assert (idx[0, 0] == -1).all()  # the NaN query's row
+        np.testing.assert_array_equal(idx[1], np.asarray(clean)[1])
+        for a, b in zip(jax.tree.leaves(new.replace(error=state.error)), jax.tree.leaves(state), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        with pytest.raises(jaxkv.CacheError, match="non-finite indexer scores"):
+            jaxkv.check(new)
 
 
 def test_bad_impl(rng, filled):

@@ -168,7 +168,7 @@ def hybrid_layers(state, step, x, params, ops):
                 (xl["ikv"], xl["iscore"], p["index"]),
             )
             iq = ops("index_query", lambda st, q: H.index_query(st, q, impl="xla"), state, xl["iq"])
-            idx = ops(
+            state, idx = ops(
                 f"index_topk/{layer}",
                 lambda st, sp, q, w, l=layer: H.index_topk(st, sp, l, q, w),
                 state,
