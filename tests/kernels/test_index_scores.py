@@ -79,6 +79,9 @@ def test_bad_inputs(rng):
         ref_index_scores(q, w, pool, 0, table, count[:2])
     with pytest.raises(ValueError, match="storage: expected"):
         ref_index_scores(q, w, pool, 0, table, count, storage="seed-nope")
+    q3, w3 = jnp.concatenate([q] * 3, axis=1), jnp.concatenate([w] * 3, axis=1)
+    with pytest.raises(ValueError, match="q: expected 64 or 128 heads for the CUDA kernel, got 192"):
+        index_scores_cuda(q3, w3, pool, 0, table, count)  # refused at trace time, before any build
 
 
 def _assert_close(got, want):
