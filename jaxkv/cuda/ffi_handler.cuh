@@ -18,6 +18,15 @@ inline void in_place(Out& out, const In& in, cudaStream_t stream) {
     cudaMemcpyAsync(out->untyped_data(), in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream);
 }
 
+// Whether the current device is Hopper (sm_90): the wgmma kernels are built for sm_90a only,
+// and their handlers refuse other devices with a clear error instead of the kernel's trap.
+inline bool on_hopper() {
+  int dev = 0, major = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+  return major == 9;
+}
+
 // The handler's result for a launch that returned ``e`` (cudaGetLastError after it).
 inline xla::ffi::Error launch_status(cudaError_t e, const char* kernel) {
   if (e != cudaSuccess) return xla::ffi::Error::Internal(std::string("jaxkv ") + kernel + ": " + cudaGetErrorString(e));

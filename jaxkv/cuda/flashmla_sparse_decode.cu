@@ -82,13 +82,6 @@ struct Status {
 
 Status bad(const std::string& m) { return {false, true, m}; }
 
-bool on_hopper() {
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  return major == 9;
-}
-
 Status run(const Call& c) {
   if (c.h != 64 && c.h != 128) return bad("q: expected 64 or 128 heads, got " + std::to_string(c.h));
   if (c.block_size <= 0 || c.topk <= 0 || c.topk % kTopkBlock)
@@ -103,7 +96,7 @@ Status run(const Call& c) {
   for (int64_t v : sizes)  // FlashMLA's params hold ints (its int64_stride_to_int)
     if (v < 0 || v > INT_MAX) return bad("a size or stride is negative or exceeds int32: " + std::to_string(v));
   if (c.b == 0 || c.s_q == 0) return {};
-  if (!on_hopper()) return bad("flashmla sparse decode: built for Hopper (sm_90a) only");
+  if (!jaxkv::on_hopper()) return bad("flashmla sparse decode: built for Hopper (sm_90a) only");
 
   using bf16 = cutlass::bfloat16_t;
   const int b = static_cast<int>(c.b), s_q = static_cast<int>(c.s_q), h = static_cast<int>(c.h);

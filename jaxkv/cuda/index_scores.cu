@@ -257,10 +257,7 @@ static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
   const int bs = static_cast<int>(page_bytes / kb);
   if (out->dimensions()[0] != N || out->dimensions()[1] != NP * bs)
     return ffi::Error::InvalidArgument("out: expected f32[N, pages_per_request * block_size]");
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (major != 9) return ffi::Error::InvalidArgument("index_scores: needs an sm_90 GPU (wgmma)");
+  if (!on_hopper()) return ffi::Error::InvalidArgument("index_scores: needs an sm_90 GPU (wgmma)");
   if (N == 0 || NP == 0) return ffi::Error::Success();
   const int NT = static_cast<int>(NP * (bs / kKeys)), chunks = (NT + tiles - 1) / tiles;
   Args a{reinterpret_cast<const uint32_t*>(q.untyped_data()),

@@ -691,10 +691,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
   a.storage = storage;
   a.c = scale * 1.4426950408889634f;
   if (N == 0) return ffi::Error::Success();
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (major != 9) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
+  if (!on_hopper()) return ffi::Error::InvalidArgument("pool_attention: the kernel is built for Hopper (sm_90a) only");
   const auto kernel = pairs         ? pool_attention_cluster_kernel<2, 1>
                       : split_pairs ? pool_attention_cluster_kernel<1, 2>
                                     : pool_attention_kernel;

@@ -268,10 +268,7 @@ void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
 int launch_prefix_attention(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stages) {
   if (B < 0 || a.Tq < 0 || a.T < 0 || a.H < 1 || a.Hq < 1 || a.Hq % a.H || a.splits < 1) return cudaErrorInvalidValue;
   if (a.splits > 1 && (a.part == nullptr || a.lse == nullptr)) return cudaErrorInvalidValue;
-  int dev = 0, major = 0;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-  if (major != 9) return cudaErrorNotSupported;
+  if (!on_hopper()) return cudaErrorNotSupported;
   if (B == 0 || a.Tq == 0) return cudaSuccess;
   a.chunk = (a.T + a.splits - 1) / a.splits;
   const dim3 ctas((a.Tq + 2 * kBQ - 1) / (2 * kBQ), a.Hq, static_cast<unsigned>(B * a.splits));
