@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv.errors import Fault
+from jaxkv.errors import Fault, finite_rows
 from jaxkv.formats import nvfp4_global_scale
 from jaxkv.formats.storage import as_bytes
 from jaxkv.hybrid.attention import causal_entry_mask, visible_entries
@@ -103,7 +103,7 @@ def _index_scores(state, step, layer, q, weights, impl):
     ratio = c.compress_ratios[layer]
     if impl in ("pallas", "cuda"):
         g, j = state.group(layer)
-        visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
+        visible = _visible(step, T, ratio)
         s = (score_kernel if impl == "pallas" else index_scores_cuda)(
             q.reshape(B * T, H, D).astype(jnp.bfloat16),
             weights.reshape(B * T, H),
@@ -150,20 +150,25 @@ def index_topk(
         s = _index_scores(st, step, layer, q, w, impl)
         k = min(top_k or st.config.top_k, s.shape[-1])
         idx = _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K))
-        return st.replace(error=record_rows(st, step, _nonfinite_rows(st, step, layer, s), Fault.NONFINITE_SCORES)), idx
+        bad = _nonfinite_score_rows(st, step, layer, s)
+        return st.replace(error=record_rows(st, step, bad, Fault.NONFINITE_SCORES)), idx
 
     return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out=("state", "batch"))
 
 
-def _nonfinite_rows(state, step: Step, layer: int, s):
+def _visible(step: Step, T: int, ratio: int):
+    """i32[B, T]: the entries each query sees that the request holds after the step."""
+    return jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
+
+
+def _nonfinite_score_rows(state, step: Step, layer: int, s):
     """bool[B]: an active row with a NaN or Inf score among the entries its real tokens see
     (s: f32[B, T, N]; the -inf past them is the masking, not a fault)."""
     B, T, N = s.shape
-    ratio = state.config.compress_ratios[layer]
-    visible = jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])  # [B, T]
+    visible = _visible(step, T, state.config.compress_ratios[layer])
     real = jnp.arange(T)[None, :] < step.num_tokens[:, None]
     seen = (jnp.arange(N)[None, None, :] < visible[..., None]) & real[..., None]
-    return jnp.any(seen & ~jnp.isfinite(s), axis=(1, 2)) & step.active
+    return ~finite_rows(jnp.where(seen, s, 0.0), (1, 2)) & step.active
 
 
 def _select(s, k: int, select: str = "xla"):
