@@ -127,12 +127,13 @@ def decode_step(
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write. Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
     device's rows are its own requests). ``chunk``: tokens a request (1: decode; more: a
-    prefill chunk, the inputs' token axis). Returns (state, f32[B]: per row, the sum over
-    layers of a slice of the reads' results, which keeps the reads live; per row, so a sharded
-    step sums nothing across devices)."""
+    prefill chunk, the inputs' token axis). Returns (state, f32[B]: per row, the sum of the
+    last layer's reads). Every layer's reads stay live without a sum of their own: after_reads
+    takes each layer's whole output, and the writes after it depend on that. Per row, so a
+    sharded step sums nothing across devices."""
     cfg = state.config
     state, step = H.prepare_forward(state, slots, state.position, chunk=chunk)
-    acc = jnp.zeros(slots.shape, jnp.float32)
+    reads = None
     for layer in range(cfg.num_layers):
         x, e = inputs[layer], extra[layer]
         if cfg.compress_ratios[layer]:
@@ -142,16 +143,17 @@ def decode_step(
         idx = out = None
         if (index or attend) and cfg.kind(layer) == H.CSA:
             state, idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
-            out = idx[..., 0]
+            out = idx
         if attend:  # a model's output projection reads every element: the barrier has the step write the
-            # whole output (and any split merge) instead of letting XLA compute only the slice summed below
-            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl))[
-                ..., 0
-            ]
+            # whole output (and any split merge), as after_reads' use of it does too
+            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl))
         if out is not None:
-            acc = acc + out.astype(jnp.float32).reshape(out.shape[0], -1).sum(1)
             state = H.after_reads(state, out)
+            reads = out
         state = H.write_window(state, step, layer, x["kv"])
+    acc = jnp.zeros(slots.shape, jnp.float32)
+    if reads is not None:
+        acc = reads.astype(jnp.float32).reshape(reads.shape[0], -1).sum(1)
     return state, acc
 
 

@@ -15,7 +15,8 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
-| ``hybrid.index_query`` | xla, cuda | as hybrid.write (``kernels.fp4_pack``) |
+| ``hybrid.index_query`` | xla, cuda | cuda on a GPU with nvcc for bf16 queries, index_dim a power of two in 32 .. 512 (``kernels.index_query_cuda``), else xla |
+| ``hybrid.after_reads`` | xla, cuda | as hybrid.write (``kernels.after_cuda``: an FFI call that moves nothing) |
 | ``hybrid.index_scores`` | xla, pallas, cuda | cuda on Hopper with nvcc, 64 or 128 index heads, index_dim 128, block_size a multiple of 64 (``kernels.index_scores_cuda``, ``cuda/``); else pallas on Hopper with index heads a multiple of 64 (``kernels.index_scores``, Mosaic GPU); else xla |
 | ``hybrid.index_topk`` (``select=``) | xla, cuda | cuda on a GPU with nvcc and k up to the kernel's bound (``kernels.top_k``: a radix select, ``cuda/``), else xla (``lax.top_k``, which sorts) |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
@@ -106,6 +107,14 @@ def _flashmla_missing(
 def _select_missing(*, top_k: int = 512, max_top_k: int = 2048, **_) -> str | None:
     if top_k > max_top_k:
         return f"expected top_k at most {max_top_k} (the kernel sorts its picks in shared memory), got {top_k}"
+    return _cuda_missing()
+
+
+def _query_cuda_missing(*, dtype: str = "bfloat16", index_dim: int = 128, **_) -> str | None:
+    if dtype != "bfloat16" or not 32 <= index_dim <= 512 or index_dim & (index_dim - 1):
+        return (
+            f"expected bfloat16 queries with index_dim a power of two in 32 .. 512, got {dtype}, index_dim {index_dim}"
+        )
     return _cuda_missing()
 
 
@@ -250,7 +259,13 @@ OPERATIONS = {
         ),
         _cuda_op("hybrid.write"),
         _cuda_op("hybrid.gather"),
-        _cuda_op("hybrid.index_query"),
+        Operation(
+            "hybrid.index_query",
+            ("xla", "cuda"),
+            lambda **ctx: "xla" if _query_cuda_missing(**ctx) else "cuda",
+            {"cuda": _query_cuda_missing},
+        ),
+        _cuda_op("hybrid.after_reads"),
         Operation(
             "hybrid.index_scores",
             ("xla", "pallas", "cuda"),

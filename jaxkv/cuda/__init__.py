@@ -16,6 +16,7 @@ FFI_TARGETS = {
     "jaxkv_flush_write_csa": "JaxkvFlushWriteCsa",
     "jaxkv_flush_write_hca": "JaxkvFlushWriteHca",
     "jaxkv_window_write": "JaxkvWindowWrite",
+    "jaxkv_encode_rows": "JaxkvEncodeRows",
     "jaxkv_csa_rotate_state": "JaxkvCsaRotateState",
     "jaxkv_hca_reset_state": "JaxkvHcaResetState",
     "jaxkv_dequant_gather": "JaxkvDequantGather",  # dequant_gather.cu
@@ -27,6 +28,8 @@ FFI_TARGETS = {
     "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
     "jaxkv_top_k": "JaxkvTopK",  # top_k.cu
     "jaxkv_index_scores": "JaxkvIndexScores",  # index_scores.cu
+    "jaxkv_index_query": "JaxkvIndexQuery",  # index_query.cu
+    "jaxkv_after": "JaxkvAfter",  # after.cu
 }
 
 

@@ -7,6 +7,8 @@
 //   window_write: a decode step writes each request's token into its layer's SWA ring (a block of
 //     `window` entries per request slot, in the same entry format), checking it on the way:
 //     a token with a NaN or Inf is not written and its request gets Fault.NONFINITE_KV.
+//   encode_rows: tokens encoded into a fresh pool of their own (row i at item i % block_size of
+//     block i / block_size): the step's own tokens as the pool attention reads them.
 //   csa_rotate_state  after a CSA flush: previous-b <- current-b, current a/b emptied.
 //   hca_reset_state   after an HCA flush: the one stream emptied.
 //
@@ -96,6 +98,24 @@ __global__ void __launch_bounds__(32 * kRowsPerBlock) window_write_kernel(Window
   write_entry(a.ring, raw, blk, item < 0 ? item + a.ring.block_size : item, lane);
 }
 
+// ---- a fresh pool of encoded rows --------------------------------------------------------------
+struct EncodeArgs {
+  PoolView out;            // u8[ceil(n / block_size), block_size * entry_bytes]
+  const __nv_bfloat16* x;  // bf16[n, 512]
+  int64_t n;
+};
+
+// One warp per row, encoded as write_window stores it (NaN and Inf encoded, not checked).
+__global__ void __launch_bounds__(32 * kRowsPerBlock) encode_rows_kernel(EncodeArgs a) {
+  const int64_t row = warp_row();
+  const int lane = threadIdx.x % 32;
+  if (row >= a.n) return;
+  const uint4* src = reinterpret_cast<const uint4*>(a.x + row * kHeadDim) + 2 * lane;
+  const uint4 raw[2] = {src[0], src[1]};
+  const int bs = a.out.block_size;
+  write_entry(a.out, raw, static_cast<int>(row / bs), static_cast<int>(row % bs), lane);
+}
+
 // ---- tail state: CSA rotation, HCA reset ----------------------------------------------------
 // tails: f32[R, streams, 3, width]  per stream the running softmax (M, S, A) (compressor.py).
 // CSA (3 streams: current a, current b, previous b): previous b <- current b, a and b emptied.
@@ -162,6 +182,7 @@ namespace ffi = xla::ffi;
 namespace jaxkv {
 // Buffer types without commas, so they can sit inside the handler macros.
 using U8x3 = ffi::Buffer<ffi::U8, 3>;
+using U8x2 = ffi::Buffer<ffi::U8, 2>;
 using BF16x2 = ffi::Buffer<ffi::BF16, 2>;
 using S32x1 = ffi::Buffer<ffi::S32, 1>;
 using U32x1 = ffi::Buffer<ffi::U32, 1>;
@@ -251,6 +272,22 @@ static ffi::Error window_write_ffi(cudaStream_t stream, U8x3 ring, U32x1 error, 
   return launch_status(launch_rows(window_write_kernel, stream, a), "window_write");
 }
 
+static ffi::Error encode_rows_ffi(cudaStream_t stream, ffi::Buffer<ffi::BF16, 2> x, ffi::ResultBuffer<ffi::U8, 2> out,
+                                  int32_t block_size, int32_t storage) {
+  const int64_t n = x.dimensions()[0];
+  if (storage != kOfficial && storage != kPerEntry)
+    return ffi::Error::InvalidArgument("storage: expected a code of jaxkv.formats.storage.STORAGE_CODES");
+  if (x.dimensions()[1] != kHeadDim) return ffi::Error::InvalidArgument("x: expected bf16[n, 512]");
+  const auto od = out->dimensions();
+  const int64_t blocks = block_size > 0 ? (n + block_size - 1) / block_size : -1;
+  if (blocks < 0 || od[0] != blocks || od[1] != static_cast<int64_t>(block_size) * entry_bytes(storage))
+    return ffi::Error::InvalidArgument("out: expected u8[ceil(n / block_size), block_size * entry bytes]");
+  if (n % block_size)  // the last block's spare items are zeros, as formats.storage.pack_items leaves them
+    cudaMemsetAsync(out->typed_data() + (blocks - 1) * od[1], 0, od[1], stream);
+  EncodeArgs a{{out->typed_data(), nullptr, blocks, block_size, storage}, reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), n};
+  return launch_status(launch_rows(encode_rows_kernel, stream, a), "encode_rows");
+}
+
 static ffi::Error tail_state_ffi(cudaStream_t stream, ffi::Buffer<ffi::F32, 4> tails, ffi::Buffer<ffi::S32, 1> slot,
                                  ffi::ResultBuffer<ffi::F32, 4> out, int32_t streams) {
   const auto d = tails.dimensions();
@@ -320,6 +357,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvWindowWrite, jaxkv::window_write_ffi,
                                   .Attr<int32_t>("storage")
                                   .Attr<int32_t>("fault")
                                   .Attr<int64_t>("x_offset"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvEncodeRows, jaxkv::encode_rows_ffi,
+                              ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::Stream>()
+                                  .Arg<jaxkv::BF16x2>()  // x
+                                  .Ret<jaxkv::U8x2>()    // out
+                                  .Attr<int32_t>("block_size")
+                                  .Attr<int32_t>("storage"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCsaRotateState, jaxkv::csa_rotate_state,

@@ -5,6 +5,9 @@
 //
 // Semantics (jaxkv.kernels.ref_top_k): a NaN or infinite score is never picked and its slot
 // is -1; -0.0 equals +0.0; equal scores go to the lower index; the result is best first.
+// With `visible`, each row also says whether one of its first visible[row] scores is NaN or
+// infinite (a fault for the caller to record; the -inf past them is masking), from the same
+// read of the row, so no other kernel reads the scores for it.
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -226,8 +229,9 @@ __device__ void write_sorted(unsigned long long* picks, int cap, int k, int32_t*
     out[j] = picks[j] == ~0ull ? -1 : static_cast<int32_t>(static_cast<uint32_t>(picks[j]));
 }
 
-__global__ void __launch_bounds__(kThreads, 2) top_k_kernel(const float* __restrict__ scores, int32_t* __restrict__ out,
-                                                         int n, int k, int cap, bool resident) {
+__global__ void __launch_bounds__(kThreads, 2)
+    top_k_kernel(const float* __restrict__ scores, int32_t* __restrict__ out, const int32_t* __restrict__ visible,
+                 int32_t* __restrict__ nonfinite, int n, int k, int cap, bool resident) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem);                               // [kBins]
   unsigned long long* picks = reinterpret_cast<unsigned long long*>(hist + kBins);  // [cap]
@@ -237,6 +241,8 @@ __global__ void __launch_bounds__(kThreads, 2) top_k_kernel(const float* __restr
 
   const float* row = scores + static_cast<int64_t>(blockIdx.x) * n;
   const int groups = (n + 3) / 4;
+  const int seen = visible ? min(max(visible[blockIdx.x], 0), n) : 0;  // scores checked for NaN / Inf
+  bool bad = false;
   for (int j = threadIdx.x; j < cap; j += kThreads) picks[j] = ~0ull;
   if (resident) {
     if ((n & 3) == 0) {  // rows start 16-byte aligned; kLoads loads in flight per thread
@@ -251,14 +257,26 @@ __global__ void __launch_bounds__(kThreads, 2) top_k_kernel(const float* __restr
 #pragma unroll
         for (int j = 0; j < kLoads; ++j) {
           const int i = base + j * kThreads + threadIdx.x;
-          if (i < groups) keys[i] = make_uint4(order_key(v[j].x), order_key(v[j].y), order_key(v[j].z), order_key(v[j].w));
+          if (i < groups) {
+            keys[i] = make_uint4(order_key(v[j].x), order_key(v[j].y), order_key(v[j].z), order_key(v[j].w));
+            bad |= (4 * i < seen && !isfinite(v[j].x)) || (4 * i + 1 < seen && !isfinite(v[j].y)) ||
+                   (4 * i + 2 < seen && !isfinite(v[j].z)) || (4 * i + 3 < seen && !isfinite(v[j].w));
+          }
         }
       }
     } else {
       uint32_t* k1 = reinterpret_cast<uint32_t*>(keys);
-      for (int i = threadIdx.x; i < 4 * groups; i += kThreads) k1[i] = i < n ? order_key(__ldg(row + i)) : 0u;
+      for (int i = threadIdx.x; i < 4 * groups; i += kThreads) {
+        const float x = i < n ? __ldg(row + i) : 0.f;
+        k1[i] = i < n ? order_key(x) : 0u;
+        bad |= i < seen && !isfinite(x);
+      }
     }
+  } else {  // a long row is read on every pass; this check is one more
+    for (int i = threadIdx.x; i < seen; i += kThreads) bad |= !isfinite(__ldg(row + i));
   }
+  const bool found = __syncthreads_or(bad);  // every thread joins
+  if (nonfinite && threadIdx.x == 0) nonfinite[blockIdx.x] = found;
   if (threadIdx.x == 0) f = Found{0u, static_cast<uint32_t>(k), 0u, 0u};
   __syncthreads();
   const Row r{row, resident ? keys : nullptr, n, groups};
@@ -289,10 +307,15 @@ namespace ffi = xla::ffi;
 
 // Only enqueues work on XLA's stream (no host sync, no allocation), so it is marked
 // command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
-static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> scores, ffi::ResultBuffer<ffi::S32, 2> out,
+// visible: i32[rows] (the check asked for) or i32[0] (not); nonfinite: i32[rows] or i32[0] alike.
+static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> scores, ffi::Buffer<ffi::S32, 1> visible,
+                               ffi::ResultBuffer<ffi::S32, 2> out, ffi::ResultBuffer<ffi::S32, 1> nonfinite,
                                int32_t k) {
   const auto d = scores.dimensions();
   const int64_t rows = d[0], n = d[1];
+  const bool check = visible.dimensions()[0] != 0;
+  if ((check && visible.dimensions()[0] != rows) || nonfinite->dimensions()[0] != visible.dimensions()[0])
+    return ffi::Error::InvalidArgument("visible, nonfinite: expected i32[rows] each, or i32[0] each");
   if (k < 1 || k > kMaxK || k > n)
     return ffi::Error::InvalidArgument("k: expected 1 <= k <= min(2048, the scores' last axis)");
   if (n >= (int64_t{1} << 31)) return ffi::Error::InvalidArgument("scores: expected fewer than 2**31 per row");
@@ -308,7 +331,8 @@ static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> sco
   // per launch, not once: the attribute belongs to the current device's context
   cudaFuncSetAttribute(top_k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
   top_k_kernel<<<static_cast<unsigned>(rows), kThreads, bytes, stream>>>(
-      scores.typed_data(), out->typed_data(), static_cast<int>(n), k, cap, resident);
+      scores.typed_data(), out->typed_data(), check ? visible.typed_data() : nullptr,
+      check ? nonfinite->typed_data() : nullptr, static_cast<int>(n), k, cap, resident);
   return launch_status(cudaGetLastError(), "top_k");
 }
 
@@ -317,6 +341,7 @@ static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> sco
 namespace jaxkv::top_k_types {  // buffer types without commas, so they can sit inside the macro
 using Scores = xla::ffi::Buffer<xla::ffi::F32, 2>;
 using Picks = xla::ffi::Buffer<xla::ffi::S32, 2>;
+using Rows = xla::ffi::Buffer<xla::ffi::S32, 1>;
 using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 }  // namespace jaxkv::top_k_types
 
@@ -324,6 +349,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvTopK, jaxkv::top_k_select,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jaxkv::top_k_types::Stream>()
                                   .Arg<jaxkv::top_k_types::Scores>()  // f32[rows, n]
+                                  .Arg<jaxkv::top_k_types::Rows>()    // visible: i32[rows] or i32[0]
                                   .Ret<jaxkv::top_k_types::Picks>()   // i32[rows, k]
+                                  .Ret<jaxkv::top_k_types::Rows>()    // nonfinite: i32[rows] or i32[0]
                                   .Attr<int32_t>("k"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

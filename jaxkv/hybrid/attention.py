@@ -13,8 +13,9 @@ denominator; K = V.
 (``kernels.pool_attention_pallas``, Mosaic GPU, Hopper, official storage) and ``impl="flashmla"``
 (``kernels.pool_attention_flashmla``: FlashMLA's sm90 kernel built from ``$FLASHMLA_SRC``,
 official storage, 64 or 128 heads; the step's own tokens and the sink merged by XLA) read the FP8 rows where
-they are stored: only the step's own tokens are encoded by XLA (the bytes ``write_window``
-will store). ``"auto"``: cuda on Hopper with nvcc, else pallas on Hopper, else xla.
+they are stored: only the step's own tokens are encoded first, into a small pool of their
+own (the bytes ``write_window`` will store; ``kernels.encode_rows``, one launch, where
+``hybrid.write`` runs its kernels). ``"auto"``: cuda on Hopper with nvcc, else pallas on Hopper, else xla.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxkv import _backend
-from jaxkv.formats.storage import pack_items
 from jaxkv.hybrid.config import CSA, HCA, SWA
 from jaxkv.hybrid.ops import (
     all_entries,
@@ -38,6 +38,8 @@ from jaxkv.hybrid.ops import (
 )
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests, query_positions
+from jaxkv.kernels.after import after_cuda, after_xla
+from jaxkv.kernels.flush_write import encode_rows, ref_encode_rows
 from jaxkv.kernels.launch import pool_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
 from jaxkv.stacked import row
@@ -120,32 +122,24 @@ def attention(
     )
 
 
-def after_reads(state: HybridCacheState, *outs) -> HybridCacheState:
+def after_reads(state: HybridCacheState, *outs, impl: str = "auto") -> HybridCacheState:
     """``state`` ordered after the reads that produced ``outs`` (``attention``'s output):
     pass the result to the writes that follow (``write_window``, the next ``compress``).
 
     A decode step reads a layer's pools (``attention``, ``index_topk``) and then updates
     the same stacked arrays in place. Nothing in the data orders the read before the write,
     so XLA keeps the read's version alive by copying the whole stacked pool, layer after
-    layer (a long context then does not fit: docs/hybrid.md). Here each
-    pool rewrites one of its own bytes with itself at an index computed from ``outs``
-    (0 or 1: the sign bit of their sum), which XLA cannot know: the pools now depend on the
-    reads, and the writes after them stay in place. No value changes.
+    layer (a long context then does not fit: docs/hybrid.md). Here the pools become values
+    that depend on ``outs`` (``kernels.after_cuda``: an FFI call that moves nothing; or
+    ``kernels.after_xla``: one byte of each pool rewritten with itself at an index XLA
+    cannot know), and the writes after them stay in place. No value changes.
+    impl: "cuda", "xla", or "auto" (cuda on a GPU with nvcc, else xla).
     """
+    after = after_cuda if _backend.choose("hybrid.after_reads", impl) == "cuda" else after_xla
 
     def local(st, *outs):
-        total = sum(jnp.sum(o.astype(jnp.float32)) for o in outs)
-        i = (lax.bitcast_convert_type(total, jnp.uint32) >> 31).astype(jnp.int32)
-
-        def touch(pool):  # u8[L, ..., bytes]: byte (0, .., 0, i) rewritten with itself
-            if pool.size == 0:
-                return pool
-            start = (jnp.int32(0),) * (pool.ndim - 1) + (i,)
-            return lax.dynamic_update_slice(pool, lax.dynamic_slice(pool, start, (1,) * pool.ndim), start)
-
-        return st.replace(
-            window=touch(st.window), entries=tuple(map(touch, st.entries)), index_keys=touch(st.index_keys)
-        )
+        window, index_keys, *entries = after((st.window, st.index_keys, *st.entries), outs)
+        return st.replace(window=window, entries=tuple(entries), index_keys=index_keys)
 
     return on_requests(local, state, *outs, axes=("batch",) * len(outs), out="state")
 
@@ -267,7 +261,6 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     B, T, H, D = q.shape
     N = B * T
     W = c.window
-    codec = c.storage_format.entry
     parts = []  # (pool u8[P, bs * E], ids i32[N, k], count i32[N])
 
     if kind != SWA:
@@ -290,7 +283,8 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
 
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
-    own = pack_items(codec.encode(row(kv).reshape(N, D)), OWN_BLOCK, codec.segments)
+    encode = encode_rows if _backend.choose("hybrid.write", "auto") == "cuda" else ref_encode_rows  # one launch
+    own = encode(row(kv).reshape(N, D), OWN_BLOCK, storage=c.storage)
     K = min(T, W)
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]

@@ -11,47 +11,32 @@ import jax
 import jax.numpy as jnp
 
 from jaxkv import _backend
-from jaxkv.errors import Fault, finite_rows
-from jaxkv.formats import nvfp4_global_scale
-from jaxkv.formats.storage import as_bytes
+from jaxkv.errors import Fault
 from jaxkv.hybrid.attention import causal_entry_mask, visible_entries
 from jaxkv.hybrid.config import CSA
 from jaxkv.hybrid.ops import check_layer, entry_count, index_keys, record_rows
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests
-from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4
+from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.kernels.index_scores import index_scores_cuda
-from jaxkv.kernels.top_k import MAX_K
+from jaxkv.kernels.top_k import MAX_K, nonfinite_rows
 from jaxkv.kernels.top_k import top_k as top_k_kernel
-from jaxkv.math.rotation import hadamard
 
 
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
     cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
-    impl: how the FP4 bytes are made: "xla" (the storage codec, jnp), "cuda" (the
-    ``kernels.fp4_pack`` kernels; same bytes), "auto" (cuda on a GPU, else xla)."""
-    impl = _backend.choose("hybrid.index_query", impl)
+    impl: "xla" (the rotation and the storage codec in jnp), "cuda" (``kernels.index_query_cuda``:
+    one launch, the same values), "auto" (cuda on a GPU with nvcc, else xla)."""
+    if not jnp.issubdtype(q.dtype, jnp.floating) or q.shape[-1:] != (state.config.index_dim,):
+        raise ValueError(f"q: expected bf16[..., {state.config.index_dim}], got {q.dtype}{list(q.shape)}")
+    impl = _backend.choose("hybrid.index_query", impl, dtype=str(q.dtype), index_dim=state.config.index_dim)
+    fn = index_query_cuda if impl == "cuda" else ref_index_query
     if state.layout is None:
-        return _index_query(state, q, impl)
+        return fn(q, state.config.storage)
     state.layout.check_divides("requests", q.shape[0] if q.ndim > 1 else 0, "q's leading (batch) axis")
-    return on_requests(lambda st, q: _index_query(st, q, impl), state, q, axes=("batch",), out="batch")
-
-
-def _index_query(state, q, impl):
-    c = state.config
-    codec = c.storage_format.index_key(c.index_dim)
-    x = hadamard(q).astype(jnp.bfloat16)
-    if impl == "xla":
-        return codec.decode(codec.encode(x))
-    rows = x.reshape(-1, x.shape[-1])  # bf16: the kernel reads it as it is
-    if c.storage == "official":
-        parts = quantize_mxfp4(rows)
-    else:  # per_entry keys: one global scale per key
-        packed, scales, g = quantize_nvfp4(rows, jax.vmap(nvfp4_global_scale)(rows))
-        parts = (packed, as_bytes(scales), as_bytes(g[:, None]))
-    return codec.decode(jnp.concatenate(parts, axis=-1).reshape(*x.shape[:-1], -1))
+    return on_requests(lambda st, q: fn(q, st.config.storage), state, q, axes=("batch",), out="batch")
 
 
 def _scores_impl(state, impl):
@@ -149,8 +134,12 @@ def index_topk(
     def local(st, step, q, w):
         s = _index_scores(st, step, layer, q, w, impl)
         k = min(top_k or st.config.top_k, s.shape[-1])
-        idx = _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K))
-        bad = _nonfinite_score_rows(st, step, layer, s)
+        # a real query row's visible scores are checked for NaN / Inf; the -inf past them is masking
+        T = s.shape[1]
+        real = jnp.arange(T)[None, :] < step.num_tokens[:, None]
+        seen = jnp.where(real, _visible(step, T, st.config.compress_ratios[layer]), 0)
+        idx, bad = _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K), seen)
+        bad = jnp.any(bad, axis=1) & step.active
         return st.replace(error=record_rows(st, step, bad, Fault.NONFINITE_SCORES)), idx
 
     return on_requests(local, state, step, q, weights, axes=("batch",) * 3, out=("state", "batch"))
@@ -161,24 +150,15 @@ def _visible(step: Step, T: int, ratio: int):
     return jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
 
 
-def _nonfinite_score_rows(state, step: Step, layer: int, s):
-    """bool[B]: an active row with a NaN or Inf score among the entries its real tokens see
-    (s: f32[B, T, N]; the -inf past them is the masking, not a fault)."""
-    B, T, N = s.shape
-    visible = _visible(step, T, state.config.compress_ratios[layer])
-    real = jnp.arange(T)[None, :] < step.num_tokens[:, None]
-    seen = (jnp.arange(N)[None, None, :] < visible[..., None]) & real[..., None]
-    return ~finite_rows(jnp.where(seen, s, 0.0), (1, 2)) & step.active
-
-
-def _select(s, k: int, select: str = "xla"):
-    """f32[..., N] scores -> i32[..., k]: ``kernels.ref_top_k``'s picks (NaN / Inf never
-    picked, -1 past the finite ones), by the kernel or by XLA."""
+def _select(s, k: int, select: str, visible):
+    """f32[..., N] scores -> (i32[..., k], bool[...]): ``kernels.ref_top_k``'s picks (NaN / Inf
+    never picked, -1 past the finite ones) and each row's NaN / Inf among its first
+    ``visible`` scores, by the kernel (from its one read of the row) or by XLA."""
     if select == "cuda":
-        return top_k_kernel(s, k)
-    s = jnp.where(jnp.isfinite(s), jnp.where(s == 0, 0.0, s), -jnp.inf)
+        return top_k_kernel(s, k, visible)
+    s, bad = jnp.where(jnp.isfinite(s), jnp.where(s == 0, 0.0, s), -jnp.inf), nonfinite_rows(s, visible)
     val, idx = _top_k(s, k)
-    return jnp.where(val > -jnp.inf, idx, -1)
+    return jnp.where(val > -jnp.inf, idx, -1), bad
 
 
 def _top_k(s, k: int, chunks: int = 4):

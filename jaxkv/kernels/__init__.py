@@ -11,7 +11,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   (``ds_mla`` entries + MXFP4 keys, or per-entry FP8 + NVFP4 keys;
   ``hybrid.compress(impl="cuda")``; ``jaxkv/cuda/flush_write.cu``); ``window_write``: a decode
   step's tokens into their SWA rings, NaN / Inf checked in the kernel
-  (``hybrid.write_window(impl="cuda")`` with one token per request).
+  (``hybrid.write_window(impl="cuda")`` with one token per request); ``encode_rows``: a
+  step's own tokens encoded into a fresh pool for the pool attention (``hybrid.attention``).
 * ``compress_decode``: a decode step's whole CSA / HCA compressor update (tail append,
   pool, RMSNorm, RoPE, quantize, scatter, tail move-on), one launch per layer
   (``hybrid.compress(impl="cuda")`` with one token per request; ``jaxkv/cuda/compress_decode.cu``).
@@ -19,7 +20,9 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   FlashAttention-3-style kernel (Mosaic GPU lowering, Hopper) whose length costs nothing
   (``impl="pallas"``); ``prefix_attention_cuda``: the same in ``cuda/`` (``impl="cuda"``).
 * ``fp4_pack``: MXFP4 and NVFP4 packing (E2M1 nibbles + UE8M0 / E4M3 scales), the
-  formats' bytes (``hybrid.index_query(impl="cuda")``; ``jaxkv/cuda/fp4_pack.cu``).
+  formats' bytes (``jaxkv/cuda/fp4_pack.cu``).
+* ``index_query_cuda``: the indexer's query rotated and rounded through the FP4 key format,
+  one launch (``hybrid.index_query(impl="cuda")``; ``jaxkv/cuda/index_query.cu``).
 * ``pool_attention_cuda``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place,
   ``jaxkv/cuda/pool_attention.cu`` (``hybrid.attention(impl="cuda")``, auto on Hopper);
   ``pool_attention_pallas``: the same contract in Mosaic GPU (Hopper, official storage;
@@ -28,15 +31,20 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
 * ``index_scores_cuda``, ``index_scores``: the lightning indexer's scores over FP4 keys read in
   place (``cuda/`` and Mosaic GPU, Hopper; ``hybrid.index_scores`` / ``index_topk(impl="cuda")``,
   ``impl="pallas"``).
+* ``after_cuda``, ``after_xla``: arrays returned unchanged but ordered after other values, so
+  the in-place writes that follow a read need no copy (``hybrid.after_reads``;
+  ``jaxkv/cuda/after.cu`` moves nothing).
 * ``top_k``: the k best of each score row by a radix select, no sort (``hybrid.index_topk
   (select="cuda")``; ``jaxkv/cuda/top_k.cu``).
 """
 
+from jaxkv.kernels.after import after_cuda, after_xla
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
-from jaxkv.kernels.flush_write import flush_write, window_write
+from jaxkv.kernels.flush_write import encode_rows, flush_write, ref_encode_rows, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
+from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores, index_scores_cuda, ref_index_scores
 from jaxkv.kernels.pool_attention import (
     pool_attention_cuda,
@@ -48,9 +56,13 @@ from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cu
 from jaxkv.kernels.top_k import ref_top_k, top_k
 
 __all__ = [
+    "after_cuda",
+    "after_xla",
     "compress_decode",
     "dequant_gather",
+    "encode_rows",
     "flush_write",
+    "index_query_cuda",
     "index_scores",
     "index_scores_cuda",
     "pool_attention_cuda",
@@ -61,6 +73,8 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_nvfp4",
     "ref_dequant_gather",
+    "ref_encode_rows",
+    "ref_index_query",
     "ref_index_scores",
     "ref_pool_attention",
     "ref_prefix_attention",

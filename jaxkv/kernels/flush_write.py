@@ -1,6 +1,7 @@
 """CSA / HCA flush-write: finished entries -> FP8 entry bytes (and FP4 indexer keys)
 scattered into one layer of a paged pool, in place, in either storage family; the decode
-write of each request's token into its SWA ring; and the tail-state moves after a flush.
+write of each request's token into its SWA ring; a step's own tokens encoded into a fresh
+pool (what the pool attention reads them from); and the tail-state moves after a flush.
 
 The byte layout is ``jaxkv.formats.storage``'s (passed to the build as ``-D`` flags): the
 official family stores per entry 448 FP8 dims with one UE8M0 scale per 64-element tile and
@@ -21,16 +22,18 @@ checked arguments.
     tails: f32[R, streams, 3, width]   tail_slot: i32[B]  (outside [0, R): skipped)
     ring: u8[L, R, window * E]     error: u32[R + 1]
     write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
+    encode_rows: x bf16[N, 512] -> u8[ceil(N / bs), bs * E]
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.errors import Fault
-from jaxkv.formats.storage import entry_bytes, storage_name
+from jaxkv.formats.storage import STORAGES, entry_bytes, pack_items, storage_name
 from jaxkv.stacked import as_flat
 
 
@@ -81,6 +84,28 @@ def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, s
     )
 
 
+def ref_encode_rows(x, block_size: int, *, storage: str):
+    """The jnp reference: rows encoded in the storage's entry format, item i at slot
+    ``i % block_size`` of block ``i // block_size`` (``formats.storage.pack_items``)."""
+    codec = STORAGES[storage_name(storage)].entry
+    return pack_items(codec.encode(x), block_size, codec.segments)
+
+
+def encode_rows(x, block_size: int, *, storage: str):
+    """The kernel: ``ref_encode_rows``'s bytes in one launch (a warp a row). Needs a GPU and nvcc."""
+    storage = storage_name(storage)
+    if x.ndim != 2 or x.shape[1] != 512 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"x: expected bf16[N, 512], got {x.dtype}{list(x.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size: expected at least 1, got {block_size}")
+    register_ffi_targets()
+    blocks = -(-x.shape[0] // block_size)
+    out = jax.ShapeDtypeStruct((blocks, block_size * entry_bytes(storage)), jnp.uint8)
+    return jax.ffi.ffi_call("jaxkv_encode_rows", out)(
+        x, block_size=np.int32(block_size), storage=np.int32(STORAGE_CODES[storage])
+    )
+
+
 def tail_state(tails, tail_slot):
     """After a flush, in place: CSA tails (3 streams) rotate (previous-b <- current-b, a and b
     emptied), HCA tails (1 stream) are emptied, for each listed request."""
@@ -91,4 +116,4 @@ def tail_state(tails, tail_slot):
     )
 
 
-__all__ = ["flush_write", "tail_state", "window_write"]
+__all__ = ["encode_rows", "flush_write", "ref_encode_rows", "tail_state", "window_write"]

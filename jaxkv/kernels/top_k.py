@@ -8,9 +8,13 @@ shared memory (about 48K scores) is read from HBM once. The measurements:
 docs/kernels/index_scores.md.
 
 The meaning, both paths: a NaN or infinite score is never picked (its slot is -1), -0.0
-equals +0.0, equal scores go to the lower index, and the picks come best first.
+equals +0.0, equal scores go to the lower index, and the picks come best first. Given
+``visible``, each row also says whether one of its first ``visible`` scores is NaN or
+infinite (the indexer's fault; the -inf past them is its masking), from the kernel's one
+read of the row.
 
     scores: f32[..., n]  ->  i32[..., k]   (1 <= k <= min(n, MAX_K))
+    visible: i32[...] (optional)  ->  also bool[...]
 """
 
 from __future__ import annotations
@@ -20,36 +24,51 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cuda import register_ffi_targets
+from jaxkv.errors import finite_rows
 
 MAX_K = 2048  # the kernel sorts its picks in shared memory
 
 
-def _check(scores, k: int):
+def _check(scores, k: int, visible):
     if scores.ndim < 1 or scores.dtype != jnp.float32:
         raise ValueError(f"scores: expected f32[..., n], got {scores.dtype}{list(scores.shape)}")
     n = scores.shape[-1]
     if not 1 <= k <= n:
         raise ValueError(f"k: expected 1 <= k <= {n} (the scores' last axis), got {k}")
+    if visible is not None and (visible.shape != scores.shape[:-1] or not jnp.issubdtype(visible.dtype, jnp.integer)):
+        raise ValueError(f"visible: expected int{list(scores.shape[:-1])}, got {visible.dtype}{list(visible.shape)}")
 
 
-def ref_top_k(scores, k: int):
+def nonfinite_rows(scores, visible):
+    """bool[...]: whether one of each row's first ``visible`` scores is NaN or infinite."""
+    seen = jnp.arange(scores.shape[-1]) < jnp.asarray(visible)[..., None]
+    return ~finite_rows(jnp.where(seen, scores, 0.0), (scores.ndim - 1,))
+
+
+def ref_top_k(scores, k: int, visible=None):
     """The jnp reference: ``lax.top_k`` after NaN / Inf become -inf and -0.0 becomes +0.0
-    (``lax.top_k`` gives equal values to the lower index first)."""
-    _check(scores, k)
+    (``lax.top_k`` gives equal values to the lower index first); with ``visible``, also
+    ``nonfinite_rows``."""
+    _check(scores, k, visible)
     s = jnp.where(jnp.isfinite(scores), jnp.where(scores == 0, 0.0, scores), -jnp.inf)
     val, idx = jax.lax.top_k(s, k)
-    return jnp.where(val > -jnp.inf, idx, -1).astype(jnp.int32)
+    idx = jnp.where(val > -jnp.inf, idx, -1).astype(jnp.int32)
+    return idx if visible is None else (idx, nonfinite_rows(scores, visible))
 
 
-def top_k(scores, k: int):
-    """The kernel: i32[..., k], the same as ``ref_top_k``. k at most ``MAX_K``."""
-    _check(scores, k)
+def top_k(scores, k: int, visible=None):
+    """The kernel: the same as ``ref_top_k``. k at most ``MAX_K``."""
+    _check(scores, k, visible)
     if k > MAX_K:
         raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
     register_ffi_targets()
     rows = scores.reshape(-1, scores.shape[-1])
-    out = jax.ffi.ffi_call("jaxkv_top_k", jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32))(rows, k=np.int32(k))
-    return out.reshape(*scores.shape[:-1], k)
+    n = 0 if visible is None else rows.shape[0]
+    seen = jnp.zeros(0, jnp.int32) if visible is None else jnp.asarray(visible, jnp.int32).reshape(n)
+    out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32))
+    idx, bad = jax.ffi.ffi_call("jaxkv_top_k", out)(rows, seen, k=np.int32(k))
+    idx = idx.reshape(*scores.shape[:-1], k)
+    return idx if visible is None else (idx, bad.reshape(scores.shape[:-1]) != 0)
 
 
-__all__ = ["MAX_K", "ref_top_k", "top_k"]
+__all__ = ["MAX_K", "nonfinite_rows", "ref_top_k", "top_k"]

@@ -158,6 +158,47 @@ def test_flush_write_cuda_equals_jnp(rng, storage, csa):
     assert not np.array_equal(np.asarray(jax.tree_util.tree_leaves(want)[0]), np.asarray(pool))  # it wrote
 
 
+def test_encode_rows_reference_and_bad_inputs(rng):
+    """ref_encode_rows: each row's codec bytes at (i // bs, i % bs), the spare items zero; the
+    kernel's validators."""
+    from jaxkv.formats.storage import STORAGES, read_items
+    from jaxkv.kernels import encode_rows, ref_encode_rows
+
+    x = jnp.asarray(rng.normal(size=(37, 512)), jnp.bfloat16)
+    for storage in STORAGES:
+        codec = STORAGES[storage].entry
+        pool = ref_encode_rows(x, 32, storage=storage)
+        assert pool.shape == (2, 32 * sum(codec.segments))
+        i = jnp.arange(40)
+        items = np.asarray(read_items(pool[None], 0, i // 32, i % 32, codec.segments))
+        np.testing.assert_array_equal(items[:37], np.asarray(codec.encode(x)))
+        assert not items[37:].any() and items[:37].any()
+    with pytest.raises(ValueError, match=r"x: expected bf16\[N, 512\]"):
+        encode_rows(x.astype(jnp.float32), 32, storage="official")
+    with pytest.raises(ValueError, match="block_size: expected at least 1"):
+        encode_rows(x, 0, storage="official")
+    with pytest.raises(ValueError, match="storage"):
+        encode_rows(x, 32, storage="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+@pytest.mark.parametrize("n", [1, 37, 64])
+def test_encode_rows_cuda_equals_jnp(rng, storage, n):
+    """The kernel's bytes are the reference's at every magnitude, NaN / Inf rows and the
+    zero spare items of a last partial block included."""
+    from jaxkv.kernels import encode_rows, ref_encode_rows
+
+    x = rng.normal(size=(n, 512)) * rng.choice([1e-6, 1e-2, 1.0, 300.0, 1e5], size=(n, 1))
+    if n > 2:
+        x[1, 5] = np.nan
+        x[2, 500] = np.inf
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = np.asarray(encode_rows(x, 32, storage=storage))
+    np.testing.assert_array_equal(got, np.asarray(ref_encode_rows(x, 32, storage=storage)))
+    assert got.any()
+
+
 @pytest.mark.gpu
 def test_cuda_tail_state_equals_jnp(rng):
     R = 64

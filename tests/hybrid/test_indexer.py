@@ -67,7 +67,9 @@ def test_selection_never_picks_a_nonfinite_score(rng):
     finite entries the row is -1; elsewhere the picks are lax.top_k's."""
     s = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
     s = s.at[0, 3].set(jnp.nan).at[0, 7].set(jnp.inf).at[0, 9].set(-jnp.inf).at[1, 10:].set(-jnp.inf)
-    got = np.asarray(_select(s, 12))
+    got, bad = _select(s, 12, "xla", jnp.asarray([64, 10], jnp.int32))
+    got = np.asarray(got)
+    np.testing.assert_array_equal(np.asarray(bad), [True, False])  # row 1's -inf lie past its 10 visible
     finite = np.where(np.isfinite(np.asarray(s[0])), np.asarray(s[0]), -np.inf)
     np.testing.assert_array_equal(got[0], np.argsort(-finite, kind="stable")[:12])
     assert not {3, 7, 9} & set(got[0].tolist())
@@ -161,18 +163,21 @@ def test_select_kernel_equals_xla(rng, filled):
             assert (np.asarray(got) < 0).any()
 
 
+@pytest.mark.parametrize("select", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("impl", ["xla", "cuda"])
-def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl):
+def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl, select):
     """A NaN in request 0's indexer query, an Inf in request 2's weights: those requests get
     NONFINITE_SCORES and request 1 nothing; no non-finite score is picked (request 0's first row
     picks none); the state is otherwise the same arrays' values. impl "cuda": the kernel path's
-    own masks, with the kernel replaced by its reference (CPU)."""
+    own masks, with the kernel replaced by its reference (CPU). select "cuda": the top-k
+    kernel's own check."""
     state = filled
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
-        new, clean = H.index_topk(state, step, 1, q, w, impl=impl)
+        new, clean = H.index_topk(state, step, 1, q, w, impl=impl, select=select)
         np.testing.assert_array_equal(np.asarray(new.error), np.asarray(state.error))  # finite: no fault
-        new, idx = H.index_topk(state, step, 1, q.at[0, 0, 3, 5].set(jnp.nan), w.at[2, 0, 7].set(jnp.inf), impl=impl)
+        q_bad, w_bad = q.at[0, 0, 3, 5].set(jnp.nan), w.at[2, 0, 7].set(jnp.inf)
+        new, idx = H.index_topk(state, step, 1, q_bad, w_bad, impl=impl, select=select)
         err = np.asarray(new.error) & ~np.asarray(state.error)
         assert err[0] & Fault.NONFINITE_SCORES and err[2] & Fault.NONFINITE_SCORES and not err[1], err
         idx = np.asarray(idx)

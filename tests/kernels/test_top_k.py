@@ -45,6 +45,29 @@ def test_reference_is_the_stated_rule(rng, kind):
         np.testing.assert_array_equal(np.asarray(ref_top_k(jnp.asarray(s), k)), _numpy_top_k(s, k))
 
 
+def _visible(rng, s):
+    """Per row a visible count; one row's first non-finite score just inside it, one's just
+    outside (its check must not see it), one row with none visible."""
+    rows, n = s.shape
+    vis = rng.integers(0, n + 1, size=rows).astype(np.int32)
+    bad = ~np.isfinite(s)
+    for r in range(rows):
+        if bad[r].any():
+            first = int(np.argmax(bad[r]))
+            vis[r] = first + 1 if r % 3 == 0 else first if r % 3 == 1 else 0
+    return vis
+
+
+def test_reference_flags_nonfinite_visible_scores(rng):
+    s = _rows(rng, "nonfinite", (9, 300))
+    vis = _visible(rng, s)
+    idx, bad = ref_top_k(jnp.asarray(s), 17, jnp.asarray(vis))
+    np.testing.assert_array_equal(np.asarray(idx), _numpy_top_k(s, 17))
+    want = np.array([(~np.isfinite(s[r, : vis[r]])).any() for r in range(len(s))])
+    np.testing.assert_array_equal(np.asarray(bad), want)
+    assert want.any() and not want.all()
+
+
 def test_bad_arguments():
     s = jnp.zeros((2, 4096), jnp.float32)
     with pytest.raises(ValueError, match="k: expected at most"):
@@ -53,6 +76,10 @@ def test_bad_arguments():
         ref_top_k(s, 4097)
     with pytest.raises(ValueError, match="scores: expected f32"):
         top_k(s.astype(jnp.bfloat16), 4)
+    with pytest.raises(ValueError, match=r"visible: expected int\[2\], got float32\[2\]"):
+        top_k(s, 4, jnp.zeros(2, jnp.float32))
+    with pytest.raises(ValueError, match=r"visible: expected int\[2\], got int32\[3\]"):
+        ref_top_k(s, 4, jnp.zeros(3, jnp.int32))
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="select='cuda'"):
             _backend.choose("hybrid.index_topk", "cuda", top_k=512, max_top_k=MAX_K)
@@ -73,10 +100,15 @@ def test_bad_arguments():
     ],
 )
 def test_kernel_equals_reference(rng, kind, rows, n, ks):
-    s = jnp.asarray(_rows(rng, kind, (rows, n)))
+    raw = _rows(rng, kind, (rows, n))
+    s, vis = jnp.asarray(raw), jnp.asarray(_visible(rng, raw))
     for k in ks:
         got = np.asarray(jax.jit(top_k, static_argnums=1)(s, k))
         np.testing.assert_array_equal(got, np.asarray(ref_top_k(s, k)), err_msg=f"k={k}")
+        idx, bad = jax.jit(top_k, static_argnums=1)(s, k, vis)  # the picks do not move; the flags are the rule's
+        want_idx, want_bad = ref_top_k(s, k, vis)
+        np.testing.assert_array_equal(np.asarray(idx), got, err_msg=f"k={k}")
+        np.testing.assert_array_equal(np.asarray(bad), np.asarray(want_bad), err_msg=f"k={k}")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,135 @@
+// The lightning indexer's query as DeepSeek-V4 scores it, in one launch: Hadamard-rotated
+// (x @ H_d / sqrt(d)), rounded to bf16, then through the cache's FP4 key format and back
+// (official: MXFP4; per_entry: NVFP4 with the row's own global scale). Same values as
+// jaxkv.hybrid.index_query(impl="xla"): the butterflies are jaxkv.math.hadamard's, in its
+// order (so the same float32 sums), and the encoders are codes.cuh's.
+//
+// 16 elements a lane, d / 16 lanes a row (d in 32 .. 512, a power of two): the butterflies of
+// strides 1 .. 8 run in registers, the longer ones across lanes by shuffles. Reached through
+// jax.ffi (jaxkv.kernels.index_query).
+
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "codes.cuh"
+#include "ffi_handler.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxkv {
+
+constexpr int kQueryThreads = 256;
+constexpr int kQueryPerLane = 16;
+
+// E2M1 code -> float (formats.fp4.e2m1_decode: the sign bit negates, so code 8 is -0.0).
+// Built from the code's bits, not a table, which would sit in local memory.
+__device__ __forceinline__ float e2m1_value(uint8_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;  // codes 0, 1: 0 and 0.5; else 2^(e-1) * (1 + m/2)
+  const float mag = e == 0 ? 0.5f * static_cast<float>(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
+  return (c & 8) ? -mag : mag;
+}
+
+template <bool kMx>
+__global__ void __launch_bounds__(kQueryThreads)
+    index_query_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ y, int64_t rows, int d, float inv_sqrt) {
+  const int lanes = d / kQueryPerLane;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kQueryThreads + threadIdx.x;
+  const int64_t row = t / lanes;
+  const int lane = static_cast<int>(t % lanes);
+  const bool live = row < rows;  // a dead lane still joins the shuffles, with zeros
+  float v[kQueryPerLane] = {};
+  if (live) {
+    const uint4* src = reinterpret_cast<const uint4*>(x + kQueryPerLane * t);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint4 r = src[q];
+      const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[8 * q + k] = __uint_as_float((w[k / 2] >> (16 * (k % 2))) << 16);
+    }
+  }
+  // butterflies: element i of each block of 2h pairs with i + h; low = a + b, high = a - b
+#pragma unroll
+  for (int h = 1; h < kQueryPerLane; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < kQueryPerLane; ++i) {
+      if (i & h) continue;
+      const float a = v[i], b = v[i + h];
+      v[i] = __fadd_rn(a, b);
+      v[i + h] = __fsub_rn(a, b);
+    }
+  }
+  for (int o = 1; o < lanes; o <<= 1) {  // stride 16 * o: the partner is lane ^ o, same register
+    const bool high = lane & o;
+#pragma unroll
+    for (int i = 0; i < kQueryPerLane; ++i) {
+      const float other = __shfl_xor_sync(0xffffffffu, v[i], o);
+      v[i] = high ? __fsub_rn(other, v[i]) : __fadd_rn(v[i], other);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kQueryPerLane; ++i) v[i] = __bfloat162float(__float2bfloat16_rn(__fmul_rn(v[i], inv_sqrt)));
+  uint8_t c[kQueryPerLane];
+  float scale;
+  if (kMx) {
+    scale = e8m0_value(mxfp4_lane<kQueryPerLane>(v, c));
+  } else {  // the row's global scale: amax / (448 * 6), 1 where amax is not > 0 (nvfp4_global_scale)
+    float amax = 0.f;
+#pragma unroll
+    for (int i = 0; i < kQueryPerLane; ++i) amax = nanmax(amax, fabsf(v[i]));
+    for (int o = 1; o < lanes; o <<= 1) amax = nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float g = amax > 0.f ? __fdiv_rn(amax, 448.f * 6.f) : 1.f;
+    scale = __fmul_rn(fp8_e4m3_value(nvfp4_lane<false, kQueryPerLane>(v, g, c)), g);
+  }
+  if (!live) return;
+  uint32_t w[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(e2m1_value(c[2 * k]), scale)));
+    const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(__fmul_rn(e2m1_value(c[2 * k + 1]), scale)));
+    w[k] = lo | (hi << 16);
+  }
+  uint4* dst = reinterpret_cast<uint4*>(y + kQueryPerLane * t);
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+}
+
+namespace ffi = xla::ffi;
+
+// Only enqueues work on XLA's stream (no host sync, no allocation), so it is marked
+// command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
+static ffi::Error index_query(cudaStream_t stream, ffi::Buffer<ffi::BF16, 2> x, ffi::ResultBuffer<ffi::BF16, 2> y,
+                              int32_t storage, float inv_sqrt) {
+  const auto xd = x.dimensions();
+  const int64_t rows = xd[0], d = xd[1];
+  if (d < 32 || d > 512 || (d & (d - 1)))
+    return ffi::Error::InvalidArgument("x: expected bf16[rows, d] with d a power of two in 32 .. 512");
+  if (storage != kOfficial && storage != kPerEntry) return ffi::Error::InvalidArgument("storage: unknown family");
+  if (y->dimensions()[0] != rows || y->dimensions()[1] != d) return ffi::Error::InvalidArgument("y: expected x's shape");
+  if (rows == 0) return ffi::Error::Success();
+  const int64_t threads = rows * (d / kQueryPerLane);
+  const unsigned grid = static_cast<unsigned>((threads + kQueryThreads - 1) / kQueryThreads);
+  const auto* src = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  auto* dst = reinterpret_cast<uint16_t*>(y->untyped_data());
+  if (storage == kOfficial)
+    index_query_kernel<true><<<grid, kQueryThreads, 0, stream>>>(src, dst, rows, static_cast<int>(d), inv_sqrt);
+  else
+    index_query_kernel<false><<<grid, kQueryThreads, 0, stream>>>(src, dst, rows, static_cast<int>(d), inv_sqrt);
+  return launch_status(cudaGetLastError(), "index_query");
+}
+
+}  // namespace jaxkv
+
+namespace jaxkv::index_query_types {  // buffer types without commas, so they can sit inside the macro
+using Rows = xla::ffi::Buffer<xla::ffi::BF16, 2>;
+using Stream = xla::ffi::PlatformStream<cudaStream_t>;
+}  // namespace jaxkv::index_query_types
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvIndexQuery, jaxkv::index_query,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::index_query_types::Stream>()
+                                  .Arg<jaxkv::index_query_types::Rows>()  // bf16[rows, d]
+                                  .Ret<jaxkv::index_query_types::Rows>()  // bf16[rows, d]
+                                  .Attr<int32_t>("storage")
+                                  .Attr<float>("inv_sqrt"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
