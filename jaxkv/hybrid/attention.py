@@ -234,12 +234,15 @@ def _entry_blocks(state, step, layer, entry):
     return blk, item, (blk >= 0) & (blk < state.entries[g].shape[1])
 
 
-def _compact(ids, valid):
-    """Valid ids first (stable), padded to whole 64-row blocks with id 0: (i32[N, k'], count i32[N])."""
-    order = jnp.argsort(~valid, axis=-1, stable=True)
-    ids = jnp.where(jnp.take_along_axis(valid, order, axis=-1), jnp.take_along_axis(ids, order, axis=-1), 0)
+def _masked(ids, valid):
+    """Ids where valid, -1 elsewhere (the kernels mask ids outside their pool), padded to whole
+    64-row blocks with -1; and the count up to the last valid one, so the blocks after it are
+    skipped: (i32[N, k'], count i32[N]). No sort: a CSA layer's picks and an HCA layer's
+    visible entries are valid first already, and a hole is one masked row."""
+    ids = jnp.where(valid, ids, -1)
     pad = -ids.shape[-1] % BLOCK
-    return jnp.pad(ids, ((0, 0), (0, pad))), jnp.sum(valid, axis=-1).astype(jnp.int32)
+    count = jnp.max(jnp.where(valid, jnp.arange(1, ids.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
+    return jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1), count.astype(jnp.int32)
 
 
 def _block_counts(count, blocks: int):
@@ -273,13 +276,13 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
         blk, item, in_pool = _entry_blocks(state, step, layer, e)
         valid = entry_visible(e, step, T, ratio) & in_pool
         pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
-        parts.append((pool,) + _compact(ids.reshape(N, -1), valid.reshape(N, -1)))
+        parts.append((pool,) + _masked(ids.reshape(N, -1), valid.reshape(N, -1)))
 
     # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
     seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
     pool, ring_ids = _pool_rows(state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W)
     ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
-    parts.append((pool,) + _compact(ring_ids.reshape(N, W), seen.reshape(N, W)))
+    parts.append((pool,) + _masked(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
