@@ -72,12 +72,14 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
 }
 
 
-def make_extra(cfg, B, key, T=1):
+def make_extra(cfg, B, key, T=1, *, distinct=True):
     """Per-layer attention inputs of T tokens a request: q, sink, and for CSA layers the
-    indexer query and weights."""
+    indexer query and weights. ``distinct=False``: every layer gets the same arrays (a layer's
+    cost does not depend on its values; a prefill chunk's 43 distinct q of B x T x 64 x 512
+    would not fit beside the cache)."""
     out = {}
     for layer in range(cfg.num_layers):
-        ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + (layer if distinct else 0)), 4)
         e = {
             "q": jax.random.normal(ks[0], (B, T, HEADS, cfg.head_dim), jnp.bfloat16),
             "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32),
@@ -86,6 +88,9 @@ def make_extra(cfg, B, key, T=1):
             e["iq"] = jax.random.normal(ks[2], (B, T, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
             e["iw"] = jax.random.normal(ks[3], (B, T, cfg.index_heads), jnp.float32)
         out[layer] = e
+    if not distinct:  # the same buffers: one array per input, however many layers take it
+        first = {k: out[min(i for i in out if k in out[i])][k] for e in out.values() for k in e}
+        out = {layer: {k: first[k] for k in e} for layer, e in out.items()}
     return out
 
 
@@ -261,45 +266,58 @@ def prefill_flops(cfg, start: int, T: int, B: int) -> tuple[float, float]:
     return attn * B, index * B
 
 
+def prefill(cfg, B: int, prompt: int, T: int, iters: int, impl: str = "auto", index_impl: str = "auto"):
+    """B requests' prompts through the layers in chunks of T tokens, ``iters`` + 1 times (the
+    first compiles and warms). Returns (ms of each timed chunk, the last chunk's result)."""
+    key = jax.random.key(0)
+    params, inputs = make_params(cfg, key), make_inputs(cfg, B, key, T)
+    extra = make_extra(cfg, B, key, T, distinct=False)
+    slots = jnp.arange(B, dtype=jnp.int32)
+    kw = dict(index=True, attend=True, chunk=T, impl=impl, index_impl=index_impl)
+    fn = jax.jit(functools.partial(decode_step, **kw), donate_argnums=0)
+    times = []
+    for it in range(iters + 1):
+        state = H.init(cfg)
+        for _ in range(prompt // T):
+            t = time.perf_counter()
+            state, got = fn(state, slots, inputs, params, extra)
+            got.block_until_ready()
+            if it:
+                times.append((time.perf_counter() - t) * 1e3)
+    import jaxkv
+
+    jaxkv.check(state)
+    return times, got
+
+
 def run_prefill(args):
     """``--prefill``: B requests' prompts through the 43 layers in chunks, each chunk one
     jitted call (the same ops as the decode step, T tokens a request); ms a chunk (median over
-    the prompt's chunks and ``--iters`` prompts), the attention's and indexer's FLOPs over it,
-    and the last chunk's reads against the same chunk with ``impl="xla"`` (float32 math)."""
+    the prompt's chunks and ``--iters`` prompts) and the attention's and indexer's FLOPs over
+    it. Then a small case (2 requests, 1K-token prompts in 256-token chunks) through the
+    kernels and through ``impl="xla"`` (float32 math): the last chunk's reads, compared."""
     B, prompt, T = args.prefill_requests, args.prompt, args.chunk
     if prompt % T:
         raise SystemExit(f"--prompt: expected a multiple of --chunk = {T}, got {prompt}")
     cfg = dataclasses.replace(H.V4_FLASH, max_requests=B, max_context=prompt)
     if args.quick:
         cfg = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:4])
-    key = jax.random.key(0)
-    params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key, T), make_extra(cfg, B, key, T)
-    slots = jnp.arange(B, dtype=jnp.int32)
-    kw = dict(index=True, attend=True, chunk=T)
-    fn = jax.jit(functools.partial(decode_step, impl="auto", **kw), donate_argnums=0)
-    ref = jax.jit(functools.partial(decode_step, impl="xla", index_impl="xla", **kw))
-    times, t0 = [], time.perf_counter()
-    for it in range(args.iters + 1):  # the first prompt compiles and warms
-        state = H.init(cfg)
-        for c in range(prompt // T):
-            if it == args.iters and c == prompt // T - 1:  # the last chunk, also through the reference
-                _, want = ref(jax.tree.map(jnp.copy, state), slots, inputs, params, extra)
-            t = time.perf_counter()
-            state, got = fn(state, slots, inputs, params, extra)
-            got.block_until_ready()
-            if it:
-                times.append((time.perf_counter() - t) * 1e3)
-        if not it:
-            print(f"  prefill: first prompt (compile + run) {time.perf_counter() - t0:.0f} s", flush=True)
-    import jaxkv
-
-    jaxkv.check(state)
+    t0 = time.perf_counter()
+    times, _ = prefill(cfg, B, prompt, T, args.iters)
+    print(f"  prefill: {B} x {prompt} in chunks of {T}: {time.perf_counter() - t0:.0f} s in all", flush=True)
     ms = statistics.median(times)
     flops = [prefill_flops(cfg, c * T, T, B) for c in range(prompt // T)]
     attn, index = (sum(f[i] for f in flops) / len(flops) for i in range(2))
+    small_b, small_prompt, small_t = (2, 512, 128) if args.quick else (2, 1024, 256)
+    small = dataclasses.replace(cfg, max_requests=small_b, max_context=small_prompt)
+    _, got = prefill(small, small_b, small_prompt, small_t, 0)
+    _, want = prefill(small, small_b, small_prompt, small_t, 0, impl="xla", index_impl="xla")
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     print(f"\nprefill: {B} requests x {prompt} prompt tokens in chunks of {T}, {cfg.num_layers} layers")
-    print("| chunk ms | attention TFLOP / chunk | indexer TFLOP / chunk | (attention + indexer) TFLOP/s | vs xla f32 |")
+    print(
+        f"| chunk ms | attention TFLOP / chunk | indexer TFLOP / chunk | (attention + indexer) TFLOP/s "
+        f"| vs xla f32 ({small_b} x {small_prompt}, chunks of {small_t}) |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: |")
     print(f"| {ms:.3f} | {attn / 1e12:.3f} | {index / 1e12:.3f} | {(attn + index) / ms / 1e9:.1f} | {err:.1e} |")
 
