@@ -121,6 +121,18 @@ __device__ __forceinline__ uint8_t e2m1(float y) {
   return c | (signbit(y) ? 8 : 0);
 }
 
+// E2M1 code -> float (formats.fp4.e2m1_decode: the sign bit negates, so code 8 is -0.0).
+// Built from the code's bits, not a table, which would sit in local memory.
+__device__ __forceinline__ float e2m1_value(uint8_t c) {
+  const uint32_t e = (c >> 1) & 3u, m = c & 1u;  // codes 0, 1: 0 and 0.5; else 2^(e-1) * (1 + m/2)
+  const float mag = e == 0 ? 0.5f * static_cast<float>(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
+  return (c & 8) ? -mag : mag;
+}
+
+// NVFP4's global scale from its elements' amax: amax / (448 * 6), 1 where amax is not > 0
+// (formats.nvfp4_global_scale; the per_entry family gives each indexer key its own).
+__device__ __forceinline__ float nvfp4_global_scale(float amax) { return amax > 0.f ? __fdiv_rn(amax, 2688.f) : 1.f; }
+
 __device__ __forceinline__ void store16(uint8_t* dst, const uint4& src) {
   if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
     *reinterpret_cast<uint4*>(dst) = src;

@@ -21,14 +21,6 @@ namespace jaxkv {
 constexpr int kQueryThreads = 256;
 constexpr int kQueryPerLane = 16;
 
-// E2M1 code -> float (formats.fp4.e2m1_decode: the sign bit negates, so code 8 is -0.0).
-// Built from the code's bits, not a table, which would sit in local memory.
-__device__ __forceinline__ float e2m1_value(uint8_t c) {
-  const uint32_t e = (c >> 1) & 3u, m = c & 1u;  // codes 0, 1: 0 and 0.5; else 2^(e-1) * (1 + m/2)
-  const float mag = e == 0 ? 0.5f * static_cast<float>(m) : __uint_as_float(((e + 126u) << 23) | (m << 22));
-  return (c & 8) ? -mag : mag;
-}
-
 template <bool kMx>
 __global__ void __launch_bounds__(kQueryThreads)
     index_query_kernel(const uint16_t* __restrict__ x, uint16_t* __restrict__ y, int64_t rows, int d, float inv_sqrt) {
@@ -73,12 +65,12 @@ __global__ void __launch_bounds__(kQueryThreads)
   float scale;
   if (kMx) {
     scale = e8m0_value(mxfp4_lane<kQueryPerLane>(v, c));
-  } else {  // the row's global scale: amax / (448 * 6), 1 where amax is not > 0 (nvfp4_global_scale)
+  } else {  // the row's own global scale
     float amax = 0.f;
 #pragma unroll
     for (int i = 0; i < kQueryPerLane; ++i) amax = nanmax(amax, fabsf(v[i]));
     for (int o = 1; o < lanes; o <<= 1) amax = nanmax(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float g = amax > 0.f ? __fdiv_rn(amax, 448.f * 6.f) : 1.f;
+    const float g = nvfp4_global_scale(amax);
     scale = __fmul_rn(fp8_e4m3_value(nvfp4_lane<false, kQueryPerLane>(v, g, c)), g);
   }
   if (!live) return;

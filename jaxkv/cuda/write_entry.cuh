@@ -93,7 +93,7 @@ __device__ inline void write_index_key(const PoolView& p, const uint2& raw, int 
 #pragma unroll
     for (int i = 0; i < 4; ++i) amax = nanmax(amax, fabsf(v[i]));
     const float gmax = group_amax<32>(amax);
-    const float g = gmax > 0.f ? __fdiv_rn(gmax, 2688.f) : 1.f;  // formats.nvfp4_global_scale
+    const float g = nvfp4_global_scale(gmax);
     const uint8_t b8 = nvfp4_lane<true, 4>(v, g, c);
     const uint32_t lo = gather_bytes<4, 4>(b8), hi = gather_bytes<4, 4>(b8, 16);  // lanes 0, 4, .., 28
     if (lane == 0) {
