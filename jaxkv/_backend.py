@@ -15,7 +15,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
-| ``hybrid.index_query`` | xla, cuda | cuda on a GPU with nvcc for bf16 queries, index_dim a power of two in 32 .. 512 (``kernels.index_query_cuda``), else xla |
+| ``hybrid.index_query`` | xla, cuda | cuda on a GPU with nvcc for bf16 queries (``kernels.index_query_cuda``), else xla |
 | ``hybrid.after_reads`` | xla, cuda | as hybrid.write (``kernels.after_cuda``: an FFI call that moves nothing) |
 | ``hybrid.index_scores`` | xla, pallas, cuda | cuda on Hopper with nvcc, 64 or 128 index heads, index_dim 128, block_size a multiple of 64 (``kernels.index_scores_cuda``, ``cuda/``); else pallas on Hopper with index heads a multiple of 64 (``kernels.index_scores``, Mosaic GPU); else xla |
 | ``hybrid.index_topk`` (``select=``) | xla, cuda | cuda on a GPU with nvcc and k up to the kernel's bound (``kernels.top_k``: a radix select, ``cuda/``), else xla (``lax.top_k``, which sorts) |
@@ -110,11 +110,9 @@ def _select_missing(*, top_k: int = 512, max_top_k: int = 2048, **_) -> str | No
     return _cuda_missing()
 
 
-def _query_cuda_missing(*, dtype: str = "bfloat16", index_dim: int = 128, **_) -> str | None:
-    if dtype != "bfloat16" or not 32 <= index_dim <= 512 or index_dim & (index_dim - 1):
-        return (
-            f"expected bfloat16 queries with index_dim a power of two in 32 .. 512, got {dtype}, index_dim {index_dim}"
-        )
+def _query_cuda_missing(*, dtype: str = "bfloat16", **_) -> str | None:
+    if dtype != "bfloat16":  # the kernel reads bf16 rows; HybridConfig pins index_dim to 128
+        return f"expected bfloat16 queries, got {dtype}"
     return _cuda_missing()
 
 

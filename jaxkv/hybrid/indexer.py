@@ -31,7 +31,7 @@ def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     one launch, the same values), "auto" (cuda on a GPU with nvcc, else xla)."""
     if not jnp.issubdtype(q.dtype, jnp.floating) or q.shape[-1:] != (state.config.index_dim,):
         raise ValueError(f"q: expected bf16[..., {state.config.index_dim}], got {q.dtype}{list(q.shape)}")
-    impl = _backend.choose("hybrid.index_query", impl, dtype=str(q.dtype), index_dim=state.config.index_dim)
+    impl = _backend.choose("hybrid.index_query", impl, dtype=str(q.dtype))
     fn = index_query_cuda if impl == "cuda" else ref_index_query
     if state.layout is None:
         return fn(q, state.config.storage)
