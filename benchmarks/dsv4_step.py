@@ -77,20 +77,21 @@ def make_extra(cfg, B, key, T=1, *, distinct=True):
     indexer query and weights. ``distinct=False``: every layer gets the same arrays (a layer's
     cost does not depend on its values; a prefill chunk's 43 distinct q of B x T x 64 x 512
     would not fit beside the cache)."""
-    out = {}
+    out, made = {}, {}
     for layer in range(cfg.num_layers):
-        ks = jax.random.split(jax.random.fold_in(key, 1000 + (layer if distinct else 0)), 4)
+        csa = cfg.kind(layer) == H.CSA
+        if not distinct and csa in made:  # the same buffers, not another copy of the same values
+            out[layer] = made[csa]
+            continue
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
         e = {
             "q": jax.random.normal(ks[0], (B, T, HEADS, cfg.head_dim), jnp.bfloat16),
             "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32),
         }
-        if cfg.kind(layer) == H.CSA:
+        if csa:
             e["iq"] = jax.random.normal(ks[2], (B, T, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
             e["iw"] = jax.random.normal(ks[3], (B, T, cfg.index_heads), jnp.float32)
-        out[layer] = e
-    if not distinct:  # the same buffers: one array per input, however many layers take it
-        first = {k: out[min(i for i in out if k in out[i])][k] for e in out.values() for k in e}
-        out = {layer: {k: first[k] for k in e} for layer, e in out.items()}
+        out[layer] = made[csa] = e
     return out
 
 
