@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from _timing import copy_gbps, kernel_ms_per_step, times_ms
-from hybrid_step import make_inputs, make_params
+from hybrid_step import make_inputs, make_params, stack_layers, unstack_layers
 from jax import lax
 
 from jaxkv import hybrid as H
@@ -128,16 +128,19 @@ def fill_random(state, key):
 
 
 def decode_step(
-    state, slots, inputs, params, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto", chunk=1
+    state, slots, stacked, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto", chunk=1
 ):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
-    -> window write. Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
+    -> window write. ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
+    them (a few arrays, not one argument per layer and tensor); ``extra``: ``make_extra``'s.
+    Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
     device's rows are its own requests). ``chunk``: tokens a request (1: decode; more: a
     prefill chunk, the inputs' token axis). Returns (state, f32[B]: per row, the sum of the
     last layer's reads). Every layer's reads stay live without a sum of their own: after_reads
     takes each layer's whole output, and the writes after it depend on that. Per row, so a
     sharded step sums nothing across devices."""
     cfg = state.config
+    inputs, params = unstack_layers(cfg, stacked)  # each layer's compressor inputs and weights read in place
     state, step = H.prepare_forward(state, slots, state.position, chunk=chunk)
     reads = None
     for layer in range(cfg.num_layers):
@@ -188,7 +191,8 @@ def run_case(B, context, args):
     if args.quick:
         cfg = dataclasses.replace(cfg, compress_ratios=cfg.compress_ratios[:4])
     key = jax.random.key(0)
-    params, inputs, extra = make_params(cfg, key), make_inputs(cfg, B, key), make_extra(cfg, B, key)
+    stacked = stack_layers(cfg, make_inputs(cfg, B, key), make_params(cfg, key))
+    extra = make_extra(cfg, B, key)
     slots = jnp.arange(B, dtype=jnp.int32)
     rng = np.random.default_rng(0)
     margin = 8 + len(args.contenders) * (
@@ -222,7 +226,7 @@ def run_case(B, context, args):
         fn = jax.jit(functools.partial(decode_step, **kw), donate_argnums=0)
 
         def run(i, fn=fn):
-            box["s"], acc = fn(box["s"], slots, inputs, params, extra)
+            box["s"], acc = fn(box["s"], slots, stacked, extra)
             acc.block_until_ready()
 
         t0 = time.perf_counter()
@@ -271,7 +275,7 @@ def prefill(cfg, B: int, prompt: int, T: int, iters: int, impl: str = "auto", in
     """B requests' prompts through the layers in chunks of T tokens, ``iters`` + 1 times (the
     first compiles and warms). Returns (ms of each timed chunk, the last chunk's result)."""
     key = jax.random.key(0)
-    params, inputs = make_params(cfg, key), make_inputs(cfg, B, key, T)
+    stacked = stack_layers(cfg, make_inputs(cfg, B, key, T), make_params(cfg, key))
     extra = make_extra(cfg, B, key, T, distinct=False)
     slots = jnp.arange(B, dtype=jnp.int32)
     kw = dict(index=True, attend=True, chunk=T, impl=impl, index_impl=index_impl)
@@ -281,7 +285,7 @@ def prefill(cfg, B: int, prompt: int, T: int, iters: int, impl: str = "auto", in
         state = H.init(cfg)
         for _ in range(prompt // T):
             t = time.perf_counter()
-            state, got = fn(state, slots, inputs, params, extra)
+            state, got = fn(state, slots, stacked, extra)
             got.block_until_ready()
             if it:
                 times.append((time.perf_counter() - t) * 1e3)

@@ -122,10 +122,10 @@ def stack_layers(cfg, inputs, params):
     )
 
 
-def bookkeeping_stacked(state, slots, stacked, impl="cuda"):
-    """``bookkeeping`` on ``stack_layers``' arrays, each layer's input a ``hybrid.Stacked``
-    row (read in place by the fused kernel: no per-layer slice copies)."""
-    cfg = state.config
+def unstack_layers(cfg, stacked):
+    """``stack_layers``' arrays back as per-layer ``(inputs, params)`` whose arrays are
+    ``hybrid.Stacked`` rows (read in place by the kernels: no per-layer slice copies). Call it
+    inside the jitted step: passed in, each row would be an argument of its own again."""
     kv, by_kind = stacked
     inputs, params = {}, {}
     seen = {H.CSA: 0, H.HCA: 0}
@@ -136,7 +136,12 @@ def bookkeeping_stacked(state, slots, stacked, impl="cuda"):
             x, params[layer] = jax.tree.map(lambda a, i=seen[kind]: H.Stacked(a, i), by_kind[kind])
             inputs[layer].update(x)
             seen[kind] += 1
-    return bookkeeping(state, slots, inputs, params, impl)
+    return inputs, params
+
+
+def bookkeeping_stacked(state, slots, stacked, impl="cuda"):
+    """``bookkeeping`` on ``stack_layers``' arrays (``unstack_layers``)."""
+    return bookkeeping(state, slots, *unstack_layers(state.config, stacked), impl)
 
 
 def dispatch_floor(state, slots, *args):

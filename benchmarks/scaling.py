@@ -167,15 +167,20 @@ def _slots(B, mesh):
     return _global(np.arange(B * mesh.shape["data"], dtype=np.int32), mesh, P("data"))
 
 
-def hybrid_case(base, B, mesh):
-    state, slots = hybrid_state(base, B, mesh, fill=False)
+def stacked_inputs(base, B, mesh):
+    """One GPU's compressor inputs and weights (``stack_layers``), each GPU's rows its own and
+    the weights replicated."""
     cfg1 = dataclasses.replace(base, max_requests=B)
     key = jax.random.key(0)
     kv, by_kind = stack_layers(cfg1, make_inputs(cfg1, B, key), make_params(cfg1, key))
     kv = put(kv, mesh, P(None, "data"))
-    by_kind = {k: (put(x, mesh, P(None, "data")), rep(p, mesh)) for k, (x, p) in by_kind.items() if x is not None}
+    return kv, {k: (put(x, mesh, P(None, "data")), rep(p, mesh)) for k, (x, p) in by_kind.items() if x is not None}
+
+
+def hybrid_case(base, B, mesh):
+    state, slots = hybrid_state(base, B, mesh, fill=False)
     fn = jax.jit(functools.partial(bookkeeping_stacked, impl="auto"), donate_argnums=0)
-    args = (slots, (kv, by_kind))
+    args = (slots, stacked_inputs(base, B, mesh))
     return state, fn.lower(state, *args).compile(), args
 
 
@@ -190,15 +195,13 @@ def decode_case(base, B, mesh):
     state, slots = hybrid_state(base, B, mesh, fill=True)
     cfg1 = dataclasses.replace(base, max_requests=B)
     key = jax.random.key(0)
-    inputs = put(make_inputs(cfg1, B, key), mesh, P("data"))
     extra = make_extra(cfg1, B, key)
     extra = {
         l: {k: (rep(v, mesh) if k == "sink" else put(v, mesh, P("data"))) for k, v in e.items()}
         for l, e in extra.items()
     }
-    params = rep(make_params(cfg1, key), mesh)
     fn = jax.jit(functools.partial(dsv4_decode_step, index=True, attend=True, impl="auto"), donate_argnums=0)
-    args = (slots, inputs, params, extra)
+    args = (slots, stacked_inputs(base, B, mesh), extra)
     return state, fn.lower(state, *args).compile(), args
 
 

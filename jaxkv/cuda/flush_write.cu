@@ -272,19 +272,22 @@ static ffi::Error window_write_ffi(cudaStream_t stream, U8x3 ring, U32x1 error, 
   return launch_status(launch_rows(window_write_kernel, stream, a), "window_write");
 }
 
-static ffi::Error encode_rows_ffi(cudaStream_t stream, ffi::Buffer<ffi::BF16, 2> x, ffi::ResultBuffer<ffi::U8, 2> out,
-                                  int32_t block_size, int32_t storage) {
-  const int64_t n = x.dimensions()[0];
+// x comes in as its whole (flattened) stack: the rows rows from x_offset on are encoded.
+static ffi::Error encode_rows_ffi(cudaStream_t stream, BF16x1 x, ffi::ResultBuffer<ffi::U8, 2> out,
+                                  int32_t block_size, int32_t storage, int64_t rows, int64_t x_offset) {
+  const int64_t n = rows;
   if (storage != kOfficial && storage != kPerEntry)
     return ffi::Error::InvalidArgument("storage: expected a code of jaxkv.formats.storage.STORAGE_CODES");
-  if (x.dimensions()[1] != kHeadDim) return ffi::Error::InvalidArgument("x: expected bf16[n, 512]");
+  if (n < 1 || x_offset < 0 || x_offset + n * kHeadDim > x.dimensions()[0])
+    return ffi::Error::InvalidArgument("x: expected bf16[rows, 512] at x_offset");
   const auto od = out->dimensions();
   const int64_t blocks = block_size > 0 ? (n + block_size - 1) / block_size : -1;
   if (blocks < 0 || od[0] != blocks || od[1] != static_cast<int64_t>(block_size) * entry_bytes(storage))
     return ffi::Error::InvalidArgument("out: expected u8[ceil(n / block_size), block_size * entry bytes]");
   if (n % block_size)  // the last block's spare items are zeros, as formats.storage.pack_items leaves them
     cudaMemsetAsync(out->typed_data() + (blocks - 1) * od[1], 0, od[1], stream);
-  EncodeArgs a{{out->typed_data(), nullptr, blocks, block_size, storage}, reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()), n};
+  EncodeArgs a{{out->typed_data(), nullptr, blocks, block_size, storage},
+               reinterpret_cast<const __nv_bfloat16*>(x.untyped_data()) + x_offset, n};
   return launch_status(launch_rows(encode_rows_kernel, stream, a), "encode_rows");
 }
 
@@ -362,10 +365,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvWindowWrite, jaxkv::window_write_ffi,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvEncodeRows, jaxkv::encode_rows_ffi,
                               ffi::Ffi::Bind()
                                   .Ctx<jaxkv::Stream>()
-                                  .Arg<jaxkv::BF16x2>()  // x
+                                  .Arg<jaxkv::BF16x1>()  // x: the whole stack, flattened
                                   .Ret<jaxkv::U8x2>()    // out
                                   .Attr<int32_t>("block_size")
-                                  .Attr<int32_t>("storage"),
+                                  .Attr<int32_t>("storage")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("x_offset"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvCsaRotateState, jaxkv::csa_rotate_state,

@@ -287,7 +287,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
     encode = encode_rows if _backend.choose("hybrid.write", "auto") == "cuda" else ref_encode_rows  # one launch
-    own = encode(row(kv).reshape(N, D), OWN_BLOCK, storage=c.storage)
+    own = encode(kv, OWN_BLOCK, storage=c.storage)  # its N rows; a Stacked kv read in place
     K = min(T, W)
     t = jnp.arange(T, dtype=jnp.int32)[None, :]
     first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]

@@ -22,10 +22,12 @@ checked arguments.
     tails: f32[R, streams, 3, width]   tail_slot: i32[B]  (outside [0, R): skipped)
     ring: u8[L, R, window * E]     error: u32[R + 1]
     write_slot, start, num_tokens: i32[B]   (``hybrid.Step``)
-    encode_rows: x bf16[N, 512] -> u8[ceil(N / bs), bs * E]
+    encode_rows: x bf16[..., 512] (N rows) -> u8[ceil(N / bs), bs * E]
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +36,7 @@ import numpy as np
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.errors import Fault
 from jaxkv.formats.storage import STORAGES, entry_bytes, pack_items, storage_name
-from jaxkv.stacked import as_flat
+from jaxkv.stacked import as_flat, row
 
 
 def flush_write(pool, layer: int, x, block, slot, *, storage: str, index_pool=None, xi=None):
@@ -84,25 +86,37 @@ def window_write(ring, layer: int, x, write_slot, start, num_tokens, error, *, s
     )
 
 
+def _check_rows(x, block_size: int):
+    if x.ndim < 1 or x.shape[-1] != 512 or x.dtype != jnp.bfloat16 or not math.prod(x.shape[:-1]):
+        raise ValueError(f"x: expected bf16[..., 512] with at least one row, got {x.dtype}{list(x.shape)}")
+    if block_size < 1:
+        raise ValueError(f"block_size: expected at least 1, got {block_size}")
+
+
 def ref_encode_rows(x, block_size: int, *, storage: str):
-    """The jnp reference: rows encoded in the storage's entry format, item i at slot
-    ``i % block_size`` of block ``i // block_size`` (``formats.storage.pack_items``)."""
+    """The jnp reference: the rows of ``x`` (bf16[..., 512], or a ``Stacked`` row) encoded
+    in the storage's entry format, row i at item ``i % block_size`` of block ``i //
+    block_size`` (``formats.storage.pack_items``)."""
     codec = STORAGES[storage_name(storage)].entry
-    return pack_items(codec.encode(x), block_size, codec.segments)
+    _check_rows(x, block_size)
+    return pack_items(codec.encode(row(x).reshape(-1, 512)), block_size, codec.segments)
 
 
 def encode_rows(x, block_size: int, *, storage: str):
-    """The kernel: ``ref_encode_rows``'s bytes in one launch (a warp a row). Needs a GPU and nvcc."""
+    """The kernel: ``ref_encode_rows``'s bytes in one launch (a warp a row); a ``Stacked``
+    row is read in place. Needs a GPU and nvcc."""
     storage = storage_name(storage)
-    if x.ndim != 2 or x.shape[1] != 512 or x.dtype != jnp.bfloat16:
-        raise ValueError(f"x: expected bf16[N, 512], got {x.dtype}{list(x.shape)}")
-    if block_size < 1:
-        raise ValueError(f"block_size: expected at least 1, got {block_size}")
+    _check_rows(x, block_size)
     register_ffi_targets()
-    blocks = -(-x.shape[0] // block_size)
-    out = jax.ShapeDtypeStruct((blocks, block_size * entry_bytes(storage)), jnp.uint8)
+    n = math.prod(x.shape[:-1])
+    flat, offset = as_flat(x)
+    out = jax.ShapeDtypeStruct((-(-n // block_size), block_size * entry_bytes(storage)), jnp.uint8)
     return jax.ffi.ffi_call("jaxkv_encode_rows", out)(
-        x, block_size=np.int32(block_size), storage=np.int32(STORAGE_CODES[storage])
+        flat,
+        block_size=np.int32(block_size),
+        storage=np.int32(STORAGE_CODES[storage]),
+        rows=np.int64(n),
+        x_offset=np.int64(offset),
     )
 
 

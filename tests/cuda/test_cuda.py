@@ -173,8 +173,10 @@ def test_encode_rows_reference_and_bad_inputs(rng):
         items = np.asarray(read_items(pool[None], 0, i // 32, i % 32, codec.segments))
         np.testing.assert_array_equal(items[:37], np.asarray(codec.encode(x)))
         assert not items[37:].any() and items[:37].any()
-    with pytest.raises(ValueError, match=r"x: expected bf16\[N, 512\]"):
+    with pytest.raises(ValueError, match=r"x: expected bf16\[\.\.\., 512\]"):
         encode_rows(x.astype(jnp.float32), 32, storage="official")
+    with pytest.raises(ValueError, match="at least one row"):
+        encode_rows(x[:0], 32, storage="official")
     with pytest.raises(ValueError, match="block_size: expected at least 1"):
         encode_rows(x, 0, storage="official")
     with pytest.raises(ValueError, match="storage"):
@@ -188,6 +190,7 @@ def test_encode_rows_cuda_equals_jnp(rng, storage, n):
     """The kernel's bytes are the reference's at every magnitude, NaN / Inf rows and the
     zero spare items of a last partial block included."""
     from jaxkv.kernels import encode_rows, ref_encode_rows
+    from jaxkv.stacked import Stacked
 
     x = rng.normal(size=(n, 512)) * rng.choice([1e-6, 1e-2, 1.0, 300.0, 1e5], size=(n, 1))
     if n > 2:
@@ -197,6 +200,10 @@ def test_encode_rows_cuda_equals_jnp(rng, storage, n):
     got = np.asarray(encode_rows(x, 32, storage=storage))
     np.testing.assert_array_equal(got, np.asarray(ref_encode_rows(x, 32, storage=storage)))
     assert got.any()
+    # a Stacked row of bf16[3, n, 1, 512] is read in place: the middle one's bytes
+    stack = jnp.stack([jnp.flip(x, 0), x, -x])[:, :, None]
+    got = np.asarray(encode_rows(Stacked(stack, 1), 32, storage=storage))
+    np.testing.assert_array_equal(got, np.asarray(ref_encode_rows(x, 32, storage=storage)))
 
 
 @pytest.mark.gpu

@@ -131,6 +131,20 @@ def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
     _assert_paths_agree(rng, filled)
 
 
+def test_stacked_rows_are_the_arrays(rng, filled, reference_kernel):
+    """``Stacked`` rows of the step's tokens give the same output as the arrays they stand
+    for, on both paths and every layer kind."""
+    state, step, T, params = next(_steps(filled, chunk=False))
+    for layer in range(state.config.num_layers):
+        st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
+        sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+        kvs = jnp.stack([-kv, kv, 2 * kv])
+        for impl in ("xla", "pallas"):
+            want = H.attention(st, step, layer, q, sink, kv, idx, impl=impl)
+            got = H.attention(st, step, layer, q, sink, H.Stacked(kvs, 1), idx, impl=impl)
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {layer}, {impl}")
+
+
 def test_table_cell_outside_the_pool_is_no_key(rng, filled, reference_kernel):
     """A block table cell that names no block of the pool (unallocated, or past it)
     makes its entries no keys on both paths: the XLA path equals the kernel path's rows
