@@ -73,25 +73,43 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
 
 
 def make_extra(cfg, B, key, T=1, *, distinct=True):
-    """Per-layer attention inputs of T tokens a request: q, sink, and for CSA layers the
-    indexer query and weights. ``distinct=False``: every layer gets the same arrays (a layer's
-    cost does not depend on its values; a prefill chunk's 43 distinct q of B x T x 64 x 512
-    would not fit beside the cache)."""
-    out, made = {}, {}
+    """The layers' attention inputs of T tokens a request, stacked over layers as a model's
+    activations would be: ``q`` bf16[n, B, T, 64, 512] and ``sink`` f32[n, 64] (n: every
+    layer), for the CSA layers ``iq`` bf16[m, B, T, 64, 128] and ``iw`` f32[m, B, T, 64] (the
+    indexer's query and weights; m: every CSA layer). ``distinct=False``: one row for the CSA
+    layers and one for the rest (n = 2, m = 1; a layer's cost does not depend on its values,
+    and a prefill chunk's 43 distinct q of B x T x 64 x 512 would not fit beside the cache).
+    ``extra_rows`` hands each layer its rows."""
+    rows = {"q": [], "sink": [], "iq": [], "iw": []}
+    if distinct:
+        layers = [(layer, cfg.kind(layer) == H.CSA) for layer in range(cfg.num_layers)]
+    else:  # row 0 for the layers other than CSA, row 1 for CSA (``extra_rows``)
+        layers = [(next((i for i in range(cfg.num_layers) if (cfg.kind(i) == H.CSA) == csa), 0), csa) for csa in (0, 1)]
+    for layer, csa in layers:
+        ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
+        rows["q"].append(jax.random.normal(ks[0], (B, T, HEADS, cfg.head_dim), jnp.bfloat16))
+        rows["sink"].append(jax.random.normal(ks[1], (HEADS,), jnp.float32))
+        if csa:
+            rows["iq"].append(jax.random.normal(ks[2], (B, T, cfg.index_heads, cfg.index_dim), jnp.bfloat16))
+            rows["iw"].append(jax.random.normal(ks[3], (B, T, cfg.index_heads), jnp.float32))
+    return {k: jnp.stack(v) for k, v in rows.items() if v}
+
+
+def extra_rows(cfg, extra):
+    """``make_extra``'s arrays as each layer's ``hybrid.Stacked`` rows, read in place by the
+    kernels (call it inside the jitted step: passed in, each row would be an argument). With
+    as many rows as layers, layer i's; else (``distinct=False``) its kind's."""
+    distinct = extra["q"].shape[0] == cfg.num_layers
+    out, csa_seen = {}, 0
     for layer in range(cfg.num_layers):
         csa = cfg.kind(layer) == H.CSA
-        if not distinct and csa in made:  # the same buffers, not another copy of the same values
-            out[layer] = made[csa]
-            continue
-        ks = jax.random.split(jax.random.fold_in(key, 1000 + layer), 4)
-        e = {
-            "q": jax.random.normal(ks[0], (B, T, HEADS, cfg.head_dim), jnp.bfloat16),
-            "sink": jax.random.normal(ks[1], (HEADS,), jnp.float32),
-        }
+        i = layer if distinct else int(csa)
+        e = {"q": H.Stacked(extra["q"], i), "sink": H.Stacked(extra["sink"], i)}
         if csa:
-            e["iq"] = jax.random.normal(ks[2], (B, T, cfg.index_heads, cfg.index_dim), jnp.bfloat16)
-            e["iw"] = jax.random.normal(ks[3], (B, T, cfg.index_heads), jnp.float32)
-        out[layer] = made[csa] = e
+            e["iq"] = H.Stacked(extra["iq"], csa_seen if distinct else 0)
+            e["iw"] = H.Stacked(extra["iw"], csa_seen if distinct else 0)
+            csa_seen += 1
+        out[layer] = e
     return out
 
 
@@ -140,7 +158,8 @@ def decode_step(
     takes each layer's whole output, and the writes after it depend on that. Per row, so a
     sharded step sums nothing across devices."""
     cfg = state.config
-    inputs, params = unstack_layers(cfg, stacked)  # each layer's compressor inputs and weights read in place
+    inputs, params = unstack_layers(cfg, stacked)  # each layer's rows, read in place
+    extra = extra_rows(cfg, extra)
     state, step = H.prepare_forward(state, slots, state.position, chunk=chunk)
     reads = None
     for layer in range(cfg.num_layers):

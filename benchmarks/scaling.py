@@ -195,10 +195,8 @@ def decode_case(base, B, mesh):
     state, slots = hybrid_state(base, B, mesh, fill=True)
     cfg1 = dataclasses.replace(base, max_requests=B)
     key = jax.random.key(0)
-    extra = make_extra(cfg1, B, key)
     extra = {
-        l: {k: (rep(v, mesh) if k == "sink" else put(v, mesh, P("data"))) for k, v in e.items()}
-        for l, e in extra.items()
+        k: rep(v, mesh) if k == "sink" else put(v, mesh, P(None, "data")) for k, v in make_extra(cfg1, B, key).items()
     }
     fn = jax.jit(functools.partial(dsv4_decode_step, index=True, attend=True, impl="auto"), donate_argnums=0)
     args = (slots, stacked_inputs(base, B, mesh), extra)

@@ -90,18 +90,20 @@ namespace ffi = xla::ffi;
 
 // Only enqueues work on XLA's stream (no host sync, no allocation), so it is marked
 // command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
-static ffi::Error index_query(cudaStream_t stream, ffi::Buffer<ffi::BF16, 2> x, ffi::ResultBuffer<ffi::BF16, 2> y,
-                              int32_t storage, float inv_sqrt) {
-  const auto xd = x.dimensions();
-  const int64_t rows = xd[0], d = xd[1];
+// x comes in as its whole (flattened) stack; y's rows are read from x_offset on.
+static ffi::Error index_query(cudaStream_t stream, ffi::Buffer<ffi::BF16, 1> x, ffi::ResultBuffer<ffi::BF16, 2> y,
+                              int32_t storage, float inv_sqrt, int64_t x_offset) {
+  const auto yd = y->dimensions();
+  const int64_t rows = yd[0], d = yd[1];
   if (d < 32 || d > 512 || (d & (d - 1)))
-    return ffi::Error::InvalidArgument("x: expected bf16[rows, d] with d a power of two in 32 .. 512");
+    return ffi::Error::InvalidArgument("y: expected bf16[rows, d] with d a power of two in 32 .. 512");
   if (storage != kOfficial && storage != kPerEntry) return ffi::Error::InvalidArgument("storage: unknown family");
-  if (y->dimensions()[0] != rows || y->dimensions()[1] != d) return ffi::Error::InvalidArgument("y: expected x's shape");
+  if (x_offset < 0 || x_offset + rows * d > x.dimensions()[0])
+    return ffi::Error::InvalidArgument("x: expected bf16[rows, d] at x_offset");
   if (rows == 0) return ffi::Error::Success();
   const int64_t threads = rows * (d / kQueryPerLane);
   const unsigned grid = static_cast<unsigned>((threads + kQueryThreads - 1) / kQueryThreads);
-  const auto* src = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* src = reinterpret_cast<const uint16_t*>(x.untyped_data()) + x_offset;
   auto* dst = reinterpret_cast<uint16_t*>(y->untyped_data());
   if (storage == kOfficial)
     index_query_kernel<true><<<grid, kQueryThreads, 0, stream>>>(src, dst, rows, static_cast<int>(d), inv_sqrt);
@@ -113,6 +115,7 @@ static ffi::Error index_query(cudaStream_t stream, ffi::Buffer<ffi::BF16, 2> x, 
 }  // namespace jaxkv
 
 namespace jaxkv::index_query_types {  // buffer types without commas, so they can sit inside the macro
+using Flat = xla::ffi::Buffer<xla::ffi::BF16, 1>;
 using Rows = xla::ffi::Buffer<xla::ffi::BF16, 2>;
 using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 }  // namespace jaxkv::index_query_types
@@ -120,8 +123,9 @@ using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvIndexQuery, jaxkv::index_query,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jaxkv::index_query_types::Stream>()
-                                  .Arg<jaxkv::index_query_types::Rows>()  // bf16[rows, d]
+                                  .Arg<jaxkv::index_query_types::Flat>()  // the stack of x, flattened
                                   .Ret<jaxkv::index_query_types::Rows>()  // bf16[rows, d]
                                   .Attr<int32_t>("storage")
-                                  .Attr<float>("inv_sqrt"),
+                                  .Attr<float>("inv_sqrt")
+                                  .Attr<int64_t>("x_offset"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

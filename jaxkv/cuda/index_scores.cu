@@ -239,10 +239,11 @@ cudaError_t launch(const Args& a, int grid, cudaStream_t stream) {
 namespace ffi = xla::ffi;
 
 // Only enqueues work on XLA's stream (no host sync, no allocation): command-buffer compatible.
-static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::F32, 2> w,
+// w comes in as its whole (flattened) stack; this call's f32[N, H] starts at w_offset.
+static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::F32, 1> w,
                                ffi::Buffer<ffi::U8, 3> pool, ffi::Buffer<ffi::S32, 2> pages,
                                ffi::Buffer<ffi::S32, 1> count, ffi::ResultBuffer<ffi::F32, 2> out, int32_t layer,
-                               int32_t storage, int32_t tiles) {
+                               int32_t storage, int32_t tiles, int64_t w_offset) {
   const auto qd = q.dimensions(), pd = pool.dimensions(), td = pages.dimensions();
   const int64_t N = qd[0], H = qd[1], L = pd[0], P = pd[1], page_bytes = pd[2], B = td[0], NP = td[1];
   if (storage != kOfficial && storage != kPerEntry) return ffi::Error::InvalidArgument("storage: unknown family");
@@ -250,8 +251,9 @@ static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
   if (qd[2] != kIndexDim || H % kHeadBlock || H > kMaxHeadBlocks * kHeadBlock)
     return ffi::Error::InvalidArgument("q: expected bf16[N, H, 128] with H 64 or 128");
   if (page_bytes % (kKeys * kb)) return ffi::Error::InvalidArgument("pool: expected pages of a multiple of 64 keys");
-  if (B == 0 || N % B || count.dimensions()[0] != N || w.dimensions()[0] != N || w.dimensions()[1] != H)
-    return ffi::Error::InvalidArgument("pages, count, weights: expected B dividing N, count i32[N], weights f32[N, H]");
+  if (B == 0 || N % B || count.dimensions()[0] != N || w_offset < 0 || w_offset + N * H > w.dimensions()[0])
+    return ffi::Error::InvalidArgument(
+        "pages, count, weights: expected B dividing N, count i32[N], weights f32[N, H] at w_offset");
   if (layer < 0 || layer >= L) return ffi::Error::InvalidArgument("layer: out of range");
   if (tiles < 1) return ffi::Error::InvalidArgument("tiles: expected >= 1");
   const int bs = static_cast<int>(page_bytes / kb);
@@ -261,7 +263,7 @@ static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
   if (N == 0 || NP == 0) return ffi::Error::Success();
   const int NT = static_cast<int>(NP * (bs / kKeys)), chunks = (NT + tiles - 1) / tiles;
   Args a{reinterpret_cast<const uint32_t*>(q.untyped_data()),
-         w.typed_data(),
+         w.typed_data() + w_offset,
          pool.typed_data() + layer * P * page_bytes,
          pages.typed_data(),
          count.typed_data(),
@@ -288,7 +290,7 @@ static ffi::Error index_scores(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q,
 
 namespace jaxkv::index_scores_types {  // buffer types without commas, so they can sit inside the macro
 using Q = xla::ffi::Buffer<xla::ffi::BF16, 3>;
-using W = xla::ffi::Buffer<xla::ffi::F32, 2>;
+using W = xla::ffi::Buffer<xla::ffi::F32, 1>;
 using Pool = xla::ffi::Buffer<xla::ffi::U8, 3>;
 using Pages = xla::ffi::Buffer<xla::ffi::S32, 2>;
 using Count = xla::ffi::Buffer<xla::ffi::S32, 1>;
@@ -300,12 +302,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvIndexScores, jaxkv::index_scores,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jaxkv::index_scores_types::Stream>()
                                   .Arg<jaxkv::index_scores_types::Q>()      // bf16[N, H, 128]
-                                  .Arg<jaxkv::index_scores_types::W>()      // f32[N, H]
+                                  .Arg<jaxkv::index_scores_types::W>()      // the stack of f32[N, H], flattened
                                   .Arg<jaxkv::index_scores_types::Pool>()   // u8[L, P, bs * key_bytes]
                                   .Arg<jaxkv::index_scores_types::Pages>()  // i32[B, NP]
                                   .Arg<jaxkv::index_scores_types::Count>()  // i32[N]
                                   .Ret<jaxkv::index_scores_types::Out>()    // f32[N, NP * bs]
                                   .Attr<int32_t>("layer")
                                   .Attr<int32_t>("storage")
-                                  .Attr<int32_t>("tiles"),
+                                  .Attr<int32_t>("tiles")
+                                  .Attr<int64_t>("w_offset"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -637,19 +637,23 @@ __global__ void __cluster_dims__(1, kPairs, kSplits) __launch_bounds__(kThreads,
 
 namespace ffi = xla::ffi;
 
-static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> q, ffi::Buffer<ffi::S32, 2> rows,
+// q and sink come in as their whole (flattened) stacks; this call's bf16[N, H, 512] and f32[H]
+// start at q_offset and sink_offset. N is rows', H out's.
+static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 1> q, ffi::Buffer<ffi::S32, 2> rows,
                                  ffi::Buffer<ffi::S32, 2> nvalid, ffi::Buffer<ffi::U8, 2> pool0,
                                  ffi::Buffer<ffi::U8, 2> pool1, ffi::Buffer<ffi::U8, 2> pool2,
                                  ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out,
                                  ffi::ResultBuffer<ffi::F32, 2> lse,
                                  int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
-                                 int32_t storage) {
-  const auto qd = q.dimensions();
-  const int64_t N = qd[0], H = qd[1];
+                                 int32_t storage, int64_t q_offset, int64_t sink_offset) {
+  const int64_t N = rows.dimensions()[0], H = out->dimensions()[1];
   const int32_t nb = blocks0 + blocks1 + blocks2;
   if (storage != kOfficial && storage != kPerEntry)
     return ffi::Error::InvalidArgument("storage: expected a code of jaxkv.formats.storage.STORAGE_CODES");
-  if (qd[2] != kHeadDim || H % kBlock) return ffi::Error::InvalidArgument("q: expected bf16[N, H, 512], H % 64 == 0");
+  if (out->dimensions()[2] != kHeadDim || H < kBlock || H % kBlock)
+    return ffi::Error::InvalidArgument("out: expected bf16[N * parts, H, 512], H % 64 == 0");
+  if (q_offset < 0 || q_offset + N * H * kHeadDim > q.dimensions()[0])
+    return ffi::Error::InvalidArgument("q: expected bf16[N, H, 512] at q_offset (N rows' rows, H out's heads)");
   if (nb < 1 || nb > kMaxBlocks || blocks0 < 0 || blocks1 < 0 || blocks2 < 0)
     return ffi::Error::InvalidArgument("blocks: expected 1..128 blocks of 64 rows in all");
   if (rows.dimensions()[0] != N || rows.dimensions()[1] != int64_t(nb) * kBlock || nvalid.dimensions()[0] != N ||
@@ -666,7 +670,8 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
     return ffi::Error::InvalidArgument(
         "out, lse: expected bf16[N * parts, H, 512] and f32[N * parts, H], parts = 1 for 2 splits at H / 64 odd, "
         "else splits");
-  if (sink.dimensions()[0] != H) return ffi::Error::InvalidArgument("sink: expected f32[H]");
+  if (sink_offset < 0 || sink_offset + H > sink.dimensions()[0])
+    return ffi::Error::InvalidArgument("sink: expected f32[H] at sink_offset");
   AttnArgs a{};
   const ffi::Buffer<ffi::U8, 2>* pools[kMaxParts] = {&pool0, &pool1, &pool2};
   const int32_t blocks[kMaxParts] = {blocks0, blocks1, blocks2};
@@ -679,10 +684,10 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
     end += blocks[p];
     a.part[p] = Part{pools[p]->typed_data(), pd[0] * (pd[1] / E), static_cast<int32_t>(pd[1] / E), end};
   }
-  a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data());
+  a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()) + q_offset;
   a.rows = rows.typed_data();
   a.nvalid = nvalid.typed_data();
-  a.sink = sink.typed_data();
+  a.sink = sink.typed_data() + sink_offset;
   a.out = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   a.lse = lse->typed_data();
   a.heads = static_cast<int32_t>(H);
@@ -703,7 +708,7 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 3> 
 }  // namespace jaxkv
 
 namespace jaxkv::attention_types {  // buffer types without commas, so they can sit inside the macro
-using Q = xla::ffi::Buffer<xla::ffi::BF16, 3>;
+using Q = xla::ffi::Buffer<xla::ffi::BF16, 1>;
 using Index = xla::ffi::Buffer<xla::ffi::S32, 2>;
 using Pool = xla::ffi::Buffer<xla::ffi::U8, 2>;
 using Out = xla::ffi::Buffer<xla::ffi::BF16, 3>;
@@ -715,13 +720,13 @@ using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<jaxkv::attention_types::Stream>()
-                                  .Arg<jaxkv::attention_types::Q>()      // q bf16[N, H, 512]
+                                  .Arg<jaxkv::attention_types::Q>()      // q: the stack of bf16[N, H, 512], flat
                                   .Arg<jaxkv::attention_types::Index>()  // rows i32[N, NB * 64]
                                   .Arg<jaxkv::attention_types::Index>()  // nvalid i32[N, NB]
                                   .Arg<jaxkv::attention_types::Pool>()   // pools, one per part
                                   .Arg<jaxkv::attention_types::Pool>()
                                   .Arg<jaxkv::attention_types::Pool>()
-                                  .Arg<jaxkv::attention_types::Sink>()   // sink f32[H]
+                                  .Arg<jaxkv::attention_types::Sink>()   // sink: the stack of f32[H], flat
                                   .Ret<jaxkv::attention_types::Out>()    // bf16[N * parts, H, 512]
                                   .Ret<jaxkv::attention_types::Lse>()    // f32[N * parts, H]
                                   .Attr<int32_t>("blocks0")
@@ -729,5 +734,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                                   .Attr<int32_t>("blocks2")
                                   .Attr<int32_t>("splits")
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("storage"),
+                                  .Attr<int32_t>("storage")
+                                  .Attr<int64_t>("q_offset")
+                                  .Attr<int64_t>("sink_offset"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -42,7 +42,7 @@ from jaxkv.kernels.after import after_cuda, after_xla
 from jaxkv.kernels.flush_write import encode_rows, ref_encode_rows
 from jaxkv.kernels.launch import pool_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
-from jaxkv.stacked import row
+from jaxkv.stacked import Stacked, map_stack, row
 
 _HI = lax.Precision.HIGHEST
 OWN_BLOCK = 32  # own tokens travel as a small pool of 32-token blocks (the kernel needs bs % 32 == 0)
@@ -65,6 +65,7 @@ def attention(
     q: bf16[B, T, H, 512] (RoPE applied to the last 64 dims)
     sink: f32[H] the layer's attention-sink logits
     kv: bf16[B, T, 512] the step's own tokens (what ``write_window`` stores; call before it)
+    (q, sink and kv may be ``Stacked`` rows, which the cuda kernels read in place)
     idx: i32[B, T, k] the entries a CSA layer attends to (``index_topk``; -1: none;
       entries a query may not see yet are skipped); None for SWA and HCA layers
     scale: softmax scale (default ``512 ** -0.5``)
@@ -76,7 +77,7 @@ def attention(
     if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != state.config.head_dim or q.dtype != jnp.bfloat16:
         raise ValueError(f"q: expected bf16[{B}, {T}, H, {state.config.head_dim}], got {q.dtype}{list(q.shape)}")
     H = q.shape[2]
-    sink = jnp.asarray(sink)
+    sink = sink if isinstance(sink, Stacked) else jnp.asarray(sink)
     if sink.shape != (H,) or not jnp.issubdtype(sink.dtype, jnp.floating):
         raise ValueError(f"sink: expected float[{H}] (one logit per head), got {sink.dtype}{list(sink.shape)}")
     if kind == CSA:
@@ -106,7 +107,7 @@ def attention(
         storage=state.config.storage,
     )
     scale = float(state.config.head_dim**-0.5 if scale is None else scale)
-    sink = sink.astype(jnp.float32)
+    sink = map_stack(lambda s: s.astype(jnp.float32), sink)
     if impl == "xla":
         fn = _xla
     else:  # the kernel looked up now: tests swap pool_attention_pallas for its reference
@@ -221,7 +222,7 @@ def _xla(state, step, layer, kind, q, kv, idx, sink, scale):
             & _entry_blocks(state, step, layer, e)[2]
         )
         parts.append((entries, ok))
-    return sparse_attention(q, parts, sink, scale).astype(jnp.bfloat16)
+    return sparse_attention(row(q), parts, row(sink), scale).astype(jnp.bfloat16)
 
 
 def _entry_blocks(state, step, layer, entry):
@@ -305,7 +306,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
     out = kernel(
-        q.reshape(N, H, D),
+        map_stack(lambda x: x.reshape(x.shape[0], N, H, D), q),  # a Stacked row stays one
         pools,
         part_blocks,
         rows,

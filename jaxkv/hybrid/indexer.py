@@ -22,11 +22,13 @@ from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.kernels.index_scores import index_scores_cuda
 from jaxkv.kernels.top_k import MAX_K, nonfinite_rows
 from jaxkv.kernels.top_k import top_k as top_k_kernel
+from jaxkv.stacked import map_stack, row
 
 
 def index_query(state: HybridCacheState, q, *, impl: str = "auto"):
     """Indexer queries as DeepSeek-V4 scores them: Hadamard-rotated and rounded through the
-    cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied) -> bf16[..., index_dim].
+    cache's FP4 key format. q: bf16[..., index_dim] (RoPE applied; or a ``Stacked`` row, which
+    the kernel reads in place) -> bf16[..., index_dim].
     impl: "xla" (the rotation and the storage codec in jnp), "cuda" (``kernels.index_query_cuda``:
     one launch, the same values), "auto" (cuda on a GPU with nvcc, else xla)."""
     if not jnp.issubdtype(q.dtype, jnp.floating) or q.shape[-1:] != (state.config.index_dim,):
@@ -50,7 +52,8 @@ def index_scores(state: HybridCacheState, step: Step, layer: int, q, weights, *,
     """Lightning-indexer scores ``I[t, s] = sum_h w[t,h] * ReLU(q[t,h] . K[s])``.
 
     q: bf16[B, T, H, index_dim] from ``index_query``; weights: f32[B, T, H] (DeepSeek-V4
-    scales them by ``index_dim**-0.5 * H**-0.5``).
+    scales them by ``index_dim**-0.5 * H**-0.5``), or a ``Stacked`` row the CUDA kernel reads
+    in place.
     Returns f32[B, T, max_entries]; entries a query may not see (``s >= (t+1) // ratio``)
     are -inf. impl: "xla" (every key dequantized to BF16, one batched matmul), "cuda"
     (``kernels.index_scores_cuda``: the FP4 keys read in place, Hopper, nvcc), "pallas"
@@ -91,7 +94,7 @@ def _index_scores(state, step, layer, q, weights, impl):
         visible = _visible(step, T, ratio)
         s = (score_kernel if impl == "pallas" else index_scores_cuda)(
             q.reshape(B * T, H, D).astype(jnp.bfloat16),
-            weights.reshape(B * T, H),
+            map_stack(lambda w: w.reshape(w.shape[0], B * T, H), weights),  # a Stacked row stays one
             state.index_keys,
             j,
             state.alloc[g].table[step.slot],
@@ -101,7 +104,7 @@ def _index_scores(state, step, layer, q, weights, impl):
         return s[:, : c.max_entries(ratio)].reshape(B, T, -1)
     keys, _ = index_keys(state, step, layer)  # bf16[B, N, D]: exact products in f32, f32 sums
     dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.bfloat16), keys, preferred_element_type=jnp.float32)
-    s = jnp.sum(jax.nn.relu(dots) * weights.astype(jnp.float32)[..., None], axis=2)
+    s = jnp.sum(jax.nn.relu(dots) * row(weights).astype(jnp.float32)[..., None], axis=2)
     return jnp.where(causal_entry_mask(keys.shape[1], step, T, ratio), s, -jnp.inf)
 
 

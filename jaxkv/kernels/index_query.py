@@ -13,6 +13,8 @@ the flush-write's (``codes.cuh``).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +22,7 @@ import numpy as np
 from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.formats.storage import STORAGES
 from jaxkv.math.rotation import hadamard
+from jaxkv.stacked import as_flat, row
 
 
 def _check(q, storage: str, dtypes=(jnp.bfloat16,)):
@@ -34,20 +37,21 @@ def _check(q, storage: str, dtypes=(jnp.bfloat16,)):
 
 def ref_index_query(q, storage: str):
     """The jnp reference: ``hadamard(q)`` rounded to bf16, encoded in the storage's index-key
-    format and decoded (q may also be float32 or float16 here)."""
+    format and decoded (q may also be float32 or float16 here, or a ``Stacked`` row)."""
     _check(q, storage, (jnp.bfloat16, jnp.float32, jnp.float16))
     codec = STORAGES[storage].index_key(q.shape[-1])
-    return codec.decode(codec.encode(hadamard(q).astype(jnp.bfloat16)))
+    return codec.decode(codec.encode(hadamard(row(q)).astype(jnp.bfloat16)))
 
 
 def index_query_cuda(q, storage: str):
-    """The kernel: the same values as ``ref_index_query``. Needs a GPU and nvcc."""
+    """The kernel: the same values as ``ref_index_query``; a ``Stacked`` row is read in
+    place. Needs a GPU and nvcc."""
     _check(q, storage)
     register_ffi_targets()
     d = q.shape[-1]
-    rows = q.reshape(-1, d)
-    out = jax.ffi.ffi_call("jaxkv_index_query", jax.ShapeDtypeStruct(rows.shape, jnp.bfloat16))(
-        rows, storage=np.int32(STORAGE_CODES[storage]), inv_sqrt=np.float32(d**-0.5)
+    flat, offset = as_flat(q)
+    out = jax.ffi.ffi_call("jaxkv_index_query", jax.ShapeDtypeStruct((math.prod(q.shape[:-1]), d), jnp.bfloat16))(
+        flat, storage=np.int32(STORAGE_CODES[storage]), inv_sqrt=np.float32(d**-0.5), x_offset=np.int64(offset)
     )
     return out.reshape(q.shape)
 

@@ -24,7 +24,8 @@ of the head sum differs from ``ref_index_scores``.
 
     q: bf16[N, H, D]          indexer queries, one row per (request, token): row n belongs to
                               request n // T; H a multiple of 64, D = 128
-    weights: f32[N, H]        per-head weights
+    weights: f32[N, H]        per-head weights (or a ``jaxkv.stacked.Stacked`` row; the CUDA
+                              kernel reads it in place)
     pool: u8[L, P, bs * Kb]   every CSA layer's indexer keys (``HybridCacheState.index_keys``);
                               layer ``layer`` is read; bs a multiple of 64
     pages: i32[B, NP]         physical page of each logical page of request b (any value where
@@ -51,6 +52,7 @@ from jaxkv.cuda import STORAGE_CODES, register_ffi_targets
 from jaxkv.formats.numerics import e8m0_to_float
 from jaxkv.formats.storage import STORAGES, from_bytes, segment_offsets
 from jaxkv.kernels.launch import launch
+from jaxkv.stacked import as_flat, row
 
 TILE = 64  # keys per tile: the wgmma M; also heads per wgmma N
 i32 = jnp.int32
@@ -133,7 +135,8 @@ def ref_index_scores(q, weights, pool, layer, pages, count, *, storage="official
     keys = codec.decode(jnp.concatenate(segs, axis=-1)).astype(jnp.bfloat16)  # [B, NP * bs, D]
     keys = jnp.repeat(keys, N // B, axis=0).astype(jnp.float32)
     dots = jnp.einsum("nhd,nsd->nhs", q.astype(jnp.float32), keys, precision=lax.Precision.HIGHEST)
-    s = jnp.einsum("nhs,nh->ns", jax.nn.relu(dots), weights.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    w = row(weights).astype(jnp.float32)
+    s = jnp.einsum("nhs,nh->ns", jax.nn.relu(dots), w, precision=lax.Precision.HIGHEST)
     return jnp.where(counted(pages, count, pool.shape[1], bs), s, -jnp.inf)
 
 
@@ -262,7 +265,7 @@ def index_scores(q, weights, pool, layer, pages, count, *, storage="official"):
     q2 = q.reshape(N, H, D // 2, 2).transpose(0, 3, 1, 2)  # [N, 2, H, 64]: even dims, odd dims
     raw = _scores(
         q2,
-        weights.astype(jnp.float32),
+        row(weights).astype(jnp.float32),
         codes,
         mult,
         meta,
@@ -286,15 +289,17 @@ def index_scores_cuda(q, weights, pool, layer, pages, count, *, storage="officia
     register_ffi_targets()
     N = q.shape[0]
     bs = _geometry(pool, storage, q.shape[2])[0]
+    w, w_offset = as_flat(weights, jnp.float32)
     return jax.ffi.ffi_call("jaxkv_index_scores", jax.ShapeDtypeStruct((N, pages.shape[1] * bs), jnp.float32))(
         q,
-        weights.astype(jnp.float32),
+        w,
         pool,
         pages,
         count,
         layer=np.int32(layer),
         storage=np.int32(STORAGE_CODES[storage]),
         tiles=np.int32(launch("index_scores_cuda")["tiles"]),
+        w_offset=np.int64(w_offset),
     )
 
 

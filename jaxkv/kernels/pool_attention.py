@@ -44,6 +44,9 @@ merged in the kernel): no merge launch, one bf16 rounding of the output.
     sink: f32[H]                 per-head logit added to the denominator
     -> bf16[N, H, 512]           zeros for a row with no valid key and sink -inf
 
+q and sink may be ``jaxkv.stacked.Stacked`` rows (of bf16[n, N, H, 512], f32[n, H]): the CUDA
+kernel reads them in place, the others slice them.
+
 ``ref_pool_attention`` is the float32 reference with the same contract. Neither kernel has
 an interpret mode: the tests run them on a GPU; off a GPU the hybrid cache uses XLA.
 """
@@ -63,6 +66,7 @@ from jaxkv.formats.storage import HEAD_DIM, NOPE, NOPE_TILES, ROPE, STORAGES, fr
 from jaxkv.kernels.dequant_gather import ref_dequant_gather
 from jaxkv.kernels.launch import flashmla_sm_parts, pool_cuda_parts
 from jaxkv.math.attention import merge_partials
+from jaxkv.stacked import as_flat, row
 
 STAGES = 2  # raw blocks in flight (static slots: the loops run over pairs of blocks)
 BLOCK = 64  # rows per block (a wgmma N tile); also heads per program (the M tile)
@@ -147,6 +151,7 @@ def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scal
     """float32 attention over the valid rows alone, no sink: (out f32[N, H, 512] normalized
     by its own sum, lse f32[N, H] natural log, -inf for a row with no valid key), the
     pieces ``merge_partials`` combines with other parts and the sink."""
+    q = row(q)
     valid = valid_rows(pools, part_blocks, rows, nvalid, storage)
     keys = _decode_rows(pools, part_blocks, rows, storage).astype(jnp.float32)  # [N, K, D]
     keys = jnp.where(valid[..., None], keys, 0.0)  # a masked row's bytes never reach the output (NaN included)
@@ -165,7 +170,7 @@ def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scal
 def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None):
     """float32 reference: decode every valid row, softmax with the sink in the denominator."""
     out, lse = ref_partial(q, pools, part_blocks, rows, nvalid, storage=storage, scale=scale)
-    return merge_partials(out[:, None, None], lse[:, None, None], sink=sink)[:, 0]
+    return merge_partials(out[:, None, None], lse[:, None, None], sink=row(sink))[:, 0]
 
 
 def row_scales(pools, part_blocks, rows, storage):
@@ -425,8 +430,8 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The pool attention contract (module docstring) on ``jaxkv/cuda/pool_attention.cu`` through
-    ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. Needs an sm_90 GPU and
-    nvcc (the first use builds ``cuda/``)."""
+    ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. ``q`` and ``sink`` may be
+    ``Stacked`` rows, read in place. Needs an sm_90 GPU and nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
@@ -436,23 +441,27 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
     blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
     pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
     parts = pool_cuda_parts(H, splits)
+    q_flat, q_offset = as_flat(q)
+    sink_flat, sink_offset = as_flat(sink, jnp.float32)
     out, lse = jax.ffi.ffi_call(
         "jaxkv_pool_attention",
         (jax.ShapeDtypeStruct((N * parts, H, D), jnp.bfloat16), jax.ShapeDtypeStruct((N * parts, H), jnp.float32)),
     )(
-        q,
+        q_flat,
         rows,
         nvalid,
         *pools,
-        jnp.asarray(sink, jnp.float32),
+        sink_flat,
         blocks0=np.int32(blocks[0]),
         blocks1=np.int32(blocks[1]),
         blocks2=np.int32(blocks[2]),
         splits=np.int32(splits),
         scale=np.float32(scale),
         storage=np.int32(STORAGE_CODES[storage]),
+        q_offset=np.int64(q_offset),
+        sink_offset=np.int64(sink_offset),
     )
-    return out if parts == 1 else _merge_splits(out, lse, N, parts, sink)  # one partial: the sink is in
+    return out if parts == 1 else _merge_splits(out, lse, N, parts, row(sink))  # one partial: the sink is in
 
 
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
@@ -467,7 +476,7 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
     per call, then its decode and combine kernels). A decode kernel: its scratch holds float32
     partials of (N + SMs) x H x 512 per call (N query rows), so long prefill chunks belong on
     ``pool_attention_cuda``."""
-    pools = tuple(pools)
+    pools, q, sink = tuple(pools), row(q), row(sink)
     storage = storage_name(storage)
     if storage != "official" or q.ndim != 3 or q.shape[1] not in flashmla.HEADS:
         raise ValueError(
@@ -545,7 +554,7 @@ def _valid_first(pools, part_blocks, rows, nvalid, storage):
 @functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
 def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
     """The Mosaic GPU kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
-    pools = tuple(pools)
+    pools, q, sink = tuple(pools), row(q), row(sink)
     _check(q, pools, part_blocks, rows, nvalid, sink, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
     rows, nvalid = _valid_first(pools, part_blocks, rows, nvalid, storage)

@@ -131,18 +131,23 @@ def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
     _assert_paths_agree(rng, filled)
 
 
-def test_stacked_rows_are_the_arrays(rng, filled, reference_kernel):
-    """``Stacked`` rows of the step's tokens give the same output as the arrays they stand
-    for, on both paths and every layer kind."""
+def _assert_stacked_rows_are_the_arrays(rng, filled, impls):
     state, step, T, params = next(_steps(filled, chunk=False))
     for layer in range(state.config.num_layers):
         st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
         sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
-        kvs = jnp.stack([-kv, kv, 2 * kv])
-        for impl in ("xla", "pallas"):
+        kvs, qs, sinks = (jnp.stack([-x, x, 2 * x]) for x in (kv, q, sink))
+        for impl in impls:
             want = H.attention(st, step, layer, q, sink, kv, idx, impl=impl)
-            got = H.attention(st, step, layer, q, sink, H.Stacked(kvs, 1), idx, impl=impl)
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {layer}, {impl}")
+            for args in ((q, sink, H.Stacked(kvs, 1)), (H.Stacked(qs, 1), H.Stacked(sinks, 1), kv)):
+                got = H.attention(st, step, layer, *args, idx, impl=impl)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {layer}, {impl}")
+
+
+def test_stacked_rows_are_the_arrays(rng, filled, reference_kernel):
+    """``Stacked`` rows of q, sink and the step's tokens give the same output as the arrays
+    they stand for, on both paths and every layer kind."""
+    _assert_stacked_rows_are_the_arrays(rng, filled, ("xla", "pallas"))
 
 
 def test_table_cell_outside_the_pool_is_no_key(rng, filled, reference_kernel):
@@ -233,6 +238,7 @@ def test_kernel_equals_xla_on_gpu(rng, filled, impl):
     if why:
         pytest.skip(why)
     _assert_paths_agree(rng, filled, impl)
+    _assert_stacked_rows_are_the_arrays(rng, filled, (impl,))  # cuda: read in place
 
 
 @pytest.mark.gpu

@@ -131,6 +131,19 @@ def test_kernel_path_equals_xla(rng, filled, reference_kernel, impl):
         assert _assert_paths_agree(state, step, T, q, w, impl) > 100
 
 
+def _assert_stacked_weights_are_the_array(state, step, q, w, impl):
+    """Weights as a ``Stacked`` row (the middle of three) give the array's scores exactly."""
+    want = H.index_scores(state, step, 1, q, w, impl=impl)
+    got = H.index_scores(state, step, 1, q, H.Stacked(jnp.stack([-w, w, 2 * w]), 1), impl=impl)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cuda"])
+def test_stacked_weights(rng, filled, reference_kernel, impl):
+    step, T = next(_steps(filled))
+    _assert_stacked_weights_are_the_array(filled, step, *_query(filled, rng, T), impl)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not is_hopper(), reason="the kernels are written for Hopper (sm_90)")
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
@@ -139,6 +152,7 @@ def test_kernel_equals_xla_on_gpu(rng, filled, impl):
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
         _assert_paths_agree(state, step, T, q, w, impl)
+        _assert_stacked_weights_are_the_array(state, step, q, w, impl)
         top, ref = _real(
             step,
             T,

@@ -63,6 +63,20 @@ def test_kernel_equals_reference(rng, storage, shape):
     want = np.asarray(ref_index_query(q, storage), np.float32)
     np.testing.assert_array_equal(got, want)
     assert got.shape == q.shape and np.nanmax(np.abs(got)) > 0  # the NaN rows aside, not all zero
+    # a Stacked row is read in place: the middle of three
+    stack = jnp.stack([-q, q, 2 * q])
+    np.testing.assert_array_equal(np.asarray(index_query_cuda(H.Stacked(stack, 1), storage), np.float32), want)
+
+
+@pytest.mark.parametrize("storage", sorted(STORAGES))
+def test_reference_reads_a_stacked_row(rng, storage):
+    q = _queries(rng, (2, 1, 4, 128))
+    stack = jnp.stack([q, -q])
+    want = np.asarray(ref_index_query(-q, storage), np.float32)
+    np.testing.assert_array_equal(np.asarray(ref_index_query(H.Stacked(stack, 1), storage), np.float32), want)
+    st = H.init(H.HybridConfig(compress_ratios=(4,), max_requests=2, max_context=64, block_size=16, storage=storage))
+    got = H.index_query(st, H.Stacked(stack, 1), impl="xla")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 @pytest.mark.gpu

@@ -19,6 +19,7 @@ from jaxkv.kernels.pool_attention import (
     row_scales,
 )
 from jaxkv.math import merge_partials
+from jaxkv.stacked import Stacked
 
 hopper = pytest.mark.skipif(not is_hopper(), reason="the kernel is Mosaic GPU for Hopper (sm_90); no GPU here")
 cuda = pytest.mark.skipif(_pool_cuda_missing() is not None, reason=f"the cuda/ kernel: {_pool_cuda_missing()}")
@@ -161,6 +162,10 @@ def test_cuda_kernel_matches_reference(rng, storage, H, splits):
     assert bool(jnp.all(out[-1] == 0))  # no valid key
     again = pool_attention_cuda(q, pools, pb, rows, nvalid, sink, storage=storage, splits=splits)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
+    # q and sink as Stacked rows (the last of two), read in place: the same bits
+    q2, s2 = Stacked(jnp.stack([-q, q]), 1), Stacked(jnp.stack([sink + 1.0, sink]), 1)
+    stacked = pool_attention_cuda(q2, pools, pb, rows, nvalid, s2, storage=storage, splits=splits)
+    np.testing.assert_array_equal(np.asarray(stacked, np.float32), np.asarray(out, np.float32))
 
 
 @pytest.mark.gpu
