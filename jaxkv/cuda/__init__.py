@@ -27,6 +27,7 @@ FFI_TARGETS = {
     "jaxkv_pool_attention": "JaxkvPoolAttention",  # pool_attention.cu
     "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
     "jaxkv_top_k": "JaxkvTopK",  # top_k.cu
+    "jaxkv_top_k_record": "JaxkvTopKRecord",
     "jaxkv_index_scores": "JaxkvIndexScores",  # index_scores.cu
     "jaxkv_index_query": "JaxkvIndexQuery",  # index_query.cu
     "jaxkv_after": "JaxkvAfter",  # after.cu

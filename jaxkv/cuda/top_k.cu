@@ -7,7 +7,9 @@
 // is -1; -0.0 equals +0.0; equal scores go to the lower index; the result is best first.
 // With `visible`, each row also says whether one of its first visible[row] scores is NaN or
 // infinite (a fault for the caller to record; the -inf past them is masking), from the same
-// read of the row, so no other kernel reads the scores for it.
+// read of the row, so no other kernel reads the scores for it. jaxkv_top_k_record records it
+// itself: the fault bit ORed into the error word of the row's request, so the step spends no
+// launch on it.
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -229,9 +231,18 @@ __device__ void write_sorted(unsigned long long* picks, int cap, int k, int32_t*
     out[j] = picks[j] == ~0ull ? -1 : static_cast<int32_t>(static_cast<uint32_t>(picks[j]));
 }
 
+// Where a row's NaN / Inf goes: error[slot[row / rows_per_slot]] |= fault (a slot outside the
+// error words records nothing), or nowhere (error null).
+struct Record {
+  uint32_t* error;
+  const int32_t* slot;
+  int rows_per_slot, words;
+  uint32_t fault;
+};
+
 __global__ void __launch_bounds__(kThreads, 2)
     top_k_kernel(const float* __restrict__ scores, int32_t* __restrict__ out, const int32_t* __restrict__ visible,
-                 int32_t* __restrict__ nonfinite, int n, int k, int cap, bool resident) {
+                 int32_t* __restrict__ nonfinite, Record rec, int n, int k, int cap, bool resident) {
   extern __shared__ __align__(16) unsigned char smem[];
   uint32_t* hist = reinterpret_cast<uint32_t*>(smem);                               // [kBins]
   unsigned long long* picks = reinterpret_cast<unsigned long long*>(hist + kBins);  // [cap]
@@ -277,6 +288,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const bool found = __syncthreads_or(bad);  // every thread joins
   if (nonfinite && threadIdx.x == 0) nonfinite[blockIdx.x] = found;
+  if (rec.error && found && threadIdx.x == 0) {
+    const int32_t s = rec.slot[blockIdx.x / rec.rows_per_slot];
+    if (s >= 0 && s < rec.words) atomicOr(rec.error + s, rec.fault);
+  }
   if (threadIdx.x == 0) f = Found{0u, static_cast<uint32_t>(k), 0u, 0u};
   __syncthreads();
   const Row r{row, resident ? keys : nullptr, n, groups};
@@ -305,17 +320,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 namespace ffi = xla::ffi;
 
-// Only enqueues work on XLA's stream (no host sync, no allocation), so it is marked
-// command-buffer compatible: XLA captures it into the CUDA graph of a jitted step.
-// visible: i32[rows] (the check asked for) or i32[0] (not); nonfinite: i32[rows] or i32[0] alike.
-static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> scores, ffi::Buffer<ffi::S32, 1> visible,
-                               ffi::ResultBuffer<ffi::S32, 2> out, ffi::ResultBuffer<ffi::S32, 1> nonfinite,
-                               int32_t k) {
+static ffi::Error launch_top_k(cudaStream_t stream, const ffi::Buffer<ffi::F32, 2>& scores, const int32_t* visible,
+                               ffi::ResultBuffer<ffi::S32, 2>& out, int32_t* nonfinite, Record rec, int32_t k) {
   const auto d = scores.dimensions();
   const int64_t rows = d[0], n = d[1];
-  const bool check = visible.dimensions()[0] != 0;
-  if ((check && visible.dimensions()[0] != rows) || nonfinite->dimensions()[0] != visible.dimensions()[0])
-    return ffi::Error::InvalidArgument("visible, nonfinite: expected i32[rows] each, or i32[0] each");
   if (k < 1 || k > kMaxK || k > n)
     return ffi::Error::InvalidArgument("k: expected 1 <= k <= min(2048, the scores' last axis)");
   if (n >= (int64_t{1} << 31)) return ffi::Error::InvalidArgument("scores: expected fewer than 2**31 per row");
@@ -331,9 +339,38 @@ static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> sco
   // per launch, not once: the attribute belongs to the current device's context
   cudaFuncSetAttribute(top_k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kResident);
   top_k_kernel<<<static_cast<unsigned>(rows), kThreads, bytes, stream>>>(
-      scores.typed_data(), out->typed_data(), check ? visible.typed_data() : nullptr,
-      check ? nonfinite->typed_data() : nullptr, static_cast<int>(n), k, cap, resident);
+      scores.typed_data(), out->typed_data(), visible, nonfinite, rec, static_cast<int>(n), k, cap, resident);
   return launch_status(cudaGetLastError(), "top_k");
+}
+
+// Only enqueue work on XLA's stream (no host sync, no allocation), so they are marked
+// command-buffer compatible: XLA captures them into the CUDA graph of a jitted step.
+// visible: i32[rows] (the check asked for) or i32[0] (not); nonfinite: i32[rows] or i32[0] alike.
+static ffi::Error top_k_select(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> scores, ffi::Buffer<ffi::S32, 1> visible,
+                               ffi::ResultBuffer<ffi::S32, 2> out, ffi::ResultBuffer<ffi::S32, 1> nonfinite,
+                               int32_t k) {
+  const int64_t rows = scores.dimensions()[0];
+  const bool check = visible.dimensions()[0] != 0;
+  if ((check && visible.dimensions()[0] != rows) || nonfinite->dimensions()[0] != visible.dimensions()[0])
+    return ffi::Error::InvalidArgument("visible, nonfinite: expected i32[rows] each, or i32[0] each");
+  return launch_top_k(stream, scores, check ? visible.typed_data() : nullptr, out,
+                      check ? nonfinite->typed_data() : nullptr, Record{}, k);
+}
+
+// visible: i32[rows]; error: u32[words], returned in place with fault ORed into the word of
+// each row's slot (slot: i32[rows / rows_per_slot]) whose visible scores hold a NaN or Inf.
+static ffi::Error top_k_record(cudaStream_t stream, ffi::Buffer<ffi::F32, 2> scores, ffi::Buffer<ffi::S32, 1> visible,
+                               ffi::Buffer<ffi::U32, 1> error, ffi::Buffer<ffi::S32, 1> slot,
+                               ffi::ResultBuffer<ffi::S32, 2> out, ffi::ResultBuffer<ffi::U32, 1> error_out, int32_t k,
+                               int32_t fault) {
+  const int64_t rows = scores.dimensions()[0], slots = slot.dimensions()[0];
+  if (visible.dimensions()[0] != rows) return ffi::Error::InvalidArgument("visible: expected i32[rows]");
+  if (slots < 1 || rows % slots) return ffi::Error::InvalidArgument("slot: expected i32[B] with B dividing the rows");
+  if (error_out->dimensions()[0] != error.dimensions()[0]) return ffi::Error::InvalidArgument("error: expected u32[words]");
+  in_place(error_out, error, stream);
+  const Record rec{error_out->typed_data(), slot.typed_data(), static_cast<int>(rows / slots),
+                   static_cast<int>(error.dimensions()[0]), static_cast<uint32_t>(fault)};
+  return launch_top_k(stream, scores, visible.typed_data(), out, nullptr, rec, k);
 }
 
 }  // namespace jaxkv
@@ -342,6 +379,7 @@ namespace jaxkv::top_k_types {  // buffer types without commas, so they can sit 
 using Scores = xla::ffi::Buffer<xla::ffi::F32, 2>;
 using Picks = xla::ffi::Buffer<xla::ffi::S32, 2>;
 using Rows = xla::ffi::Buffer<xla::ffi::S32, 1>;
+using Words = xla::ffi::Buffer<xla::ffi::U32, 1>;
 using Stream = xla::ffi::PlatformStream<cudaStream_t>;
 }  // namespace jaxkv::top_k_types
 
@@ -353,4 +391,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvTopK, jaxkv::top_k_select,
                                   .Ret<jaxkv::top_k_types::Picks>()   // i32[rows, k]
                                   .Ret<jaxkv::top_k_types::Rows>()    // nonfinite: i32[rows] or i32[0]
                                   .Attr<int32_t>("k"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvTopKRecord, jaxkv::top_k_record,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::top_k_types::Stream>()
+                                  .Arg<jaxkv::top_k_types::Scores>()  // f32[rows, n]
+                                  .Arg<jaxkv::top_k_types::Rows>()    // visible: i32[rows]
+                                  .Arg<jaxkv::top_k_types::Words>()   // error: u32[words]
+                                  .Arg<jaxkv::top_k_types::Rows>()    // slot: i32[B]
+                                  .Ret<jaxkv::top_k_types::Picks>()   // i32[rows, k]
+                                  .Ret<jaxkv::top_k_types::Words>()   // error, in place
+                                  .Attr<int32_t>("k")
+                                  .Attr<int32_t>("fault"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -20,7 +20,7 @@ from jaxkv.hybrid.step import Step, on_requests
 from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.kernels.index_scores import index_scores_cuda
-from jaxkv.kernels.top_k import MAX_K, nonfinite_rows
+from jaxkv.kernels.top_k import MAX_K, nonfinite_rows, top_k_record
 from jaxkv.kernels.top_k import top_k as top_k_kernel
 from jaxkv.stacked import map_stack, row
 
@@ -141,7 +141,11 @@ def index_topk(
         T = s.shape[1]
         real = jnp.arange(T)[None, :] < step.num_tokens[:, None]
         seen = jnp.where(real, _visible(step, T, st.config.compress_ratios[layer]), 0)
-        idx, bad = _select(s, k, _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K), seen)
+        if _backend.choose("hybrid.index_topk", select, top_k=k, max_top_k=MAX_K) == "cuda":
+            # the kernel ORs the fault into the request's word itself: no launch of its own
+            idx, error = top_k_record(s, k, seen, st.error, step.slot, Fault.NONFINITE_SCORES)
+            return st.replace(error=error), idx
+        idx, bad = _select(s, k, "xla", seen)
         bad = jnp.any(bad, axis=1) & step.active
         return st.replace(error=record_rows(st, step, bad, Fault.NONFINITE_SCORES)), idx
 

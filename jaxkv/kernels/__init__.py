@@ -35,7 +35,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   the in-place writes that follow a read need no copy (``hybrid.after_reads``;
   ``jaxkv/cuda/after.cu`` moves nothing).
 * ``top_k``: the k best of each score row by a radix select, no sort (``hybrid.index_topk
-  (select="cuda")``; ``jaxkv/cuda/top_k.cu``).
+  (select="cuda")``; ``jaxkv/cuda/top_k.cu``); ``top_k_record`` also records a row's NaN /
+  Inf in its request's error word.
 """
 
 from jaxkv.kernels.after import after_cuda, after_xla
@@ -53,7 +54,7 @@ from jaxkv.kernels.pool_attention import (
     ref_pool_attention,
 )
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
-from jaxkv.kernels.top_k import ref_top_k, top_k
+from jaxkv.kernels.top_k import ref_top_k, ref_top_k_record, top_k, top_k_record
 
 __all__ = [
     "after_cuda",
@@ -81,8 +82,10 @@ __all__ = [
     "ref_quantize_mxfp4",
     "ref_quantize_nvfp4",
     "ref_top_k",
+    "ref_top_k_record",
     "ref_write_frame",
     "top_k",
+    "top_k_record",
     "window_write",
     "write_frame",
 ]

@@ -11,10 +11,12 @@ The meaning, both paths: a NaN or infinite score is never picked (its slot is -1
 equals +0.0, equal scores go to the lower index, and the picks come best first. Given
 ``visible``, each row also says whether one of its first ``visible`` scores is NaN or
 infinite (the indexer's fault; the -inf past them is its masking), from the kernel's one
-read of the row.
+read of the row. ``top_k_record`` records that fault itself, in the error word of the row's
+request, so a step spends no launch of its own on it.
 
     scores: f32[..., n]  ->  i32[..., k]   (1 <= k <= min(n, MAX_K))
     visible: i32[...] (optional)  ->  also bool[...]
+    top_k_record: + visible i32[B, ...], error u32[words], slot i32[B]  ->  i32[B, ..., k], error
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cuda import register_ffi_targets
-from jaxkv.errors import finite_rows
+from jaxkv.errors import Fault, finite_rows, record
 
 MAX_K = 2048  # the kernel sorts its picks in shared memory
 
@@ -71,4 +73,48 @@ def top_k(scores, k: int, visible=None):
     return idx if visible is None else (idx, bad.reshape(scores.shape[:-1]) != 0)
 
 
-__all__ = ["MAX_K", "nonfinite_rows", "ref_top_k", "top_k"]
+def _check_record(scores, k, visible, error, slot):
+    _check(scores, k, visible)
+    if visible is None or visible.ndim < 1:
+        raise ValueError(
+            f"visible: expected int[B, ...] (B the requests), got {None if visible is None else visible.shape}"
+        )
+    if error.ndim != 1 or error.dtype != jnp.uint32:
+        raise ValueError(f"error: expected u32[words], got {error.dtype}{list(error.shape)}")
+    if slot.shape != visible.shape[:1] or slot.dtype != jnp.int32:
+        raise ValueError(
+            f"slot: expected int32[{visible.shape[0]}] (one per request), got {slot.dtype}{list(slot.shape)}"
+        )
+
+
+def ref_top_k_record(scores, k: int, visible, error, slot, fault: Fault):
+    """The jnp reference of ``top_k_record``: ``ref_top_k``'s picks, and ``fault`` ORed into
+    ``error[slot[b]]`` for each request b with a NaN / Inf among a row's visible scores (a
+    slot outside ``error`` records nothing)."""
+    _check_record(scores, k, visible, error, slot)
+    idx, bad = ref_top_k(scores, k, visible)
+    bad = bad.reshape(slot.shape[0], -1).any(1) & (slot >= 0) & (slot < error.shape[0])
+    return idx, error.at[jnp.where(bad, slot, error.shape[0])].apply(lambda e: record(e, True, fault), mode="drop")
+
+
+def top_k_record(scores, k: int, visible, error, slot, fault: Fault):
+    """The kernel: ``ref_top_k_record``'s picks and error words in one launch (``error``
+    updated in place)."""
+    _check_record(scores, k, visible, error, slot)
+    if k > MAX_K:
+        raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
+    register_ffi_targets()
+    rows = scores.reshape(-1, scores.shape[-1])
+    out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32), jax.ShapeDtypeStruct(error.shape, error.dtype))
+    idx, error = jax.ffi.ffi_call("jaxkv_top_k_record", out, input_output_aliases={2: 1})(
+        rows,
+        jnp.asarray(visible, jnp.int32).reshape(-1),
+        error,
+        slot,
+        k=np.int32(k),
+        fault=np.int32(int(fault)),
+    )
+    return idx.reshape(*scores.shape[:-1], k), error
+
+
+__all__ = ["MAX_K", "nonfinite_rows", "ref_top_k", "ref_top_k_record", "top_k", "top_k_record"]

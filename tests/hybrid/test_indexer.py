@@ -18,6 +18,7 @@ from jaxkv.errors import Fault
 from jaxkv.hybrid import indexer
 from jaxkv.hybrid.indexer import _select, _top_k
 from jaxkv.kernels.index_scores import ref_index_scores
+from jaxkv.kernels.top_k import ref_top_k_record
 
 # index heads and block size as the kernel takes them (by 64); two pages of entries a request
 CFG = H.HybridConfig(
@@ -177,15 +178,7 @@ def test_select_kernel_equals_xla(rng, filled):
             assert (np.asarray(got) < 0).any()
 
 
-@pytest.mark.parametrize("select", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("impl", ["xla", "cuda"])
-def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl, select):
-    """A NaN in request 0's indexer query, an Inf in request 2's weights: those requests get
-    NONFINITE_SCORES and request 1 nothing; no non-finite score is picked (request 0's first row
-    picks none); the state is otherwise the same arrays' values. impl "cuda": the kernel path's
-    own masks, with the kernel replaced by its reference (CPU). select "cuda": the top-k
-    kernel's own check."""
-    state = filled
+def _assert_nonfinite_is_a_sticky_fault(state, rng, impl, select):
     for step, T in _steps(state):
         q, w = _query(state, rng, T)
         new, clean = H.index_topk(state, step, 1, q, w, impl=impl, select=select)
@@ -201,6 +194,24 @@ def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         with pytest.raises(jaxkv.CacheError, match="non-finite indexer scores"):
             jaxkv.check(new)
+
+
+@pytest.mark.parametrize("select", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_nonfinite_scores_are_a_sticky_fault(rng, filled, reference_kernel, impl, select):
+    """A NaN in request 0's indexer query, an Inf in request 2's weights: those requests get
+    NONFINITE_SCORES and request 1 nothing; no non-finite score is picked (request 0's first row
+    picks none); the state is otherwise the same arrays' values. impl "cuda": the kernel path's
+    own masks, with the kernel replaced by its reference (CPU). select "cuda": the top-k
+    kernel records the fault itself."""
+    _assert_nonfinite_is_a_sticky_fault(filled, rng, impl, select)
+
+
+def test_recording_select_wiring(rng, filled, reference_kernel, monkeypatch):
+    """select="cuda"'s path with its kernel replaced by ``ref_top_k_record`` (CPU): the
+    request words it is handed are the step's slots' (the same checks as above)."""
+    monkeypatch.setattr(indexer, "top_k_record", ref_top_k_record)
+    _assert_nonfinite_is_a_sticky_fault(filled, rng, "xla", "cuda")
 
 
 def test_bad_impl(rng, filled):

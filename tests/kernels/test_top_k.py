@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from jaxkv import _backend
-from jaxkv.kernels.top_k import MAX_K, ref_top_k, top_k
+from jaxkv.errors import Fault
+from jaxkv.kernels.top_k import MAX_K, ref_top_k, ref_top_k_record, top_k, top_k_record
 
 
 def _numpy_top_k(s, k):
@@ -68,6 +69,36 @@ def test_reference_flags_nonfinite_visible_scores(rng):
     assert want.any() and not want.all()
 
 
+def _record_case(rng, B=6, T=3, n=300):
+    """Scores of B requests x T rows with NaN / Inf here and there, their visible counts,
+    error words with other bits already set, and slots: two out of range (-1 and past the
+    words) and the rest a permutation of some words."""
+    s = _rows(rng, "nonfinite", (B * T, n))
+    vis = _visible(rng, s).reshape(B, T)
+    error = rng.integers(0, 2**32, size=B + 3, dtype=np.uint64).astype(np.uint32)
+    error &= ~np.uint32(int(Fault.NONFINITE_SCORES))
+    slot = rng.permutation(B + 3)[:B].astype(np.int32)
+    slot[1], slot[4] = -1, B + 3
+    return s.reshape(B, T, n), vis, error, slot
+
+
+def test_reference_records_into_the_request_words(rng):
+    s, vis, error, slot = _record_case(rng)
+    idx, got = ref_top_k_record(
+        jnp.asarray(s), 17, jnp.asarray(vis), jnp.asarray(error), jnp.asarray(slot), Fault.NONFINITE_SCORES
+    )
+    np.testing.assert_array_equal(
+        np.asarray(idx), _numpy_top_k(s.reshape(-1, s.shape[-1]), 17).reshape(*s.shape[:2], 17)
+    )
+    want = error.copy()
+    for b in range(len(slot)):
+        bad = any((~np.isfinite(s[b, t, : vis[b, t]])).any() for t in range(s.shape[1]))
+        if bad and 0 <= slot[b] < len(error):
+            want[slot[b]] |= np.uint32(int(Fault.NONFINITE_SCORES))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert (want != error).any() and (want == error).any()  # some words recorded, some not
+
+
 def test_bad_arguments():
     s = jnp.zeros((2, 4096), jnp.float32)
     with pytest.raises(ValueError, match="k: expected at most"):
@@ -80,6 +111,11 @@ def test_bad_arguments():
         top_k(s, 4, jnp.zeros(2, jnp.float32))
     with pytest.raises(ValueError, match=r"visible: expected int\[2\], got int32\[3\]"):
         ref_top_k(s, 4, jnp.zeros(3, jnp.int32))
+    seen, words = jnp.zeros(2, jnp.int32), jnp.zeros(5, jnp.uint32)
+    with pytest.raises(ValueError, match=r"error: expected u32\[words\], got int32\[5\]"):
+        top_k_record(s, 4, seen, words.astype(jnp.int32), jnp.zeros(2, jnp.int32), Fault.NONFINITE_SCORES)
+    with pytest.raises(ValueError, match=r"slot: expected int32\[2\] \(one per request\), got int32\[3\]"):
+        ref_top_k_record(s, 4, seen, words, jnp.zeros(3, jnp.int32), Fault.NONFINITE_SCORES)
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="select='cuda'"):
             _backend.choose("hybrid.index_topk", "cuda", top_k=512, max_top_k=MAX_K)
@@ -118,3 +154,16 @@ def test_kernel_batch_axes_and_determinism(rng):
     assert got.shape == (2, 3, 300)
     np.testing.assert_array_equal(got, np.asarray(ref_top_k(s, 300)))
     np.testing.assert_array_equal(got, np.asarray(top_k(s, 300)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3])
+def test_record_kernel_equals_reference(rng, T):
+    """Picks and error words bit for bit: the fault in the words of the requests with a NaN /
+    Inf among a row's visible scores, other bits kept, out-of-range slots recording nothing."""
+    s, vis, error, slot = (jnp.asarray(a) for a in _record_case(rng, T=T))
+    args = (s, 17, vis, error, slot, Fault.NONFINITE_SCORES)
+    (idx, got), (ref_idx, want) = top_k_record(*args), ref_top_k_record(*args)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(want) != np.asarray(error)).any()
