@@ -74,8 +74,8 @@ constexpr int kBarP = 1, kBarPFree = 2, kBarOut = 3, kBarList = 4, kBarReady = 5
 constexpr int kConsumerWarps = 8;                     // arrivals a K stage's `free` barrier takes per CTA
 
 struct Part {
-  const uint8_t* pool;  // u8[blocks, bs * E]
-  int64_t items;        // blocks * bs: ids in [0, items) are rows of this pool
+  const uint8_t* pool;  // u8[blocks, bs * E]: the call's span of its pool
+  int64_t items;        // blocks * bs: ids in [0, items) are rows of the span
   int32_t bs;
   int32_t end;          // the part owns list blocks [previous end, end)
 };
@@ -645,7 +645,8 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 1> 
                                  ffi::Buffer<ffi::F32, 1> sink, ffi::ResultBuffer<ffi::BF16, 3> out,
                                  ffi::ResultBuffer<ffi::F32, 2> lse,
                                  int32_t blocks0, int32_t blocks1, int32_t blocks2, int32_t splits, float scale,
-                                 int32_t storage, int64_t q_offset, int64_t sink_offset) {
+                                 int32_t storage, int64_t q_offset, int64_t sink_offset, int64_t first0,
+                                 int64_t count0, int64_t first1, int64_t count1, int64_t first2, int64_t count2) {
   const int64_t N = rows.dimensions()[0], H = out->dimensions()[1];
   const int32_t nb = blocks0 + blocks1 + blocks2;
   if (storage != kOfficial && storage != kPerEntry)
@@ -675,14 +676,18 @@ static ffi::Error pool_attention(cudaStream_t stream, ffi::Buffer<ffi::BF16, 1> 
   AttnArgs a{};
   const ffi::Buffer<ffi::U8, 2>* pools[kMaxParts] = {&pool0, &pool1, &pool2};
   const int32_t blocks[kMaxParts] = {blocks0, blocks1, blocks2};
+  const int64_t first[kMaxParts] = {first0, first1, first2}, count[kMaxParts] = {count0, count1, count2};
   int32_t end = 0;
   for (int p = 0; p < kMaxParts; ++p) {
     const auto pd = pools[p]->dimensions();
     const int64_t E = entry_bytes(storage);
     if (pd[1] % E || (pd[1] / E) % 32)
       return ffi::Error::InvalidArgument("pools: expected u8[blocks, block_size * entry bytes], block_size % 32 == 0");
+    if (first[p] < 0 || count[p] < 0 || first[p] + count[p] > pd[0])
+      return ffi::Error::InvalidArgument("spans: expected 0 <= first, 0 <= count, first + count <= the pool's blocks");
     end += blocks[p];
-    a.part[p] = Part{pools[p]->typed_data(), pd[0] * (pd[1] / E), static_cast<int32_t>(pd[1] / E), end};
+    a.part[p] = Part{pools[p]->typed_data() + first[p] * pd[1], count[p] * (pd[1] / E), static_cast<int32_t>(pd[1] / E),
+                     end};
   }
   a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()) + q_offset;
   a.rows = rows.typed_data();
@@ -736,5 +741,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPoolAttention, jaxkv::pool_attention,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("storage")
                                   .Attr<int64_t>("q_offset")
-                                  .Attr<int64_t>("sink_offset"),
+                                  .Attr<int64_t>("sink_offset")
+                                  .Attr<int64_t>("first0")  // spans: part p reads blocks [first, first + count)
+                                  .Attr<int64_t>("count0")
+                                  .Attr<int64_t>("first1")
+                                  .Attr<int64_t>("count1")
+                                  .Attr<int64_t>("first2")
+                                  .Attr<int64_t>("count2"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

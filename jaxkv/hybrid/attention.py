@@ -252,11 +252,12 @@ def _block_counts(count, blocks: int):
 
 
 def _pool_rows(pool, layer, block, item, items: int):
-    """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]
-    (row ``block * items + item``), and the row of item ``item`` of block ``block`` of
-    layer ``layer`` in it (block clamped at 0)."""
+    """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]; the
+    span of layer ``layer``'s blocks in it; and the row of item ``item`` of block ``block``
+    in that span (block clamped at 0). The rows do not depend on the layer, so the layers
+    that share a table share one computation of them."""
     L, NB, width = pool.shape
-    return pool.reshape(L * NB, width), (layer * NB + jnp.maximum(block, 0)) * items + item
+    return pool.reshape(L * NB, width), (layer * NB, NB), jnp.maximum(block, 0) * items + item
 
 
 def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
@@ -265,7 +266,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     B, T, H, D = q.shape
     N = B * T
     W = c.window
-    parts = []  # (pool u8[P, bs * E], ids i32[N, k], count i32[N])
+    parts = []  # (pool u8[P, bs * E], span, ids i32[N, k], count i32[N])
 
     if kind != SWA:
         ratio = c.compress_ratios[layer]
@@ -276,14 +277,16 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
             e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
         blk, item, in_pool = _entry_blocks(state, step, layer, e)
         valid = entry_visible(e, step, T, ratio) & in_pool
-        pool, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
-        parts.append((pool,) + _masked(ids.reshape(N, -1), valid.reshape(N, -1)))
+        pool, span, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
+        parts.append((pool, span) + _masked(ids.reshape(N, -1), valid.reshape(N, -1)))
 
     # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
     seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
-    pool, ring_ids = _pool_rows(state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W)
+    pool, span, ring_ids = _pool_rows(
+        state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W
+    )
     ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
-    parts.append((pool,) + _masked(ring_ids.reshape(N, W), seen.reshape(N, W)))
+    parts.append((pool, span) + _masked(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
@@ -299,12 +302,12 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     )  # [B, T, K]
     own_count = (t - first + 1).reshape(N)
     own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
-    parts.append((own, own_ids, own_count.astype(jnp.int32)))
+    parts.append((own, (0, own.shape[0]), own_ids, own_count.astype(jnp.int32)))
 
-    pools = tuple(p for p, _, _ in parts)
-    part_blocks = tuple(ids.shape[1] // BLOCK for _, ids, _ in parts)
-    rows = jnp.concatenate([ids for _, ids, _ in parts], axis=1).astype(jnp.int32)
-    nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, ids, n in parts], axis=1)
+    pools = tuple(p for p, _, _, _ in parts)
+    part_blocks = tuple(ids.shape[1] // BLOCK for _, _, ids, _ in parts)
+    rows = jnp.concatenate([ids for _, _, ids, _ in parts], axis=1).astype(jnp.int32)
+    nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)
     out = kernel(
         map_stack(lambda x: x.reshape(x.shape[0], N, H, D), q),  # a Stacked row stays one
         pools,
@@ -315,6 +318,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
         storage=c.storage,
         scale=scale,
         splits=pool_splits(N, H, rows.shape[1] // BLOCK),
+        spans=tuple(span for _, span, _, _ in parts),
     )
     return out.reshape(B, T, H, D)
 

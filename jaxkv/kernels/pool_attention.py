@@ -45,7 +45,11 @@ merged in the kernel): no merge launch, one bf16 rounding of the output.
     -> bf16[N, H, 512]           zeros for a row with no valid key and sink -inf
 
 q and sink may be ``jaxkv.stacked.Stacked`` rows (of bf16[n, N, H, 512], f32[n, H]): the CUDA
-kernel reads them in place, the others slice them.
+kernel reads them in place, the others slice them. ``spans`` (static, one ``(first, count)``
+per part, or None: whole pools) narrows part p to blocks ``first .. first + count`` of its
+pool: its ids count rows from block ``first``, and an id at or past ``count`` blocks is
+masked. A stacked pool's layer is then a span, and the ids of equal layers are equal arrays
+(a step computes them once).
 
 ``ref_pool_attention`` is the float32 reference with the same contract. Neither kernel has
 an interpret mode: the tests run them on a GPU; off a GPU the hybrid cache uses XLA.
@@ -77,7 +81,7 @@ CUDA_PARTS = 3  # pools the cuda/ kernel takes (a V4 layer has entries, its ring
 i32 = jnp.int32
 
 
-def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"):
+def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic", spans=None):
     if q.ndim != 3 or q.shape[2] != HEAD_DIM or q.shape[1] % BLOCK or q.dtype != jnp.bfloat16:
         raise ValueError(
             f"q: expected bf16[N, H, {HEAD_DIM}] with H a multiple of {BLOCK}, got {q.dtype}{list(q.shape)}"
@@ -108,6 +112,31 @@ def _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="mosaic"
         raise ValueError(f"rows: at most {127 * BLOCK} rows per query, got {NB * BLOCK}")
     if lowering == "cuda" and len(pools) > CUDA_PARTS:
         raise ValueError(f"pools: the cuda/ kernel reads at most {CUDA_PARTS} pools, got {len(pools)}")
+    if spans is not None and (
+        len(spans) != len(pools)
+        or any(not (0 <= f and 0 <= c and f + c <= p.shape[0]) for (f, c), p in zip(spans, pools))
+    ):
+        raise ValueError(
+            f"spans: expected one (first, count) per pool with first + count <= its blocks "
+            f"{[p.shape[0] for p in pools]}, got {spans}"
+        )
+
+
+def span_rows(pools, part_blocks, rows, spans, storage):
+    """``rows`` with ``spans`` applied: part p's ids as rows of its whole pool (``first`` blocks
+    on), -1 where an id falls outside its span. The lowerings without spans of their own
+    take these."""
+    if spans is None:
+        return rows
+    E = STORAGES[storage].entry_bytes
+    bounds = _part_of(part_blocks)
+    cols = []
+    for p, pool in enumerate(pools):
+        bs = pool.shape[1] // E
+        first, count = spans[p]
+        ids = rows[:, bounds[p] * BLOCK : bounds[p + 1] * BLOCK]
+        cols.append(jnp.where((ids >= 0) & (ids < count * bs), ids + first * bs, -1))
+    return jnp.concatenate(cols, axis=1)
 
 
 def _part_of(part_blocks):
@@ -147,11 +176,11 @@ def valid_rows(pools, part_blocks, rows, nvalid, storage):
     return counted & (rows >= 0) & (rows < size[None, :])
 
 
-def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scale=None):
+def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scale=None, spans=None):
     """float32 attention over the valid rows alone, no sink: (out f32[N, H, 512] normalized
     by its own sum, lse f32[N, H] natural log, -inf for a row with no valid key), the
     pieces ``merge_partials`` combines with other parts and the sink."""
-    q = row(q)
+    q, rows = row(q), span_rows(pools, part_blocks, rows, spans, storage)
     valid = valid_rows(pools, part_blocks, rows, nvalid, storage)
     keys = _decode_rows(pools, part_blocks, rows, storage).astype(jnp.float32)  # [N, K, D]
     keys = jnp.where(valid[..., None], keys, 0.0)  # a masked row's bytes never reach the output (NaN included)
@@ -167,9 +196,9 @@ def ref_partial(q, pools, part_blocks, rows, nvalid, *, storage="official", scal
     return out, jnp.where(denom > 0, jnp.log(denom) + m, -jnp.inf)
 
 
-def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None):
+def ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, spans=None):
     """float32 reference: decode every valid row, softmax with the sink in the denominator."""
-    out, lse = ref_partial(q, pools, part_blocks, rows, nvalid, storage=storage, scale=scale)
+    out, lse = ref_partial(q, pools, part_blocks, rows, nvalid, storage=storage, scale=scale, spans=spans)
     return merge_partials(out[:, None, None], lse[:, None, None], sink=row(sink))[:, 0]
 
 
@@ -427,18 +456,21 @@ def _merge_splits(out, lse, N: int, splits: int, sink):
     return out[:, 0].astype(jnp.bfloat16)
 
 
-@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
-def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits", "spans"))
+def pool_attention_cuda(
+    q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1, spans=None
+):
     """The pool attention contract (module docstring) on ``jaxkv/cuda/pool_attention.cu`` through
     ``jax.ffi``; both storage families, at most ``CUDA_PARTS`` pools. ``q`` and ``sink`` may be
     ``Stacked`` rows, read in place. Needs an sm_90 GPU and nvcc (the first use builds ``cuda/``)."""
     pools = tuple(pools)
     storage = storage_name(storage)
-    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda", spans=spans)
     register_ffi_targets()
     scale = HEAD_DIM**-0.5 if scale is None else scale
     N, H, D = q.shape
     blocks = tuple(part_blocks) + (0,) * (CUDA_PARTS - len(pools))
+    spans = tuple(spans or ((0, p.shape[0]) for p in pools)) + ((0, 0),) * (CUDA_PARTS - len(pools))
     pools = pools + (pools[0],) * (CUDA_PARTS - len(pools))  # unused parts own no blocks
     parts = pool_cuda_parts(H, splits)
     q_flat, q_offset = as_flat(q)
@@ -460,12 +492,15 @@ def pool_attention_cuda(q, pools, part_blocks, rows, nvalid, sink, *, storage="o
         storage=np.int32(STORAGE_CODES[storage]),
         q_offset=np.int64(q_offset),
         sink_offset=np.int64(sink_offset),
+        **{f"{k}{p}": np.int64(v) for p, span in enumerate(spans) for k, v in zip(("first", "count"), span)},
     )
     return out if parts == 1 else _merge_splits(out, lse, N, parts, row(sink))  # one partial: the sink is in
 
 
-@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
-def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits", "spans"))
+def pool_attention_flashmla(
+    q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1, spans=None
+):
     """The pool attention contract on FlashMLA's sm90 sparse FP8 decode through ``jax.ffi``
     (``jaxkv.cuda.flashmla``: built from ``$FLASHMLA_SRC`` on first use; Hopper, official
     storage, 64 or 128 heads). FlashMLA reads two pools, its cache and its extra cache:
@@ -483,7 +518,8 @@ def pool_attention_flashmla(q, pools, part_blocks, rows, nvalid, sink, *, storag
             f"q, storage: FlashMLA's MODEL1 decode expects official storage and {flashmla.HEADS} "
             f"heads, got {storage!r} and q {q.dtype}{list(q.shape)}"
         )
-    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda")
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, lowering="cuda", spans=spans)
+    rows = span_rows(pools, part_blocks, rows, spans, storage)
     N, H, D = q.shape
     flashmla.register_ffi_target()
     scale = HEAD_DIM**-0.5 if scale is None else scale
@@ -551,11 +587,14 @@ def _valid_first(pools, part_blocks, rows, nvalid, storage):
     return rows, count
 
 
-@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits"))
-def pool_attention_pallas(q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1):
+@functools.partial(jax.jit, static_argnames=("part_blocks", "storage", "scale", "splits", "spans"))
+def pool_attention_pallas(
+    q, pools, part_blocks, rows, nvalid, sink, *, storage="official", scale=None, splits=1, spans=None
+):
     """The Mosaic GPU kernel (module docstring: shapes). ``part_blocks``: blocks of each part, static."""
     pools, q, sink = tuple(pools), row(q), row(sink)
-    _check(q, pools, part_blocks, rows, nvalid, sink, storage)
+    _check(q, pools, part_blocks, rows, nvalid, sink, storage, spans=spans)
+    rows = span_rows(pools, part_blocks, rows, spans, storage)
     scale = HEAD_DIM**-0.5 if scale is None else scale
     rows, nvalid = _valid_first(pools, part_blocks, rows, nvalid, storage)
     scales = row_scales(pools, part_blocks, rows, storage)
@@ -572,4 +611,5 @@ __all__ = [
     "ref_partial",
     "ref_pool_attention",
     "row_scales",
+    "span_rows",
 ]

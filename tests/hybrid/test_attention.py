@@ -86,8 +86,8 @@ def _steps(filled, chunk=True):
 def reference_kernel(monkeypatch):
     """The kernel path with the kernel replaced by its float32 reference: row building on CPU."""
 
-    def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits):
-        return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale)
+    def ref(q, pools, part_blocks, rows, nvalid, sink, *, storage, scale, splits, spans):
+        return ref_pool_attention(q, pools, part_blocks, rows, nvalid, sink, storage=storage, scale=scale, spans=spans)
 
     monkeypatch.setattr(attention, "pool_attention_pallas", ref)
     choose = attention._backend.choose

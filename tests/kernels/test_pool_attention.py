@@ -17,6 +17,7 @@ from jaxkv.kernels.pool_attention import (
     ref_partial,
     ref_pool_attention,
     row_scales,
+    span_rows,
 )
 from jaxkv.math import merge_partials
 from jaxkv.stacked import Stacked
@@ -58,6 +59,34 @@ def test_row_scales_rebuild_the_decoded_rows(rng, storage):
     codes = dec[..., :448].reshape(N, K, 7, 64) / s[..., :7, None]  # exact: scales are what the codec used
     recoded = (codes.astype(jnp.float8_e4m3fn).astype(jnp.float32) * s[..., :7, None]).astype(jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(recoded.reshape(N, K, 448), np.float32), np.asarray(dec[..., :448]))
+
+
+def _span_case(rng, storage, H=64):
+    """Three parts whose ids count from a span of their pool: part 0 blocks 2 .. 5 of 9, part
+    1 blocks 1 .. 2 of 4, part 2 the whole pool; some ids past the span (masked), some -1.
+    Also the same rows as ids of the whole pools (what the spans mean)."""
+    q, pools, pb, rows, nvalid, sink = _case(rng, storage, 5, H, [(9, 64, 3), (4, 128, 2), (2, 32, 1)])
+    spans = ((2, 3), (1, 1), (0, 2))
+    bounds, cols, local = [0, 3, 5, 6], [], []
+    for p, (first, count) in enumerate(spans):
+        bs = pools[p].shape[1] // STORAGES[storage].entry_bytes
+        ids = rng.integers(-1, count * bs + bs // 2, size=(rows.shape[0], (bounds[p + 1] - bounds[p]) * BLOCK))
+        local.append(ids)
+        cols.append(np.where((ids >= 0) & (ids < count * bs), ids + first * bs, -1))
+    local, whole = (jnp.asarray(np.concatenate(c, axis=1), jnp.int32) for c in (local, cols))
+    return q, pools, pb, local, whole, nvalid, sink, spans
+
+
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+def test_spans_are_windows_of_the_pools(rng, storage):
+    q, pools, pb, local, whole, nvalid, sink, spans = _span_case(rng, storage)
+    np.testing.assert_array_equal(np.asarray(span_rows(pools, pb, local, spans, storage)), np.asarray(whole))
+    got = ref_pool_attention(q, pools, pb, local, nvalid, sink, storage=storage, spans=spans)
+    want = ref_pool_attention(q, pools, pb, whole, nvalid, sink, storage=storage)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert float(jnp.max(jnp.abs(want[:-1]))) > 0.01
+    with pytest.raises(ValueError, match=r"spans: expected one \(first, count\) per pool"):
+        pool_attention_cuda(q, pools, pb, local, nvalid, sink, storage=storage, spans=((2, 8), (1, 1), (0, 2)))
 
 
 def test_reference_sink_and_empty_rows(rng):
@@ -224,3 +253,17 @@ def test_flashmla_matches_reference(rng, H, parts):
     assert bool(jnp.all(out[-1] == 0))  # no valid key
     again = pool_attention_flashmla(q, pools, pb, rows, nvalid, sink)
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(again, np.float32))  # deterministic
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("storage", ["official", "per_entry"])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_cuda_kernel_reads_spans(rng, storage, splits):
+    """Ids counted from each part's span, those past it masked: the kernel's output is the
+    same as with the whole pools' ids, bit for bit."""
+    q, pools, pb, local, whole, nvalid, sink, spans = _span_case(rng, storage)
+    got = pool_attention_cuda(q, pools, pb, local, nvalid, sink, storage=storage, splits=splits, spans=spans)
+    want = pool_attention_cuda(q, pools, pb, whole, nvalid, sink, storage=storage, splits=splits)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0.01
