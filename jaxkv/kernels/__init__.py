@@ -52,6 +52,7 @@ from jaxkv.kernels.pool_attention import (
     pool_attention_flashmla,
     pool_attention_pallas,
     ref_pool_attention,
+    span_rows,
 )
 from jaxkv.kernels.prefix_attention import prefix_attention, prefix_attention_cuda, ref_prefix_attention
 from jaxkv.kernels.top_k import ref_top_k, ref_top_k_record, top_k, top_k_record
@@ -84,6 +85,7 @@ __all__ = [
     "ref_top_k",
     "ref_top_k_record",
     "ref_write_frame",
+    "span_rows",
     "top_k",
     "top_k_record",
     "window_write",
