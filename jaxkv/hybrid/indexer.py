@@ -21,7 +21,6 @@ from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores as score_kernel
 from jaxkv.kernels.index_scores import index_scores_cuda
 from jaxkv.kernels.top_k import MAX_K, nonfinite_rows, top_k_record
-from jaxkv.kernels.top_k import top_k as top_k_kernel
 from jaxkv.stacked import map_stack, row
 
 
@@ -145,7 +144,7 @@ def index_topk(
             # the kernel ORs the fault into the request's word itself: no launch of its own
             idx, error = top_k_record(s, k, seen, st.error, step.slot, Fault.NONFINITE_SCORES)
             return st.replace(error=error), idx
-        idx, bad = _select(s, k, "xla", seen)
+        idx, bad = _select(s, k, seen)
         bad = jnp.any(bad, axis=1) & step.active
         return st.replace(error=record_rows(st, step, bad, Fault.NONFINITE_SCORES)), idx
 
@@ -157,12 +156,10 @@ def _visible(step: Step, T: int, ratio: int):
     return jnp.minimum(visible_entries(step, T, ratio), entry_count(step, ratio)[:, None])
 
 
-def _select(s, k: int, select: str, visible):
-    """f32[..., N] scores -> (i32[..., k], bool[...]): ``kernels.ref_top_k``'s picks (NaN / Inf
-    never picked, -1 past the finite ones) and each row's NaN / Inf among its first
-    ``visible`` scores, by the kernel (from its one read of the row) or by XLA."""
-    if select == "cuda":
-        return top_k_kernel(s, k, visible)
+def _select(s, k: int, visible):
+    """f32[..., N] scores -> (i32[..., k], bool[...]) in XLA: ``kernels.ref_top_k``'s picks
+    (NaN / Inf never picked, -1 past the finite ones) and each row's NaN / Inf among its
+    first ``visible`` scores (select="cuda" is ``kernels.top_k_record``)."""
     s, bad = jnp.where(jnp.isfinite(s), jnp.where(s == 0, 0.0, s), -jnp.inf), nonfinite_rows(s, visible)
     val, idx = _top_k(s, k)
     return jnp.where(val > -jnp.inf, idx, -1), bad

@@ -68,7 +68,7 @@ def test_selection_never_picks_a_nonfinite_score(rng):
     finite entries the row is -1; elsewhere the picks are lax.top_k's."""
     s = jnp.asarray(rng.normal(size=(2, 64)), jnp.float32)
     s = s.at[0, 3].set(jnp.nan).at[0, 7].set(jnp.inf).at[0, 9].set(-jnp.inf).at[1, 10:].set(-jnp.inf)
-    got, bad = _select(s, 12, "xla", jnp.asarray([64, 10], jnp.int32))
+    got, bad = _select(s, 12, jnp.asarray([64, 10], jnp.int32))
     got = np.asarray(got)
     np.testing.assert_array_equal(np.asarray(bad), [True, False])  # row 1's -inf lie past its 10 visible
     finite = np.where(np.isfinite(np.asarray(s[0])), np.asarray(s[0]), -np.inf)
