@@ -84,6 +84,13 @@ def record(error, fault_mask, fault: Fault):
     return error | jnp.where(fault_mask, jnp.uint32(int(fault)), jnp.uint32(0))
 
 
+def record_at(error, index, mask, fault: Fault):
+    """error: u32[W] with ``fault`` ORed into ``error[index[i]]`` where ``mask[i]`` (index,
+    mask: [n]); an index outside [0, W) records nothing. One scatter that ORs in place."""
+    ok = mask & (index >= 0) & (index < error.shape[0])
+    return error.at[jnp.where(ok, index, error.shape[0])].apply(lambda e: record(e, True, fault), mode="drop")
+
+
 def finite_rows(x, axes):
     """bool: ``x`` has only finite values along ``axes`` (integers always do)."""
     return jnp.all(jnp.isfinite(x), axis=axes)

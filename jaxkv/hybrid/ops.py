@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxkv import _backend
 from jaxkv._pytree import cache_dataclass
-from jaxkv.errors import Fault, finite_rows, record
+from jaxkv.errors import Fault, finite_rows, record_at
 from jaxkv.formats.storage import read_items
 from jaxkv.hybrid.config import CSA, HCA
 from jaxkv.hybrid.flush import WRITERS, check_impl
@@ -134,8 +134,7 @@ def _nonfinite_rows(step: Step, *xs):
 
 def record_rows(state, step: Step, rows, fault: Fault):
     """u32 error field with ``fault`` set on the requests of batch ``rows`` (bool[B])."""
-    R = state.config.max_requests  # one scatter that ORs in place (a gather, then a set, took two launches)
-    return state.error.at[jnp.where(rows, step.slot, R + 1)].apply(lambda e: record(e, True, fault), mode="drop")
+    return record_at(state.error, step.slot, rows, fault)
 
 
 def _skip_rows(state, step: Step, bad):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cuda import register_ffi_targets
-from jaxkv.errors import Fault, finite_rows, record
+from jaxkv.errors import Fault, finite_rows, record_at
 
 MAX_K = 2048  # the kernel sorts its picks in shared memory
 
@@ -58,11 +58,15 @@ def ref_top_k(scores, k: int, visible=None):
     return idx if visible is None else (idx, nonfinite_rows(scores, visible))
 
 
+def _check_kernel_k(k: int):
+    if k > MAX_K:
+        raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
+
+
 def top_k(scores, k: int, visible=None):
     """The kernel: the same as ``ref_top_k``. k at most ``MAX_K``."""
     _check(scores, k, visible)
-    if k > MAX_K:
-        raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
+    _check_kernel_k(k)
     register_ffi_targets()
     rows = scores.reshape(-1, scores.shape[-1])
     n = 0 if visible is None else rows.shape[0]
@@ -93,16 +97,14 @@ def ref_top_k_record(scores, k: int, visible, error, slot, fault: Fault):
     slot outside ``error`` records nothing)."""
     _check_record(scores, k, visible, error, slot)
     idx, bad = ref_top_k(scores, k, visible)
-    bad = bad.reshape(slot.shape[0], -1).any(1) & (slot >= 0) & (slot < error.shape[0])
-    return idx, error.at[jnp.where(bad, slot, error.shape[0])].apply(lambda e: record(e, True, fault), mode="drop")
+    return idx, record_at(error, slot, bad.reshape(slot.shape[0], -1).any(1), fault)
 
 
 def top_k_record(scores, k: int, visible, error, slot, fault: Fault):
     """The kernel: ``ref_top_k_record``'s picks and error words in one launch (``error``
     updated in place)."""
     _check_record(scores, k, visible, error, slot)
-    if k > MAX_K:
-        raise ValueError(f"k: expected at most {MAX_K} for the top-k kernel, got {k} (use the XLA path)")
+    _check_kernel_k(k)
     register_ffi_targets()
     rows = scores.reshape(-1, scores.shape[-1])
     out = (jax.ShapeDtypeStruct((rows.shape[0], k), jnp.int32), jax.ShapeDtypeStruct(error.shape, error.dtype))
