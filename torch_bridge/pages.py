@@ -118,7 +118,7 @@ class Pages:
         new = plan.resolve(self.spec, self.c, keep, plan.HOST)
         self.c = new.after
         self.version += 1
-        return [(m.src, m.dst) for m in new.moves if m.ok]
+        return [(new.move.src, new.move.dst)] if new.move.ok else []
 
     def num_pages(self) -> int:
         return plan.num_pages(self.spec, self.c, plan.HOST)

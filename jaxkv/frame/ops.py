@@ -192,13 +192,13 @@ def _stored(spec, k, v) -> dict:
 
 # ---------------------------------------------------------------- commit / rollback
 def resolve_moves(state: FrameCacheState, keep):
-    """``resolve``, not jitted, also returning the row moves it made: -> (state, i32[2B, 3]
+    """``resolve``, not jitted, also returning the row moves it made: -> (state, i32[B, 3]
     ``row_moves``); rules: ``frame.plan.resolve``."""
     s = state.spec
     B = s.num_streams
     keep = _as_streams(keep, B, "keep")
     new = plan.resolve(s, plan.counters(state), keep)
-    moves = [(b, m.src[b], m.dst[b], m.ok[b]) for m in new.moves for b in range(B)]
+    moves = [(b, new.move.src[b], new.move.dst[b], new.move.ok[b]) for b in range(B)]
     moved = _move_rows(state, moves, s.page_size)
     return state.replace(
         **moved,

@@ -60,9 +60,9 @@ class Begin(NamedTuple):
 
 
 class Resolve(NamedTuple):
-    """A decision on the pending frame: the moves it makes, the counters after it."""
+    """A decision on the pending frame: the move it makes, the counters after it."""
 
-    moves: tuple[Move, Move]  # commit a staged frame; give a rolled-back slot's rows back
+    move: Move  # commit a staged frame, or give a rolled-back slot's rows back
     nothing_pending: Any  # a rollback with nothing pending (a fault on the device)
     after: Counters
 
@@ -113,10 +113,12 @@ def resolve(spec, c: Counters, keep, xp: Xp = DEVICE) -> Resolve:
     f0, ns0 = f - 1, ns - NS
     # Commit a staged frame: its patches replace the oldest window frame's (a whole page,
     # so power-of-two padding comes along). Roll back a frame that claimed a slot: the
-    # specials it displaced move back into the slot.
-    moves = (
-        Move(f * ps + ns, (S + c.window_head) * ps, commit_staged),
-        Move(xp.maximum(f * ps, f0 * ps + ns0), f0 * ps, undo_slot & (ns0 > 0)),
+    # specials it displaced move back into the slot. A commit needs keep and a rollback its
+    # negation, so keep picks the one move there can be: one copy of the rows, not two.
+    move = Move(
+        xp.where(keep, f * ps + ns, xp.maximum(f * ps, f0 * ps + ns0)),
+        xp.where(keep, (S + c.window_head) * ps, f0 * ps),
+        xp.where(keep, commit_staged, undo_slot & (ns0 > 0)),
     )
     from_window = undo_slot & (c.num_window > 0)
     from_scale = undo_slot & xp.not_(from_window)
@@ -128,7 +130,7 @@ def resolve(spec, c: Counters, keep, xp: Xp = DEVICE) -> Resolve:
         num_special=xp.where(undo, ns0, ns),
         pending=xp.where(nothing, pend, NONE),
     )
-    return Resolve(moves, nothing, after)
+    return Resolve(move, nothing, after)
 
 
 # ---------------------------------------------------------------- visible pages
