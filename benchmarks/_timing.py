@@ -39,28 +39,36 @@ def copy_gbps(iters: int = 20) -> float:
     return 2 * x.nbytes / ms / 1e6
 
 
+def trace_events(fn, steps: int) -> list[dict]:
+    """The complete events ("X") of a profiler trace of ``fn(0) .. fn(steps - 1)``, each with
+    its process name as ``"process"`` ([] if the profiler wrote no trace)."""
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for i in range(steps):
+            fn(i)
+    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+    return load_trace(files[0]) if files else []
+
+
+def load_trace(path: str) -> list[dict]:
+    """A ``*.trace.json.gz``'s complete events, each with its process name as ``"process"``."""
+    with gzip.open(path) as f:
+        tr = json.load(f).get("traceEvents", [])
+    names = {
+        e["pid"]: str(e["args"].get("name", "")) for e in tr if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    return [dict(e, process=names.get(e.get("pid"), "")) for e in tr if e.get("ph") == "X"]
+
+
+def _on_gpu(e: dict) -> bool:
+    return "GPU" in e["process"] and "host" not in e["process"].lower()
+
+
 def kernel_ms_per_step(fn, steps: int, top: int = 0):
     """Sum of GPU kernel durations per step from a profiler trace (None if unavailable);
     with ``top``, also print the kernels that take the most time."""
-    d = tempfile.mkdtemp()
     try:
-        with jax.profiler.trace(d):
-            for i in range(steps):
-                fn(i)
-        files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-        if not files:
-            return None
-        with gzip.open(files[0]) as f:
-            tr = json.load(f)
-        gpu_pids = {
-            e["pid"]
-            for e in tr.get("traceEvents", [])
-            if e.get("ph") == "M"
-            and e.get("name") == "process_name"
-            and "GPU" in str(e.get("args", {}).get("name", ""))
-            and "host" not in str(e["args"]["name"]).lower()
-        }
-        events = [e for e in tr["traceEvents"] if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+        events = [e for e in trace_events(fn, steps) if _on_gpu(e)]
         dur = sum(e.get("dur", 0) for e in events)
         if top:
             by = {}
@@ -81,3 +89,47 @@ def kernel_ms_per_step(fn, steps: int, top: int = 0):
     except Exception as exc:  # the profiler is optional here: report, do not fail the benchmark
         print(f"(kernel time unavailable: {exc})")
         return None
+
+
+def host_parts(events: list[dict], jit_name: str) -> dict | None:
+    """One synchronized call's host time by part, from ``trace_events`` of a few calls of the
+    jitted function ``jit_name`` (its last call): ms in jit dispatch outside PjRt, in PjRt
+    outside the thunks (argument handling), in each CUDA graph's update (re-recording its
+    commands after a buffer address changed) and launch, and in the thunks outside graphs;
+    with ``graphs``: (commands, update ms, launch ms) per graph. The profiler turns XLA's
+    command buffers off unless ``--xla_enable_command_buffers_during_profiling=true`` is in
+    ``XLA_FLAGS``: without it every thunk is a launch of its own here."""
+    host = [e for e in events if not _on_gpu(e)]
+    calls = [e for e in host if e["name"] == f"PjitFunction({jit_name})"]
+    if not calls:
+        return None
+    last = max(calls, key=lambda e: e["ts"])  # nested events share the name: take the outermost
+    call = min(
+        (e for e in calls if e["ts"] <= last["ts"] and e["ts"] + e["dur"] >= last["ts"] + last["dur"]),
+        key=lambda e: e["ts"],
+    )
+    within = lambda e, o: o["ts"] <= e["ts"] and e["ts"] + e.get("dur", 0) <= o["ts"] + o["dur"]  # noqa: E731
+    inside = [e for e in host if within(e, call)]
+    first = lambda n: next((e["dur"] / 1e3 for e in inside if e["name"] == n), 0.0)  # noqa: E731
+    execute, thunks = first("PjRtCApiLoadedExecutable::Execute"), first("[0] GpuExecutable::ExecuteThunks")
+    graphs = []
+    for g in (e for e in inside if re.fullmatch(r"command_buffer_\d+", e["name"])):
+        parts = {e["name"]: e for e in inside if within(e, g) and e["name"].startswith("command_buffer::")}
+        some = parts.get("command_buffer::execute") or parts.get("command_buffer::update") or {}
+        graphs.append(
+            (
+                int(some.get("args", {}).get("num_commands", 0)),
+                parts.get("command_buffer::update", {}).get("dur", 0) / 1e3,
+                parts.get("command_buffer::execute", {}).get("dur", 0) / 1e3,
+            )
+        )
+    update, launch = sum(g[1] for g in graphs), sum(g[2] for g in graphs)
+    return dict(
+        call=call["dur"] / 1e3,
+        dispatch=call["dur"] / 1e3 - execute,
+        arguments=execute - thunks,
+        graph_update=update,
+        graph_launch=launch,
+        other_thunks=thunks - update - launch,
+        graphs=graphs,
+    )
