@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from _timing import host_parts, trace_events
+
 SETTINGS = {
     "default": "",
     "skip_temp": "--xla_gpu_command_buffer_update_mode=SKIP_TEMP",
@@ -67,9 +69,6 @@ def child(args) -> dict:
         out = call(fixed)
     jax.block_until_ready(out)
     if args.child == "trace":
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from _timing import host_parts, trace_events
-
         events = trace_events(lambda i: jax.block_until_ready(call(frame["upload"](i))), 3)
         row["parts"] = host_parts(events, "pure")
         return row
