@@ -11,7 +11,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 
 | operation | names | auto |
 | --- | --- | --- |
-| ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 / FP8 caches; ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 and head_dim 64 |
+| ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; an FP8 cache: cuda on Hopper with nvcc and head_dim 64, else xla. ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 or FP8 storage and head_dim 64 |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
@@ -141,7 +141,9 @@ def _index_auto(**ctx) -> str:
 
 def _prefix_cuda_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str | None:
     why = _hopper_and(
-        "bfloat16 and head_dim 64", dtype == "bfloat16" and head_dim == 64, f"{dtype}, head_dim {head_dim}"
+        "bfloat16 or float8_e4m3fn storage and head_dim 64",
+        dtype in ("bfloat16", "float8_e4m3fn") and head_dim == 64,
+        f"{dtype}, head_dim {head_dim}",
     )
     return why or _cuda_missing()
 
@@ -153,8 +155,10 @@ def _cudnn_missing(*, dtype: str = "bfloat16", **_) -> str | None:
 
 
 def _float_cache_missing(*, dtype: str = "bfloat16", **_) -> str | None:
-    if dtype == "float8_e4m3fn":  # the kernels read and write bf16 / f16 rows
-        return "no kernel reads or writes an FP8 frame cache yet: use impl='xla' or 'reference'"
+    if dtype == "float8_e4m3fn":  # the Pallas kernels read and write bf16 / f16 rows
+        return (
+            "the Pallas kernels read and write bf16 / f16 rows: an FP8 cache takes impl='xla' (or 'cuda' for attention)"
+        )
     return None
 
 
@@ -163,6 +167,8 @@ def _frame_kernel_missing(check):
 
 
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
+    if dtype == "float8_e4m3fn":  # read in place by the cuda kernel, else dequantized block by block
+        return "xla" if pow2_pages or _prefix_cuda_missing(dtype=dtype, head_dim=head_dim) else "cuda"
     if jax.default_backend() == "gpu" and not pow2_pages and dtype in ("bfloat16", "float16"):
         return "pallas" if is_hopper() and head_dim % 64 == 0 else "cudnn"
     return "xla"

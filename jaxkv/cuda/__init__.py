@@ -26,6 +26,7 @@ FFI_TARGETS = {
     "jaxkv_nvfp4_pack": "JaxkvNvfp4Pack",
     "jaxkv_pool_attention": "JaxkvPoolAttention",  # pool_attention.cu
     "jaxkv_prefix_attention": "JaxkvPrefixAttention",  # prefix_attention.cu
+    "jaxkv_prefix_attention_fp8": "JaxkvPrefixAttentionFp8",
     "jaxkv_top_k": "JaxkvTopK",  # top_k.cu
     "jaxkv_top_k_record": "JaxkvTopKRecord",
     "jaxkv_index_scores": "JaxkvIndexScores",  # index_scores.cu

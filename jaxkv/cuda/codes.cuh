@@ -1,6 +1,7 @@
 // The pool layout and the encoders / decoders every cuda/ kernel shares (one owner:
 // write_entry.cuh writes entries and keys with them, fp4_pack.cu packs FP4 rows,
-// dequant_gather.cu and pool_attention.cu read entries back).
+// dequant_gather.cu and pool_attention.cu read entries back; prefix_attention.cu decodes the FP8
+// frame cache's rows with e4m3x2_to_bf16x2).
 // Bytes equal jaxkv.formats' jnp codecs; the layout comes from jaxkv.formats.storage
 // (jaxkv.cuda.build passes it as -D flags).
 #pragma once
@@ -66,6 +67,21 @@ __device__ __forceinline__ float group_amax(float v) {
   return v;
 }
 
+// 2 FP8 E4M3 codes (bytes ``sel`` picks: 0x1404 the low two, 0x3424 the high two of ``w``) ->
+// their exact values as a bf16x2 word, with integer ops and one bf16 multiply instead of the
+// conversion instructions (whose pipe runs at a quarter of the ALU's rate; it bounded the
+// dequantization). A code's magnitude bits set as a bf16's exponent and mantissa (bits 10..4)
+// read as value * 2^-120, subnormal codes included; the multiply by 2^120 is exact. The NaN
+// codes 0x7F / 0xFF, which the encoder never writes, come out as +-480.
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));  // + (-0): exact x * y
+  return d;
+}
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t w, uint32_t sel) {
+  const uint32_t t = __byte_perm(w, 0, sel);  // the two codes at bits 8..15 and 24..31
+  return bf16x2_mul(((t & 0x7F007F00u) >> 4) | (t & 0x80008000u), 0x7B807B80u);  // * 2^120
+}
 // float32 -> E4M3 byte: RNE, saturating at 448, subnormals exact, NaN -> 0x7F | sign
 // (the hardware conversion, cvt.rn.satfinite, for everything but NaN, whose sign it drops).
 __device__ __forceinline__ uint8_t fp8_e4m3(float y) {

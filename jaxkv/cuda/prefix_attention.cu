@@ -19,11 +19,20 @@
 //     warpgroup's softmax overlaps the other's matrix products.
 // Only the last block of a split is masked. Deterministic: a fixed order of every sum.
 // sm_90a only (wgmma, setmaxnreg); the launcher refuses other devices.
+//
+// FP8 storage (jaxkv.formats.quantize_fp8_rows: E4M3 codes, one bf16 scale per row and head):
+// the producer cp.asyncs a block's codes and scales into a ring of kRaw raw stages (half a bf16
+// block's bytes), then decodes them (integer ops and bf16 multiplies, codes.cuh) into the same
+// swizzled bf16 stages the consumers read, so the consumers are the bf16 kernel's. Each producer
+// thread decodes exactly the bytes it copied: its own cp.async.wait_group orders the two, no
+// barrier. A decoded value is bf16(code * scale), one rounding, as dequantize_fp8_rows rounds
+// to bf16 (docs/kernels/frame_cache_fp8.md).
 
 #include <cstdint>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include "codes.cuh"
 #include "ffi_handler.cuh"
 #include "ptx.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -36,24 +45,35 @@ constexpr int kBQ = 64;          // queries per consumer warpgroup (the wgmma M)
 constexpr int kThreads = 384;  // 2 consumer warpgroups, then the producer warpgroup
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kQBytes = kBQ * kD * 2;  // one warpgroup's Q tile
+constexpr int kRaw = 2;                // FP8: raw (code + scale) stages in flight
 
 // The launch shapes built: (keys per stage, stages in flight); the caller picks one by its
 // launch table (docs/kernels/launch.md, "prefix_attention_cuda").
-template <int kBlockKV, int kStages>
+// FP8 raw stage: K codes, V codes (kBlockKV x 64 bytes each), then K and V scale words (one
+// 4-byte copy per (row, chunk) thread: the aligned pair holding the row's bf16 scale)
+template <int kBlockKV>
+__host__ __device__ constexpr int raw_bytes() {
+  return 2 * kBlockKV * kD + 2 * kBlockKV * 16;
+}
+template <int kBlockKV, int kStages, bool kFp8>
 constexpr int smem_bytes() {
-  return 1024 + 2 * kQBytes + 2 * kStages * kBlockKV * kD * 2 + 4 * kStages * 8;
+  return 1024 + 2 * kQBytes + 2 * kStages * kBlockKV * kD * 2 + (kFp8 ? kRaw * raw_bytes<kBlockKV>() : 0) +
+         4 * kStages * 8;
 }
 
 struct PrefixArgs {
   const __nv_bfloat16* q;  // bf16[B, Tq, Hq, 64] (row and batch strides below)
-  const __nv_bfloat16* k;  // bf16[B, T, H, 64]
-  const __nv_bfloat16* v;  // bf16[B, T, H, 64]
+  const void* k;           // bf16[B, T, H, 64], or FP8 E4M3 codes u8[B, T, H, 64] (k_scale set)
+  const void* v;           // likewise
+  const __nv_bfloat16* k_scale;  // FP8: bf16[B, T, H] (strides s_batch, s_row); bf16 storage: null
+  const __nv_bfloat16* v_scale;
   const int32_t* kv_len;   // i32[B] on the device, or null: every entry has kv_len_value
   int32_t kv_len_value;
   __nv_bfloat16* out;      // bf16[B, Tq, Hq, 64] contiguous (splits == 1)
   float* part;             // f32[B * splits, Tq, Hq, 64] normalized partials (splits > 1)
   float* lse;              // f32[B * splits, Hq, Tq] base-2 log-sum-exp; -inf: no keys (splits > 1)
   int64_t q_batch, q_row, kv_batch, kv_row;  // strides in elements; heads are 64 apart
+  int64_t s_batch, s_row;  // FP8 scales' strides in elements; heads are 1 apart
   int32_t Tq, T, H, Hq, splits, chunk;
   float c;                 // softmax scale * log2(e)
 };
@@ -65,7 +85,78 @@ constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kTurn0 = 1, kTurn1 = 2, kQReady0 = 3;  // named barriers (0 is __syncthreads)
 #endif
 
+#ifdef JAXKV_PREFIX_SM90
+// The FP8 producer (file comment): thread t copies, then decodes, 16-byte code chunk t % 4 of
+// rows t / 4 + 32 j of each block, and the scale word of those rows.
 template <int kBlockKV, int kStages>
+__device__ __forceinline__ void produce_fp8(const PrefixArgs& a, uint8_t* Ks, uint8_t* Vs, uint8_t* raw, uint32_t k_full,
+                                            uint32_t v_full, uint32_t k_free, uint32_t v_free, int b, int kvh,
+                                            int start, int length, int steps, int t) {
+  constexpr int kKVBytes = kBlockKV * kD * 2, kRows = kBlockKV / 32, kCodes = kBlockKV * kD;
+  const int r0 = t >> 2, ch = t & 3;
+  const uint8_t* kc = static_cast<const uint8_t*>(a.k) + b * a.kv_batch + int64_t(start + r0) * a.kv_row + kvh * kD + ch * 16;
+  const uint8_t* vc = static_cast<const uint8_t*>(a.v) + (kc - static_cast<const uint8_t*>(a.k));
+  const int64_t s0 = b * a.s_batch + int64_t(start + r0) * a.s_row + kvh;  // scale element of row r0
+  auto issue = [&](int i) {  // block i's codes and scales -> raw stage i % kRaw (then a commit, always)
+    if (i < steps) {
+      const uint32_t st = smem_addr(raw + (i % kRaw) * raw_bytes<kBlockKV>());
+      const int left = length - i * kBlockKV - r0;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const bool ok = 32 * j < left;  // rows past the prefix are zero-filled: code 0, scale 0
+        const int64_t row = ok ? int64_t(i) * kBlockKV + 32 * j : 0;
+        const int r = r0 + 32 * j;
+        cp_async<16>(st + r * kD + ch * 16, kc + row * a.kv_row, ok);
+        cp_async<16>(st + kCodes + r * kD + ch * 16, vc + row * a.kv_row, ok);
+        const int64_t e = (s0 + row * a.s_row) & ~int64_t(1);  // the aligned pair (T is even: in bounds)
+        cp_async<4>(st + 2 * kCodes + (r * 4 + ch) * 4, a.k_scale + e, ok);
+        cp_async<4>(st + 2 * kCodes + kBlockKV * 16 + (r * 4 + ch) * 4, a.v_scale + e, ok);
+      }
+    }
+    cp_async_commit();
+  };
+  // one block's K or V codes in raw stage ``st`` -> the swizzled bf16 stage ``dst``
+  auto decode = [&](int i, const uint8_t* codes, const uint32_t* scales, uint8_t* dst) {
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int r = r0 + 32 * j;
+      const uint4 w = *reinterpret_cast<const uint4*>(codes + r * kD + ch * 16);
+      const uint32_t pair = scales[r * 4 + ch];
+      const bool hi = (s0 + (int64_t(i) * kBlockKV + 32 * j) * a.s_row) & 1;
+      const uint32_t h = hi ? pair >> 16 : pair & 0xFFFFu, s2 = h | (h << 16);
+      const uint32_t x[4] = {w.x, w.y, w.z, w.w};
+      uint32_t o[8];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        o[2 * u] = bf16x2_mul(e4m3x2_to_bf16x2(x[u], 0x1404), s2);
+        o[2 * u + 1] = bf16x2_mul(e4m3x2_to_bf16x2(x[u], 0x3424), s2);
+      }
+      *reinterpret_cast<uint4*>(dst + swz(r, 2 * ch)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(dst + swz(r, 2 * ch + 1)) = make_uint4(o[4], o[5], o[6], o[7]);
+    }
+    fence_async_smem();
+  };
+#pragma unroll
+  for (int i = 0; i < kRaw; ++i) issue(i);
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % kStages;
+    const uint32_t parity = ((i / kStages) & 1) ^ 1;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kRaw - 1) : "memory");  // block i's raw stage landed
+    const uint8_t* st = raw + (i % kRaw) * raw_bytes<kBlockKV>();
+    const uint32_t* sc = reinterpret_cast<const uint32_t*>(st + 2 * kCodes);
+    mbar_wait(k_free + 8 * s, parity);
+    decode(i, st, sc, Ks + s * kKVBytes);
+    mbar_arrive(k_full + 8 * s);
+    mbar_wait(v_free + 8 * s, parity);
+    decode(i, st + kCodes, sc + kBlockKV * 4, Vs + s * kKVBytes);
+    mbar_arrive(v_full + 8 * s);
+    issue(i + kRaw);  // into the stage just decoded: this thread read only its own copies
+  }
+  cp_async_wait_all();
+}
+#endif
+
+template <int kBlockKV, int kStages, bool kFp8>
 __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __grid_constant__ PrefixArgs a) {
 #ifdef JAXKV_PREFIX_SM90
   constexpr int kKVBytes = kBlockKV * kD * 2;  // one K or V stage
@@ -98,11 +189,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
 
   if (wg == 2) {  // the producer: K and V blocks into the ring
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
+    if constexpr (kFp8) {
+      produce_fp8<kBlockKV, kStages>(a, Ks, Vs, reinterpret_cast<uint8_t*>(bars) + 4 * kStages * 8, k_full, v_full,
+                                     k_free, v_free, b, head / (a.Hq / a.H), start, length, steps, t);
+      return;
+    }
     // thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j of each block
     const int kvh = head / (a.Hq / a.H), r0 = t >> 3, ch = t & 7;
     const int64_t off = b * a.kv_batch + int64_t(start + r0) * a.kv_row + kvh * kD + ch * 8;
-    const char* kp = reinterpret_cast<const char*>(a.k + off);
-    const char* vp = reinterpret_cast<const char*>(a.v + off);
+    const char* kp = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(a.k) + off);
+    const char* vp = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(a.v) + off);
     const int64_t step = 16 * a.kv_row * 2;  // bytes between a thread's rows
     const uint32_t dst0 = r0 * 128 + (((ch ^ r0) & 7) << 4);
     for (int i = 0; i < steps; ++i) {
@@ -255,12 +351,20 @@ __global__ void merge_kernel(const float* part, const float* lse, __nv_bfloat16*
   out[row * kD + threadIdx.x] = __float2bfloat16_rn(den > 0.f ? acc / den : 0.f);
 }
 
+template <int kBlockKV, int kStages, bool kFp8>
+void start_as(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
+  constexpr int smem = smem_bytes<kBlockKV, kStages, kFp8>();
+  // per launch, not once: the attribute belongs to the current device's context
+  cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages, kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                       smem);
+  prefix_attention_kernel<kBlockKV, kStages, kFp8><<<ctas, kThreads, smem, stream>>>(a);
+}
 template <int kBlockKV, int kStages>
 void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
-  constexpr int smem = smem_bytes<kBlockKV, kStages>();
-  // per launch, not once: the attribute belongs to the current device's context
-  cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  prefix_attention_kernel<kBlockKV, kStages><<<ctas, kThreads, smem, stream>>>(a);
+  if (a.k_scale)
+    start_as<kBlockKV, kStages, true>(ctas, stream, a);
+  else
+    start_as<kBlockKV, kStages, false>(ctas, stream, a);
 }
 
 // Shared by the FFI handler and the C entry point: checks, then the launches. block_kv and
@@ -268,6 +372,7 @@ void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
 int launch_prefix_attention(cudaStream_t stream, PrefixArgs a, int64_t B, int block_kv, int stages) {
   if (B < 0 || a.Tq < 0 || a.T < 0 || a.H < 1 || a.Hq < 1 || a.Hq % a.H || a.splits < 1) return cudaErrorInvalidValue;
   if (a.splits > 1 && (a.part == nullptr || a.lse == nullptr)) return cudaErrorInvalidValue;
+  if ((a.k_scale == nullptr) != (a.v_scale == nullptr) || (a.k_scale && a.T % 2)) return cudaErrorInvalidValue;
   if (!on_hopper()) return cudaErrorNotSupported;
   if (B == 0 || a.Tq == 0) return cudaSuccess;
   a.chunk = (a.T + a.splits - 1) / a.splits;
@@ -292,24 +397,28 @@ int launch_prefix_attention(cudaStream_t stream, PrefixArgs a, int64_t B, int bl
 
 namespace ffi = xla::ffi;
 
-static ffi::Error prefix_attention_handler(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ffi::BF16, 4> k,
-                                   ffi::Buffer<ffi::BF16, 4> v, ffi::Buffer<ffi::S32, 1> kv_len,
-                                   ffi::ResultBuffer<ffi::BF16, 4> out, ffi::ResultBuffer<ffi::F32, 4> part,
-                                   ffi::ResultBuffer<ffi::F32, 3> lse, int32_t splits, float scale,
-                                   int32_t block_kv, int32_t stages) {
+// The FFI handlers' common part: shapes checked, args filled, the launch. k_scale / v_scale:
+// FP8 storage's scales, or null.
+template <typename Q, typename KV>
+static ffi::Error run_prefix(cudaStream_t stream, const Q& q, const KV& k, const KV& v, const void* k_scale,
+                             const void* v_scale, ffi::Buffer<ffi::S32, 1> kv_len, ffi::ResultBuffer<ffi::BF16, 4> out,
+                             ffi::ResultBuffer<ffi::F32, 4> part, ffi::ResultBuffer<ffi::F32, 3> lse, int32_t splits,
+                             float scale, int32_t block_kv, int32_t stages) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const int64_t B = qd[0];
   bool same = true;
   for (int i = 0; i < 4; ++i) same &= vd[i] == kd[i];
   if (qd[3] != kD || kd[3] != kD || kd[0] != B || !same)
-    return ffi::Error::InvalidArgument("q, k, v: expected bf16[B, Tq, Hq, 64] and two bf16[B, T, H, 64]");
+    return ffi::Error::InvalidArgument("q, k, v: expected bf16[B, Tq, Hq, 64] and two [B, T, H, 64]");
   if (kv_len.dimensions()[0] != B) return ffi::Error::InvalidArgument("kv_len: expected i32[B]");
   if (splits > 1 && (part->dimensions()[0] != B * splits || lse->dimensions()[0] != B * splits))
     return ffi::Error::InvalidArgument("part, lse: expected f32[B * splits, Tq, Hq, 64] and f32[B * splits, Hq, Tq]");
   PrefixArgs a{};
   a.q = reinterpret_cast<const __nv_bfloat16*>(q.untyped_data());
-  a.k = reinterpret_cast<const __nv_bfloat16*>(k.untyped_data());
-  a.v = reinterpret_cast<const __nv_bfloat16*>(v.untyped_data());
+  a.k = k.untyped_data();
+  a.v = v.untyped_data();
+  a.k_scale = static_cast<const __nv_bfloat16*>(k_scale);
+  a.v_scale = static_cast<const __nv_bfloat16*>(v_scale);
   a.kv_len = kv_len.typed_data();
   a.out = reinterpret_cast<__nv_bfloat16*>(out->untyped_data());
   a.part = part->typed_data();
@@ -322,6 +431,8 @@ static ffi::Error prefix_attention_handler(cudaStream_t stream, ffi::Buffer<ffi:
   a.q_batch = qd[1] * a.q_row;
   a.kv_row = kd[2] * kD;
   a.kv_batch = kd[1] * a.kv_row;
+  a.s_row = kd[2];
+  a.s_batch = kd[1] * a.s_row;
   a.splits = splits;
   a.c = scale * kLog2e;
   const int e = launch_prefix_attention(stream, a, B, block_kv, stages);
@@ -330,10 +441,34 @@ static ffi::Error prefix_attention_handler(cudaStream_t stream, ffi::Buffer<ffi:
   return launch_status(static_cast<cudaError_t>(e), "prefix_attention");
 }
 
+static ffi::Error prefix_attention_handler(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q, ffi::Buffer<ffi::BF16, 4> k,
+                                           ffi::Buffer<ffi::BF16, 4> v, ffi::Buffer<ffi::S32, 1> kv_len,
+                                           ffi::ResultBuffer<ffi::BF16, 4> out, ffi::ResultBuffer<ffi::F32, 4> part,
+                                           ffi::ResultBuffer<ffi::F32, 3> lse, int32_t splits, float scale,
+                                           int32_t block_kv, int32_t stages) {
+  return run_prefix(stream, q, k, v, nullptr, nullptr, kv_len, out, part, lse, splits, scale, block_kv, stages);
+}
+
+static ffi::Error prefix_attention_fp8_handler(cudaStream_t stream, ffi::Buffer<ffi::BF16, 4> q,
+                                               ffi::Buffer<ffi::U8, 4> k, ffi::Buffer<ffi::U8, 4> v,
+                                               ffi::Buffer<ffi::BF16, 3> k_scale, ffi::Buffer<ffi::BF16, 3> v_scale,
+                                               ffi::Buffer<ffi::S32, 1> kv_len, ffi::ResultBuffer<ffi::BF16, 4> out,
+                                               ffi::ResultBuffer<ffi::F32, 4> part, ffi::ResultBuffer<ffi::F32, 3> lse,
+                                               int32_t splits, float scale, int32_t block_kv, int32_t stages) {
+  const auto kd = k.dimensions(), ks = k_scale.dimensions(), vs = v_scale.dimensions();
+  for (int i = 0; i < 3; ++i)
+    if (ks[i] != kd[i] || vs[i] != kd[i])
+      return ffi::Error::InvalidArgument("k_scale, v_scale: expected bf16[B, T, H], k's leading dimensions");
+  return run_prefix(stream, q, k, v, k_scale.untyped_data(), v_scale.untyped_data(), kv_len, out, part, lse, splits,
+                    scale, block_kv, stages);
+}
+
 }  // namespace jaxkv
 
 namespace jaxkv::prefix_types {  // buffer types without commas, so they can sit inside the macro
 using Act = xla::ffi::Buffer<xla::ffi::BF16, 4>;
+using Codes = xla::ffi::Buffer<xla::ffi::U8, 4>;  // FP8 E4M3 codes, bitcast to bytes
+using Scales = xla::ffi::Buffer<xla::ffi::BF16, 3>;
 using Len = xla::ffi::Buffer<xla::ffi::S32, 1>;
 using Part = xla::ffi::Buffer<xla::ffi::F32, 4>;
 using Lse = xla::ffi::Buffer<xla::ffi::F32, 3>;
@@ -356,6 +491,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPrefixAttention, jaxkv::prefix_attention_hand
                                   .Attr<int32_t>("stages"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxkvPrefixAttentionFp8, jaxkv::prefix_attention_fp8_handler,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<jaxkv::prefix_types::Stream>()
+                                  .Arg<jaxkv::prefix_types::Act>()     // q bf16[B, Tq, Hq, 64]
+                                  .Arg<jaxkv::prefix_types::Codes>()   // k: FP8 codes u8[B, T, H, 64]
+                                  .Arg<jaxkv::prefix_types::Codes>()   // v
+                                  .Arg<jaxkv::prefix_types::Scales>()  // k_scale bf16[B, T, H]
+                                  .Arg<jaxkv::prefix_types::Scales>()  // v_scale
+                                  .Arg<jaxkv::prefix_types::Len>()     // kv_len i32[B]
+                                  .Ret<jaxkv::prefix_types::Act>()     // out bf16[B, Tq, Hq, 64]
+                                  .Ret<jaxkv::prefix_types::Part>()
+                                  .Ret<jaxkv::prefix_types::Lse>()
+                                  .Attr<int32_t>("splits")
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("block_kv")
+                                  .Attr<int32_t>("stages"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
 extern "C" {
 
 // PyTorch's entry (torch_bridge.kernels.prefix_attention), on ``stream``. q: bf16 [B, Tq, Hq, 64]
@@ -365,14 +518,35 @@ extern "C" {
 // * 64 and B * splits * Hq * Tq floats (splits > 1; else null); block_kv, stages: a built launch
 // shape. Returns a cudaError_t:
 // 1 (cudaErrorInvalidValue) for bad sizes, 801 (cudaErrorNotSupported) off sm_90.
+// jaxkv_prefix_attention_fp8 below: the same on FP8 storage, k / v its E4M3 codes (u8, same
+// strides) and k_scale / v_scale its bf16[B, T, H] scales (strides s_batch, s_row; T even).
+int jaxkv_prefix_attention_fp8(void* stream, const void* q, const void* k, const void* v, const void* k_scale,
+                               const void* v_scale, const int32_t* kv_len, int32_t kv_len_value, void* out, float* part,
+                               float* lse, int64_t B, int32_t Tq, int32_t Hq, int32_t T, int32_t H, int64_t q_batch,
+                               int64_t q_row, int64_t kv_batch, int64_t kv_row, int64_t s_batch, int64_t s_row,
+                               int32_t splits, float scale, int32_t block_kv, int32_t stages);
+
 int jaxkv_prefix_attention(void* stream, const void* q, const void* k, const void* v, const int32_t* kv_len,
                            int32_t kv_len_value, void* out, float* part, float* lse, int64_t B, int32_t Tq, int32_t Hq,
                            int32_t T, int32_t H, int64_t q_batch, int64_t q_row, int64_t kv_batch, int64_t kv_row,
                            int32_t splits, float scale, int32_t block_kv, int32_t stages) {
+  return jaxkv_prefix_attention_fp8(stream, q, k, v, nullptr, nullptr, kv_len, kv_len_value, out, part, lse, B, Tq, Hq,
+                                    T, H, q_batch, q_row, kv_batch, kv_row, 0, 0, splits, scale, block_kv, stages);
+}
+
+int jaxkv_prefix_attention_fp8(void* stream, const void* q, const void* k, const void* v, const void* k_scale,
+                               const void* v_scale, const int32_t* kv_len, int32_t kv_len_value, void* out, float* part,
+                               float* lse, int64_t B, int32_t Tq, int32_t Hq, int32_t T, int32_t H, int64_t q_batch,
+                               int64_t q_row, int64_t kv_batch, int64_t kv_row, int64_t s_batch, int64_t s_row,
+                               int32_t splits, float scale, int32_t block_kv, int32_t stages) {
   jaxkv::PrefixArgs a{};
   a.q = static_cast<const __nv_bfloat16*>(q);
-  a.k = static_cast<const __nv_bfloat16*>(k);
-  a.v = static_cast<const __nv_bfloat16*>(v);
+  a.k = k;
+  a.v = v;
+  a.k_scale = static_cast<const __nv_bfloat16*>(k_scale);
+  a.v_scale = static_cast<const __nv_bfloat16*>(v_scale);
+  a.s_batch = s_batch;
+  a.s_row = s_row;
   a.kv_len = kv_len;
   a.kv_len_value = kv_len_value;
   a.out = static_cast<__nv_bfloat16*>(out);

@@ -21,9 +21,10 @@ backend gathers anything:
   (``jaxkv.kernels.launch.prefix_splits``; FlashInfer's split-KV).
 * ``cuda``: ``jaxkv.kernels.prefix_attention_cuda``, the same design in CUDA
   (``jaxkv/cuda/prefix_attention.cu``; bf16, head_dim 64), the kernel the PyTorch drop-in
-  launches on the same buffers.
+  launches on the same buffers. It also reads an FP8 cache's codes and scales in place.
 
-``auto`` is ``pallas`` on a Hopper GPU, ``cudnn`` on other NVIDIA GPUs, ``xla`` elsewhere.
+``auto`` is ``pallas`` on a Hopper GPU, ``cudnn`` on other NVIDIA GPUs, ``xla`` elsewhere;
+for an FP8 cache ``cuda`` on a Hopper GPU with nvcc, else ``xla``.
 With power-of-two pages the prefix holds padding rows, which neither ``cudnn`` nor
 ``pallas`` masks, so ``auto`` picks ``xla`` there.
 """
@@ -183,8 +184,10 @@ def _local(state: FrameCacheState, q, layer, impl: str, scale):
         raise ValueError(f"impl={impl!r} needs exact pages (pow2_pages=False): padded rows need a mask")
     if impl in ("pallas", "cuda"):
         splits = prefix_splits(q.shape[1], q.shape[2], k.shape[1])
-        kernel = prefix_attention if impl == "pallas" else prefix_attention_cuda
-        return kernel(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
+        if impl == "pallas":
+            return prefix_attention(q, k, v, n, scale=scale, splits=splits)  # zeros where n == 0
+        fp8 = dict(zip(("k_scale", "v_scale"), scales)) if scales else {}  # FP8 rows read in place
+        return prefix_attention_cuda(q, k, v, n, scale=scale, splits=splits, **fp8)
     out = cudnn_attention(q, k, v, n, scale)
     return jnp.where((n > 0)[:, None, None, None], out, jnp.zeros_like(out))
 

@@ -31,7 +31,11 @@ merges them by their log-sum-exp.
 
 ``prefix_attention_cuda`` is the same contract on ``jaxkv/cuda/prefix_attention.cu`` through
 ``jax.ffi`` (bf16, head_dim 64, sm_90): the same warp-specialized design written in CUDA,
-which is also what PyTorch callers launch on torch's stream (``torch_bridge.kernels``).
+which is also what PyTorch callers launch on torch's stream (``torch_bridge.kernels``). It
+also reads an FP8 frame cache in place: k, v ``float8_e4m3fn[B, T, H, D]`` with their
+``k_scale``, ``v_scale`` ``bf16[B, T, H]`` (``jaxkv.formats.quantize_fp8_rows``), decoded to
+bf16 in shared memory as they stream in (docs/kernels/frame_cache_fp8.md).
+``ref_prefix_attention`` takes the same scales.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ import numpy as np
 from jax import lax
 
 from jaxkv.cuda import register_ffi_targets
+from jaxkv.formats.fp8 import dequantize_fp8_rows
 from jaxkv.kernels.launch import launch
 from jaxkv.math.attention import merge_partials, ref_attention
 
@@ -53,7 +58,7 @@ LOG2E = math.log2(math.e)
 i32 = jnp.int32
 
 
-def _check(q, k, v, kv_len, splits):
+def _check(q, k, v, kv_len, splits, scales=None):
     if q.ndim != 4 or k.ndim != 4 or v.shape != k.shape:
         raise ValueError(
             f"q, k, v: expected [B, Tq, Hq, D] and two [B, T, H, D] alike, got "
@@ -62,7 +67,9 @@ def _check(q, k, v, kv_len, splits):
     B, _, Hq, D = q.shape
     if k.shape[0] != B or k.shape[3] != D or Hq % k.shape[2]:
         raise ValueError(f"k: expected [{B}, T, H, {D}] with {Hq} a multiple of H, got {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
+    if scales is not None:
+        _check_fp8(q, k, v, scales)
+    elif not (q.dtype == k.dtype == v.dtype) or q.dtype not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"q, k, v: expected one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
     if D % 64:
         raise ValueError(f"q: expected head_dim a multiple of 64, got {D}")
@@ -72,11 +79,26 @@ def _check(q, k, v, kv_len, splits):
         raise ValueError(f"splits: {k.shape[1]} key rows do not split into {splits} chunks of whole 64-row blocks")
 
 
-def ref_prefix_attention(q, k, v, kv_len, *, scale=None):
+def _check_fp8(q, k, v, scales):
+    """An FP8 cache's operands: bf16 queries, E4M3 codes, a bf16 scale per row and head."""
+    if q.dtype != jnp.bfloat16 or k.dtype != jnp.float8_e4m3fn or v.dtype != jnp.float8_e4m3fn:
+        raise ValueError(
+            f"q, k, v: expected bfloat16 queries over float8_e4m3fn K/V (an FP8 cache), got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    for name, x in zip(("k_scale", "v_scale"), scales):
+        if x is None or x.shape != k.shape[:3] or x.dtype != jnp.bfloat16:
+            got = "None" if x is None else f"{x.dtype}{list(x.shape)}"
+            raise ValueError(f"{name}: expected bfloat16{list(k.shape[:3])} (a scale per row and head), got {got}")
+
+
+def ref_prefix_attention(q, k, v, kv_len, *, scale=None, k_scale=None, v_scale=None):
     """float32 softmax attention over the keys ``[0, kv_len)``; zeros where kv_len == 0.
 
-    q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D]; kv_len: i32[B] -> float32[B, Tq, Hq, D]
+    q: float[B, Tq, Hq, D]; k, v: float[B, T, H, D], or float8_e4m3fn with
+    k_scale, v_scale: bf16[B, T, H] (dequantized in float32); kv_len: i32[B] -> float32[B, Tq, Hq, D]
     """
+    if k_scale is not None:
+        k, v = (dequantize_fp8_rows(x, s, jnp.float32) for x, s in ((k, k_scale), (v, v_scale)))
     mask = jnp.arange(k.shape[1], dtype=jnp.int32)[None] < kv_len[:, None]
     k, v = (jnp.where(mask[:, :, None, None], x, 0) for x in (k, v))  # masked rows' bytes (NaN too) never count
     return ref_attention(q, k, v, mask, scale)
@@ -250,11 +272,15 @@ CUDA_HEAD_DIM = 64  # jaxkv/cuda/prefix_attention.cu: one 128-byte swizzle row p
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "splits"))
-def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
+def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1, k_scale=None, v_scale=None):
     """``prefix_attention``'s contract on ``jaxkv/cuda/prefix_attention.cu`` (module docstring); bf16
     and head_dim 64 only; the kernel merges the splits itself. Needs an sm_90 GPU and nvcc
-    (the first use builds ``cuda/``)."""
-    _check(q, k, v, kv_len, splits)
+    (the first use builds ``cuda/``). With ``k_scale`` / ``v_scale``: k, v are an FP8 cache's
+    codes, read in place."""
+    fp8 = k_scale is not None or v_scale is not None
+    _check(q, k, v, kv_len, splits, (k_scale, v_scale) if fp8 else None)
+    if fp8 and k.shape[1] % 2:
+        raise ValueError(f"k: expected an even number of rows for FP8 storage, got {k.shape[1]}")
     if q.dtype != jnp.bfloat16 or q.shape[3] != CUDA_HEAD_DIM:
         raise ValueError(
             f"q: expected bfloat16 with head_dim {CUDA_HEAD_DIM} for the cuda kernel, got {q.dtype} "
@@ -265,8 +291,10 @@ def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
     scale = D**-0.5 if scale is None else scale
     # the split partials' workspace (the kernel merges them; a token size for one split)
     part, lse = ((B * splits, Tq, Hq, D), (B * splits, Hq, Tq)) if splits > 1 else ((1, 1, 1, D), (1, 1, 1))
+    as_bytes = lambda x: lax.bitcast_convert_type(x, jnp.uint8)  # noqa: E731 - the FFI takes FP8 codes as u8
+    kv = (as_bytes(k), as_bytes(v), k_scale, v_scale) if fp8 else (k, v)
     out, _, _ = jax.ffi.ffi_call(
-        "jaxkv_prefix_attention",
+        "jaxkv_prefix_attention_fp8" if fp8 else "jaxkv_prefix_attention",
         (
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct(part, jnp.float32),
@@ -274,8 +302,7 @@ def prefix_attention_cuda(q, k, v, kv_len, *, scale=None, splits: int = 1):
         ),
     )(
         q,
-        k,
-        v,
+        *kv,
         kv_len,
         splits=np.int32(splits),
         scale=np.float32(scale),

@@ -179,3 +179,61 @@ def test_frame_step_has_no_host_control_flow(rng):
 
     text = jax.jit(step).lower(frame.init(spec), k, q, jnp.asarray([True])).as_text()
     assert not re.findall(r"stablehlo\.(while|case|if)\b", text)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("lengths", [(3001, 700), (4096, 0), (1, 129)])
+@pytest.mark.parametrize("heads", [(16, 16), (3, 1)])
+@pytest.mark.skipif(not _is_hopper(), reason="the cuda prefix kernel needs a Hopper GPU")
+def test_prefix_cuda_kernel_reads_fp8_rows(rng, splits, lengths, heads):
+    """FP8 codes and scales read in place equal the bf16 kernel over the same rows dequantized to
+    bf16, bit for bit (the decode is bf16(code * scale), one rounding), and the float32
+    reference within bf16's bound. Rows of very different magnitude (scales 2^-12..2^12), a
+    zero row (scale 0), one KV head (odd heads: the scale pair's other half)."""
+    from jaxkv.formats import dequantize_fp8_rows, quantize_fp8_rows
+    from jaxkv.kernels import prefix_attention_cuda, ref_prefix_attention
+
+    (Hq, H), B, T, D, Tq = heads, 2, 4096, 64, 262
+    gain = 2.0 ** rng.uniform(-12, 12, size=(B, T, H, 1))
+
+    def rows():
+        x = rng.standard_normal((B, T, H, D)) * gain
+        x[:, 5] = 0.0
+        return quantize_fp8_rows(jnp.asarray(x, jnp.bfloat16))
+
+    (k8, ks), (v8, vs) = rows(), rows()
+    q = jnp.asarray(rng.standard_normal((B, Tq, Hq, D)) * 2.0**-6, jnp.bfloat16)  # logits of order 1 for typical rows
+    n = jnp.asarray(lengths, jnp.int32)
+    out = prefix_attention_cuda(q, k8, v8, n, splits=splits, k_scale=ks, v_scale=vs)
+    as_bf16 = [dequantize_fp8_rows(x, s, jnp.bfloat16) for x, s in ((k8, ks), (v8, vs))]
+    same = prefix_attention_cuda(q, *as_bf16, n, splits=splits)
+    assert np.array_equal(np.asarray(out).view(np.uint16), np.asarray(same).view(np.uint16))
+    ref = ref_prefix_attention(q, k8, v8, n, k_scale=ks, v_scale=vs)
+    for b in range(B):
+        if lengths[b] == 0:
+            assert not np.any(np.asarray(out[b], np.float32)), "an empty prefix attends to nothing: zeros"
+        else:
+            assert rel_err(out[b], ref[b]) < 2e-2, b
+
+
+@pytest.mark.skipif(not _is_hopper(), reason="the cuda prefix kernel needs a Hopper GPU")
+def test_fp8_cache_attention_auto_is_the_cuda_kernel(rng):
+    """On Hopper an FP8 cache's ``auto`` attention is the cuda kernel reading it in place; it
+    matches the float32 reference over the dequantized rows through eviction and a deferred frame."""
+    from jaxkv.frame.attention import default_impl
+
+    spec = frame.FrameSpec(
+        num_layers=2, num_heads=16, head_dim=64, patches_per_frame=999, scale_frames=2, sliding_window=3,
+        max_frames=64, dtype="float8_e4m3fn",
+    )  # fmt: skip
+    assert default_impl(spec) == "cuda"
+    state = frame.init(spec)
+    shape = (2, 1, spec.tokens_per_frame, 16, 64)
+    for t in range(8):
+        k = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        state = frame.append(state, k, k * 0.5 + 0.25, defer=t == 7)
+    q = jnp.asarray(rng.standard_normal((1, spec.tokens_per_frame, 16, 64)) * 0.2, jnp.bfloat16)
+    for layer in range(2):
+        out = frame.attention(state, layer, q)
+        ref = frame.attention(state, layer, q, impl="reference")
+        assert rel_err(out, ref) < 2e-2, layer

@@ -77,7 +77,7 @@ def test_demo_bad_inputs_are_clean_errors(tmp_path, capsys):
     assert "--checkpoint" in _error(capsys, "demo", "--checkpoint", "x.pt")
     fp8 = ("demo", "--lingbot", "--images", str(FRAMES), "--small", "--kv-dtype", "fp8")
     assert "--set kv_dtype=None: --kv-dtype fp8 says otherwise" in _error(capsys, *fp8, "--set", "kv_dtype=null")
-    assert "no kernel reads or writes an FP8 frame cache" in _error(capsys, *fp8, "--impl", "pallas")
+    assert "the Pallas kernels read and write bf16 / f16 rows" in _error(capsys, *fp8, "--impl", "pallas")
 
 
 def test_demo_kv_dtype_is_the_global_cache_storage(tmp_path):
