@@ -5,7 +5,11 @@ window full), random bf16 data, warm, median of many frames:
 
 * jaxkv/<impl>: ``frame.append`` (all layers) + ``frame.attention`` per layer, one jitted
   step with the state donated; ``pallas`` (the prefix kernel, ``auto`` on Hopper),
-  ``cudnn`` (one cuDNN call with the key length) and ``xla``.
+  ``cuda`` (the same design in ``jaxkv/cuda/prefix_attention.cu``), ``cudnn`` (one cuDNN
+  call with the key length) and ``xla``.
+* jaxkv/cuda-fp8: the same step on an FP8 cache (``FrameSpec(dtype="float8_e4m3fn")``):
+  the append quantizes as it writes (XLA), the cuda kernel reads the codes in place
+  (``auto``); ``vs pallas`` compares it with the bf16 step of jaxkv/pallas.
   ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
 * jaxkv/append-only(/xla): the same step without attention (what the cache update costs).
@@ -36,13 +40,22 @@ from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 from jaxkv import frame  # noqa: E402
 
 RES = {"224x224": 256, "518x378": 999}
+# (name, frame.attention impl, K/V storage) of the jaxkv contenders
+CONTENDERS = (
+    ("jaxkv/pallas", "pallas", "bfloat16"),
+    ("jaxkv/cuda", "cuda", "bfloat16"),
+    ("jaxkv/cuda-fp8", "cuda", "float8_e4m3fn"),
+    ("jaxkv/cudnn", "cudnn", "bfloat16"),
+    ("jaxkv/xla", "xla", "bfloat16"),
+)
 HLO_DIR = os.environ.get("JAXKV_HLO_DIR")  # write the compiled step's HLO there, to look for copies
 H, D, NS, S, W = 16, 64, 6, 8, 64
 
 
 # ----------------------------------------------------------------------------- jaxkv
-def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto"):
+def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto", kv_dtype="bfloat16"):
     spec = frame.FrameSpec(
+        dtype=kv_dtype,
         num_layers=L,
         num_heads=H,
         head_dim=D,
@@ -230,11 +243,11 @@ def main(argv=None):
     for res in args.resolutions.split(","):
         P = RES[res]
         visible = None
-        for impl in ("pallas", "cudnn", "xla"):
-            if f"jaxkv/{impl}" in skip:
+        for name, impl, kv_dtype in CONTENDERS:
+            if name in skip:
                 continue
-            ms, visible = bench_jaxkv(P, args.layers, impl, args.warm, args.iters)
-            record(res, f"jaxkv/{impl}", ms, visible)
+            ms, visible = bench_jaxkv(P, args.layers, impl, args.warm, args.iters, kv_dtype=kv_dtype)
+            record(res, name, ms, visible)
         if "jaxkv/cudnn+xla-append" not in skip:
             ms, _ = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, append_impl="xla")
             record(res, "jaxkv/cudnn+xla-append", ms, visible)
@@ -254,16 +267,19 @@ def main(argv=None):
                 print(f"  {res} {name}: FAILED {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     print(
-        f"\nframe step, {args.layers} layers, H={H}, D={D}, S={S}, W={W}, bf16 — {dev.device_kind}, "
+        f"\nframe step, {args.layers} layers, H={H}, D={D}, S={S}, W={W}, bf16 queries (K/V bf16 unless -fp8) — {dev.device_kind}, "
         f"median of {args.iters} frames after {args.warm}"
     )
-    print(f"{'resolution':<10} {'contender':<20} {'ms/frame':>9} {'vs fa2':>7} {'vs fa3':>7} {'keys':>7}")
+    print(
+        f"{'resolution':<10} {'contender':<20} {'ms/frame':>9} {'vs pallas':>9} {'vs fa2':>7} {'vs fa3':>7} {'keys':>7}"
+    )
     for r in rows:
         base = {c: x["median_ms"] for x in rows if x["resolution"] == r["resolution"] for c in [x["contender"]]}
-        fa2, fa3 = base.get("flashinfer/fa2"), base.get("flashinfer/fa3")
-        f = lambda b: f"{r['median_ms'] / b:7.2f}" if b else "      -"  # noqa: E731
+        pal, fa2, fa3 = base.get("jaxkv/pallas"), base.get("flashinfer/fa2"), base.get("flashinfer/fa3")
+        f = lambda b, w=7: f"{r['median_ms'] / b:{w}.2f}" if b else " " * (w - 1) + "-"  # noqa: E731
         print(
-            f"{r['resolution']:<10} {r['contender']:<20} {r['median_ms']:9.2f} {f(fa2)} {f(fa3)} {r['visible_keys']:>7}"
+            f"{r['resolution']:<10} {r['contender']:<20} {r['median_ms']:9.2f} {f(pal, 9)} {f(fa2)} {f(fa3)} "
+            f"{r['visible_keys']:>7}"
         )
     if args.json:
         with open(args.json, "w") as fh:

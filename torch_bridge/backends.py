@@ -73,7 +73,11 @@ def backend_context(
 class Backend:
     """One backend's attention: ``backend(q, k, v, paged, pages)`` for one block, q
     ``[q_len, H, D]``, k / v that block's ``[T, H, D]`` buffers, paged their ``[pages,
-    page_size, H, D]`` views, pages the host mirror. ``reset()`` forgets the last plan."""
+    page_size, H, D]`` views, pages the host mirror. ``reset()`` forgets the last plan.
+    ``reads_fp8``: it takes an FP8 cache's codes with ``scales=(k_scale, v_scale)`` in place;
+    the others get the visible rows dequantized."""
+
+    reads_fp8 = False
 
     def reset(self) -> None:
         pass
@@ -92,7 +96,9 @@ class Sdpa(Backend):
 
 class CudaPrefix(Backend):
     """Planned once per frame step (the visible rows follow from the page counters), then one
-    launch per block over the whole buffers, of which rows ``[0, n)`` are read."""
+    launch per block over the whole buffers, of which rows ``[0, n)`` are read (FP8 codes too)."""
+
+    reads_fp8 = True
 
     def __init__(self, device, heads: int, jax_device):
         self.prefix = kernels.PrefixAttention(device, heads, heads)
@@ -102,13 +108,13 @@ class CudaPrefix(Backend):
     def reset(self):
         self.planned = None
 
-    def __call__(self, q, k, v, paged, pages):
+    def __call__(self, q, k, v, paged, pages, scales=(None, None)):
         step = (pages.c, q.shape[0])
         if self.planned != step:
             n = pages.visible_rows()
             self.prefix.plan(q.shape[0], n, prefix_cuda_splits(q.shape[0], q.shape[1], n, self.sms))
             self.planned = step
-        return self.prefix.run(q.contiguous(), k, v)
+        return self.prefix.run(q.contiguous(), k, v, k_scale=scales[0], v_scale=scales[1])
 
 
 class FlashInferPrefix(Backend):

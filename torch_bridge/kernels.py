@@ -66,7 +66,15 @@ def _typed(lib):
             i32,
             i32,
         ]
-        for f in (lib.jaxkv_flush_write, lib.jaxkv_tail_state, lib.jaxkv_frame_append, lib.jaxkv_prefix_attention):
+        fp8 = lib.jaxkv_prefix_attention.argtypes
+        lib.jaxkv_prefix_attention_fp8.argtypes = fp8[:4] + [p, p] + fp8[4:18] + [i64, i64] + fp8[18:]
+        for f in (
+            lib.jaxkv_flush_write,
+            lib.jaxkv_tail_state,
+            lib.jaxkv_frame_append,
+            lib.jaxkv_prefix_attention,
+            lib.jaxkv_prefix_attention_fp8,
+        ):
             f.restype = ctypes.c_int
         lib._jaxkv_typed = True
     return lib
@@ -357,19 +365,22 @@ def prefix_attention(q, k, v, kv_len: int, *, scale=None, splits: int = 1, out=N
     return out
 
 
-def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, launch):
+def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, kr, splits, scale, launch, scales=()):
     """One launch of ``jaxkv/cuda/prefix_attention.cu`` (arguments checked by the caller); a key-split
-    launch gets its f32 partials and log-sum-exps from torch's allocator, on this stream."""
+    launch gets its f32 partials and log-sum-exps from torch's allocator, on this stream.
+    scales: () for bf16 K/V; for FP8 codes, (k_scale, v_scale) bf16[rows, H], contiguous."""
     part = lse = None
     if splits > 1:
         part = torch.empty((B * splits, Tq, Hq, PREFIX_HEAD_DIM), dtype=torch.float32, device=dev)
         lse = torch.empty((B * splits, Hq, Tq), dtype=torch.float32, device=dev)
     block_kv, stages = launch
+    fp8 = [x.data_ptr() for x in scales]
     code = fn(
         _stream(dev),
         q.data_ptr(),
         k.data_ptr(),
         v.data_ptr(),
+        *fp8,
         None,
         kv_len,
         out.data_ptr(),
@@ -384,6 +395,7 @@ def _launch_prefix(fn, dev, q, k, v, kv_len, out, B, Tq, Hq, T, H, qb, qr, kb, k
         qr,
         kb,
         kr,
+        *((0, H) if fp8 else ()),
         splits,
         scale,
         block_kv,
@@ -404,7 +416,8 @@ class PrefixAttention:
 
         q, out: bf16[q_len, heads, 64] contiguous
         k, v:   bf16[rows, kv_heads, 64] contiguous (one layer's whole buffers), rows >= kv_len;
-                the keys [0, kv_len) are attended
+                the keys [0, kv_len) are attended; or an FP8 cache's codes (float8_e4m3fn or
+                their uint8 view, rows even) with ``run``'s k_scale, v_scale bf16[rows, kv_heads]
     """
 
     def __init__(self, device, heads: int, kv_heads: int, *, scale=None, launch=None):
@@ -419,6 +432,7 @@ class PrefixAttention:
         self.scale = PREFIX_HEAD_DIM**-0.5 if scale is None else float(scale)
         self.launch = launch or _prefix_launch(device)
         self._fn = _lib(device).jaxkv_prefix_attention
+        self._fn_fp8 = _lib(device).jaxkv_prefix_attention_fp8
         self._q_shape = None  # (q_len, heads, 64) once planned
         self._kv_len = self._splits = 0
 
@@ -431,8 +445,11 @@ class PrefixAttention:
         self._q_shape = (q_len, self.heads, PREFIX_HEAD_DIM)
         self._kv_len, self._splits = kv_len, splits
 
-    def run(self, q, k, v, out=None):
-        """Attention of one layer -> ``out`` (or a new tensor), bf16[q_len, heads, 64]."""
+    def run(self, q, k, v, out=None, k_scale=None, v_scale=None):
+        """Attention of one layer -> ``out`` (or a new tensor), bf16[q_len, heads, 64]. With
+        ``k_scale`` / ``v_scale``, k and v are FP8 codes read in place (class docstring)."""
+        fp8 = k_scale is not None or v_scale is not None
+        kv_dtypes = (torch.float8_e4m3fn, torch.uint8) if fp8 else (torch.bfloat16,)
         if self._q_shape is None:
             raise RuntimeError("PrefixAttention.run: call plan() first")
         if q.shape != self._q_shape or q.dtype != torch.bfloat16 or q.device != self.device or not q.is_contiguous():
@@ -445,17 +462,35 @@ class PrefixAttention:
             k.shape != v.shape
             or k.shape[1:] != (self.kv_heads, PREFIX_HEAD_DIM)
             or T < self._kv_len
-            or k.dtype != torch.bfloat16
-            or v.dtype != torch.bfloat16
+            or k.dtype not in kv_dtypes
+            or v.dtype not in kv_dtypes
             or k.device != self.device
             or v.device != self.device
             or not (k.is_contiguous() and v.is_contiguous())
         ):
             raise ValueError(
-                f"k, v: expected contiguous bf16 [rows >= {self._kv_len}, {self.kv_heads}, "
-                f"{PREFIX_HEAD_DIM}] on {self.device}, got {k.dtype} {tuple(k.shape)} on {k.device} "
-                f"and {v.dtype} {tuple(v.shape)} on {v.device}"
+                f"k, v: expected contiguous {'FP8 codes' if fp8 else 'bf16'} [rows >= {self._kv_len}, "
+                f"{self.kv_heads}, {PREFIX_HEAD_DIM}] on {self.device}, got {k.dtype} {tuple(k.shape)} on "
+                f"{k.device} and {v.dtype} {tuple(v.shape)} on {v.device}"
             )
+        scales = ()
+        if fp8:
+            for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if (
+                    not isinstance(x, torch.Tensor)
+                    or x.shape != k.shape[:2]
+                    or x.dtype != torch.bfloat16
+                    or x.device != self.device
+                    or not x.is_contiguous()
+                ):
+                    raise ValueError(
+                        f"{name}: expected a contiguous bf16 tensor {list(k.shape[:2])} on {self.device} (a scale "
+                        f"per row and head), got {getattr(x, 'dtype', type(x).__name__)} "
+                        f"{tuple(getattr(x, 'shape', ()))}"
+                    )
+            if T % 2:
+                raise ValueError(f"k: expected an even number of rows for FP8 codes, got {T}")
+            scales = (k_scale, v_scale)
         if out is None:
             out = torch.empty(self._q_shape, dtype=torch.bfloat16, device=self.device)
         elif (
@@ -471,7 +506,7 @@ class PrefixAttention:
         Tq, Hq, n = self._q_shape[0], self.heads, self._kv_len
         # The kernel sees rows [0, n) only (its key splits divide those rows, as for k[:n]).
         _launch_prefix(
-            self._fn,
+            self._fn_fp8 if fp8 else self._fn,
             self.device,
             q,
             k,
@@ -490,6 +525,7 @@ class PrefixAttention:
             self._splits,
             self.scale,
             self.launch,
+            scales,
         )
         return out
 

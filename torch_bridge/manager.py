@@ -474,8 +474,11 @@ class FlashInferKVCacheManager:
     def _attend(self, b: int, q: torch.Tensor) -> torch.Tensor:
         if not self._k_scale:
             return self._attention(q, self._k[b], self._v[b], self._paged[b], self._pages)
-        # FP8: the visible rows [0, n) dequantized to one bf16 copy per call (a prefix backend
-        # reads only those rows); docs/kernels/frame_cache_fp8.md
+        if self._attention.reads_fp8:  # the codes and scales in place
+            scales = (self._k_scale[b], self._v_scale[b])
+            return self._attention(q, self._k[b], self._v[b], None, self._pages, scales=scales)
+        # FP8 elsewhere: the visible rows [0, n) dequantized to one bf16 copy per call (a prefix
+        # backend reads only those rows); docs/kernels/frame_cache_fp8.md
         n = self._pages.visible_rows()
         k = fp8.dequantize_rows(self._k[b][:n], self._k_scale[b][:n])
         v = fp8.dequantize_rows(self._v[b][:n], self._v_scale[b][:n])

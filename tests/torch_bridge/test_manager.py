@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 from frame_model import FrameModel  # noqa: E402
 
 from jaxkv.frame import NONE  # noqa: E402
-from torch_bridge import FlashInferKVCacheManager, kernels  # noqa: E402
+from torch_bridge import FlashInferKVCacheManager, fp8, kernels  # noqa: E402
 from torch_bridge import backends as B  # noqa: E402
 from torch_bridge import pages as P  # noqa: E402
 
@@ -198,10 +198,13 @@ class _PrefixStandIn:
         assert splits >= 1
         self.plans.append((q_len, kv_len))
 
-    def run(self, q, k, v):
+    def run(self, q, k, v, k_scale=None, v_scale=None):
         q_len, kv_len = self.plans[-1]
         assert q.shape[0] == q_len and q.is_contiguous() and k.shape == v.shape and k.shape[0] >= kv_len
-        return _sdpa(q, k[:kv_len], v[:kv_len])
+        k, v = k[:kv_len], v[:kv_len]
+        if k_scale is not None:  # FP8 codes read in place: the kernel decodes bf16(code * scale)
+            k, v = fp8.dequantize_rows(k, k_scale[:kv_len]), fp8.dequantize_rows(v, v_scale[:kv_len])
+        return _sdpa(q, k, v)
 
 
 @pytest.fixture
