@@ -518,22 +518,9 @@ extern "C" {
 // * 64 and B * splits * Hq * Tq floats (splits > 1; else null); block_kv, stages: a built launch
 // shape. Returns a cudaError_t:
 // 1 (cudaErrorInvalidValue) for bad sizes, 801 (cudaErrorNotSupported) off sm_90.
-// jaxkv_prefix_attention_fp8 below: the same on FP8 storage, k / v its E4M3 codes (u8, same
-// strides) and k_scale / v_scale its bf16[B, T, H] scales (strides s_batch, s_row; T even).
-int jaxkv_prefix_attention_fp8(void* stream, const void* q, const void* k, const void* v, const void* k_scale,
-                               const void* v_scale, const int32_t* kv_len, int32_t kv_len_value, void* out, float* part,
-                               float* lse, int64_t B, int32_t Tq, int32_t Hq, int32_t T, int32_t H, int64_t q_batch,
-                               int64_t q_row, int64_t kv_batch, int64_t kv_row, int64_t s_batch, int64_t s_row,
-                               int32_t splits, float scale, int32_t block_kv, int32_t stages);
-
-int jaxkv_prefix_attention(void* stream, const void* q, const void* k, const void* v, const int32_t* kv_len,
-                           int32_t kv_len_value, void* out, float* part, float* lse, int64_t B, int32_t Tq, int32_t Hq,
-                           int32_t T, int32_t H, int64_t q_batch, int64_t q_row, int64_t kv_batch, int64_t kv_row,
-                           int32_t splits, float scale, int32_t block_kv, int32_t stages) {
-  return jaxkv_prefix_attention_fp8(stream, q, k, v, nullptr, nullptr, kv_len, kv_len_value, out, part, lse, B, Tq, Hq,
-                                    T, H, q_batch, q_row, kv_batch, kv_row, 0, 0, splits, scale, block_kv, stages);
-}
-
+// jaxkv_prefix_attention_fp8: the same on FP8 storage, k / v its E4M3 codes (u8, same strides)
+// and k_scale / v_scale its bf16[B, T, H] scales (strides s_batch, s_row; T even); with null
+// scales, bf16 K/V as jaxkv_prefix_attention (below) passes them.
 int jaxkv_prefix_attention_fp8(void* stream, const void* q, const void* k, const void* v, const void* k_scale,
                                const void* v_scale, const int32_t* kv_len, int32_t kv_len_value, void* out, float* part,
                                float* lse, int64_t B, int32_t Tq, int32_t Hq, int32_t T, int32_t H, int64_t q_batch,
@@ -563,6 +550,14 @@ int jaxkv_prefix_attention_fp8(void* stream, const void* q, const void* k, const
   a.splits = splits;
   a.c = scale * jaxkv::kLog2e;
   return jaxkv::launch_prefix_attention(static_cast<cudaStream_t>(stream), a, B, block_kv, stages);
+}
+
+int jaxkv_prefix_attention(void* stream, const void* q, const void* k, const void* v, const int32_t* kv_len,
+                           int32_t kv_len_value, void* out, float* part, float* lse, int64_t B, int32_t Tq, int32_t Hq,
+                           int32_t T, int32_t H, int64_t q_batch, int64_t q_row, int64_t kv_batch, int64_t kv_row,
+                           int32_t splits, float scale, int32_t block_kv, int32_t stages) {
+  return jaxkv_prefix_attention_fp8(stream, q, k, v, nullptr, nullptr, kv_len, kv_len_value, out, part, lse, B, Tq, Hq,
+                                    T, H, q_batch, q_row, kv_batch, kv_row, 0, 0, splits, scale, block_kv, stages);
 }
 
 }  // extern "C"
