@@ -21,7 +21,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     NaN), an all-zero row a zero scale; nothing is clipped: ``|x| / scale <= 448``."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)  # NaN wherever the row holds a NaN
-    bits = (amax / FP8_MAX).view(torch.int32)  # amax is within bf16's range: no overflow below
+    # A tensor divisor: torch's CUDA division by a Python scalar multiplies by its rounded
+    # reciprocal, which moves the scale by a bfloat16 step where amax / 448 is one exactly.
+    bits = (amax / torch.full_like(amax, FP8_MAX)).view(torch.int32)  # amax within bf16's range
     up = ((bits + 0xFFFF) & -0x10000).view(torch.float32)  # rounded up to a bfloat16
     scale = torch.where(torch.isfinite(amax), up, torch.nan)
     keep = scale > 0
