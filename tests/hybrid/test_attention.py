@@ -133,14 +133,18 @@ def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
 
 def _assert_stacked_rows_are_the_arrays(rng, filled, impls):
     state, step, T, params = next(_steps(filled, chunk=False))
+    # jitted: eager dispatch of the attention's many small ops is most of the CPU time
+    run = jax.jit(
+        lambda *a, layer, impl: H.attention(a[0], a[1], layer, *a[2:], impl=impl), static_argnames=("layer", "impl")
+    )
     for layer in range(state.config.num_layers):
         st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
         sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
         kvs, qs, sinks = (jnp.stack([-x, x, 2 * x]) for x in (kv, q, sink))
         for impl in impls:
-            want = H.attention(st, step, layer, q, sink, kv, idx, impl=impl)
+            want = run(st, step, q, sink, kv, idx, layer=layer, impl=impl)
             for args in ((q, sink, H.Stacked(kvs, 1)), (H.Stacked(qs, 1), H.Stacked(sinks, 1), kv)):
-                got = H.attention(st, step, layer, *args, idx, impl=impl)
+                got = run(st, step, *args, idx, layer=layer, impl=impl)
                 np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=f"layer {layer}, {impl}")
 
 
