@@ -26,6 +26,7 @@ from jaxkv.formats.numerics import (
     e8m0_to_float,
     exact_div,
     fp8_e4m3_encode,
+    fp8_e4m3_quotient,
     group,
     ue8m0_scale,
     ungroup,
@@ -115,8 +116,12 @@ def quantize_fp8_rows(x):
     bits = lax.bitcast_convert_type(exact_div(amax, FP8_MAX), jnp.uint32)
     up = lax.bitcast_convert_type((bits + jnp.uint32(0xFFFF)) & jnp.uint32(0xFFFF0000), jnp.float32)  # ceil to bf16
     scale = jnp.where(jnp.isfinite(amax), up, jnp.nan)
-    safe = jnp.where(scale > 0, scale, 1.0)
-    q = _to_fp8(jnp.where((scale > 0)[..., None], div_rn(xf, safe[..., None]), 0.0))
+    keep = (scale > 0)[..., None]
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    if x.dtype in (jnp.bfloat16, jnp.float16):  # the frame cache's input: no division per element
+        q = fp8_e4m3_quotient(jnp.where(keep, xf, 0.0), safe)
+    else:
+        q = _to_fp8(jnp.where(keep, div_rn(xf, safe), 0.0))
     return q, scale.astype(jnp.bfloat16)
 
 

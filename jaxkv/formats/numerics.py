@@ -136,15 +136,44 @@ def fp8_e4m3_encode(y):
     (XLA's GPU conversion disagrees with ml_dtypes / CUDA in the subnormal range).
     NaN -> NaN (0x7F, sign kept).
     """
-    y = jnp.asarray(y, jnp.float32)
+    return _e4m3(jnp.asarray(y, jnp.float32))
+
+
+def fp8_e4m3_quotient(x, s):
+    """``fp8_e4m3_encode(div_rn(x, s))`` without the division, for ``x`` of at most 11
+    significant bits (bfloat16 or float16 values, as float32) and ``s > 0`` a bfloat16
+    value (a row scale, broadcast against ``x``); the same bytes at a fraction of the work.
+
+    ``q = x * (1 / s)`` is within 2**-21 of ``x / s`` relatively. With x = X 2**a, s = S 2**b
+    (X < 2**11, S < 2**8) and an E4M3 rounding midpoint m = M 2**c (M < 2**5 odd), either
+    x = m s exactly (a tie) or |x / s - m| >= 2**-14 m: ``x - m s`` is a nonzero multiple of
+    2**min(a, b + c). So ``q`` rounds as ``x / s`` does, except on a tie, which it finds by
+    coming within 2**-16 of a midpoint and resolves to even. A tiny ``s`` (below 2**-64)
+    and its row are scaled by 2**64 first, exactly, so ``1 / s`` stays finite.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    s = jnp.asarray(s, jnp.float32)
+    tiny = s < 2.0**-64
+    xs = jnp.where(tiny, x * 2.0**64, x)
+    ss = jnp.where(tiny, s * 2.0**64, s)
+    return _e4m3(xs * div_rn(jnp.float32(1.0), ss), ties_within=2.0**-16)
+
+
+def _e4m3(y, ties_within=None):
+    """float32 ``y`` -> float8_e4m3fn (``fp8_e4m3_encode``); with ``ties_within``, a value
+    that close to a rounding midpoint is taken to be on it (``fp8_e4m3_quotient``)."""
     a = jnp.minimum(jnp.abs(y), 448.0)
     _, e = jnp.frexp(a)  # a = m * 2**e, m in [0.5, 1)
     exp = jnp.where(a > 0, jnp.maximum(e - 1, -6), -6)  # unbiased exponent; subnormals use -6
     # a in ulps of 2**(exp-3), rounded half to even: [8, 16) for normals (the leading 1 is
     # bit 3, so it adds 8 to the biased exponent field), [0, 8] for subnormals; a carry
     # to 16 moves into the next exponent by plain addition.
-    steps = jnp.round(a * pow2(3 - exp)).astype(jnp.int32)
-    code = ((exp + 6) << 3) + steps
+    t = a * pow2(3 - exp)
+    steps = jnp.round(t)
+    if ties_within is not None:
+        f = jnp.floor(t)
+        steps = jnp.where(jnp.abs(t - f - 0.5) < ties_within, f + f % 2, steps)
+    code = ((exp + 6) << 3) + steps.astype(jnp.int32)
     code = jnp.where(jnp.isnan(y), 0x7F, jnp.minimum(code, 0x7E))
     byte = (code | (jnp.signbit(y).astype(jnp.int32) << 7)).astype(jnp.uint8)
     return lax.bitcast_convert_type(byte, jnp.float8_e4m3fn)

@@ -283,6 +283,35 @@ def test_fp8_encoder_matches_ml_dtypes_everywhere(rng):
     assert np.isnan(np.asarray(fp8_e4m3_encode(jnp.asarray([np.nan]))).astype(np.float32)[0])
 
 
+@pytest.mark.parametrize("dtype, exps", [(ml_dtypes.bfloat16, (-90, 60)), (np.float16, (-6, 3))])
+def test_fp8_quotient_equals_the_rounded_division(rng, dtype, exps):
+    """fp8_e4m3_quotient(x, s) is E4M3's rounding of the exact x / s (float64 here, exact
+    enough: every quotient is a tie or >= 2**-14 from one) and fp8_e4m3_encode(div_rn(x, s)),
+    for bf16 / f16 x and bf16 s of every magnitude (tiny s scaled inside), exact ties included."""
+    from jaxkv.formats.numerics import div_rn, fp8_e4m3_encode, fp8_e4m3_quotient
+
+    n = 1 << 15
+    s = (rng.uniform(1, 2, n) * 2.0 ** rng.integers(*exps, n)).astype(ml_dtypes.bfloat16).astype(np.float64)
+    x = (rng.uniform(-448, 448, n) * 2.0 ** rng.integers(-14, 1, n) * s).astype(dtype).astype(np.float64)
+    # exact ties: a midpoint of E4M3 (between every pair of neighbours) times an s of few bits
+    grid = np.arange(0x7F, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    mids = (grid[:-1] + grid[1:]) / 2
+    st = (rng.integers(1, 8, mids.size) * 2.0 ** rng.integers(*exps, mids.size)).astype(np.float64)
+    xt = (mids * st * rng.choice([-1, 1], mids.size)).astype(dtype).astype(np.float64)
+    exact = np.abs(xt) / st == mids  # (f16's range leaves some out)
+    assert exact.mean() > 0.5
+    xt, st = xt[exact], st[exact]
+    x, s = np.concatenate([x, xt, [0.0]]), np.concatenate([s, st, [1.0]])
+    keep = np.abs(x / s) <= 448
+    x, s = x[keep], s[keep]
+    want = (x / s).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    xj, sj = jnp.asarray(x, jnp.float32), jnp.asarray(s, jnp.float32)
+    got = np.asarray(jax.jit(fp8_e4m3_quotient)(xj, sj)).view(np.uint8)
+    np.testing.assert_array_equal(got, want)
+    divided = np.asarray(jax.jit(lambda x, s: fp8_e4m3_encode(div_rn(x, s)))(xj, sj)).view(np.uint8)
+    np.testing.assert_array_equal(got, divided)
+
+
 @pytest.mark.parametrize("pos", [0, 17, 31])
 def test_nan_anywhere_in_a_group_poisons_its_scale(pos):
     """The scale of a group holding a NaN is NaN wherever the NaN sits (XLA's max-reduce alone
