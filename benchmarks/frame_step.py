@@ -12,7 +12,8 @@ window full), random bf16 data, warm, median of many frames:
   (``auto``); ``vs pallas`` compares it with the bf16 step of jaxkv/pallas.
   ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
-* jaxkv/append-only(/xla): the same step without attention (what the cache update costs).
+* jaxkv/append-only(/xla, -fp8): the same step without attention (what the cache update
+  costs; -fp8: an FP8 cache's, quantizing as it writes).
 * cudnn/bare: ``jax.nn.dot_product_attention`` on 24 separate contiguous K/V arrays with
   the same key count, no cache update (a floor for the attention part).
 * flashinfer/fa2, flashinfer/fa3: the seed's design — one page per frame, specials packed
@@ -254,6 +255,9 @@ def main(argv=None):
         for append_impl in ("auto", "xla"):
             ms, vis = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, attend=False, append_impl=append_impl)
             record(res, "jaxkv/append-only" + ("" if append_impl == "auto" else "/xla"), ms, vis)
+        if "jaxkv/append-only-fp8" not in skip:
+            ms, vis = bench_jaxkv(P, args.layers, "xla", args.warm, args.iters, attend=False, kv_dtype="float8_e4m3fn")
+            record(res, "jaxkv/append-only-fp8", ms, vis)
         visible = visible or vis
         if "cudnn/bare" not in skip:
             record(res, "cudnn/bare", bench_bare_cudnn(P, args.layers, visible, args.iters), visible)

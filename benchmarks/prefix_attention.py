@@ -7,6 +7,8 @@ in one process on the same random data:
 * ``cuda (block_kv, stages)``: ``jaxkv/cuda/prefix_attention.cu`` launched from torch
   (``torch_bridge.kernels.prefix_attention``, what the drop-in's ``backend="cuda"`` runs),
   every launch shape it builds, with ``launch.prefix_cuda_splits``' key splits;
+* ``cuda fp8 (block_kv, stages)``: the same kernel over an FP8 cache's codes and scales
+  (``torch_bridge.fp8.quantize_rows`` of the same K/V), read in place;
 * ``flashinfer fa2 / fa3``: ``flashinfer.single_prefill_with_kv_cache`` over the same prefix
   (the drop-in's ``backend="flashinfer"``), when importable;
 * ``jax mosaic`` / ``jax cuda``: ``kernels.prefix_attention`` (Mosaic GPU) and
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from jaxkv.kernels.launch import prefix_cuda_splits
-from torch_bridge import kernels
+from torch_bridge import fp8, kernels
 
 SHAPES = {"518x378": (1005, 72648), "224x224": (262, 19152)}
 H, D = 16, 64
@@ -107,6 +109,16 @@ def main(argv=None):
             name = f"cuda {launch} (splits {splits})"
             fn = lambda launch=launch: kernels.prefix_attention(q, k[:n], v[:n], n, splits=splits, launch=launch)  # noqa: E731
             found[name] = (event_ms(fn, args.iters), fn())
+        kq, ks = fp8.quantize_rows(k)
+        vq, vs = fp8.quantize_rows(v)
+        for launch in LAUNCHES:
+            run = kernels.PrefixAttention(q.device, H, H, launch=launch)
+            run.plan(Tq, n, splits)
+            fn = lambda run=run: run.run(q, kq, vq, k_scale=ks, v_scale=vs)  # noqa: E731
+            try:
+                found[f"cuda fp8 {launch} (splits {splits})"] = (event_ms(fn, args.iters), fn())
+            except ValueError as e:  # a launch shape FP8 storage does not build
+                print(f"  {shape} cuda fp8 {launch}: {e}", flush=True)
         if flashinfer is not None:
             for backend in ("fa2", "fa3"):
                 fn = (
