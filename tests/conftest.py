@@ -50,8 +50,15 @@ LONGEST_FIRST = (
 )
 
 
+# Tests that run on whatever device torch sees: on a GPU machine they are GPU tests too, so
+# the ``gpu`` marker (``-m gpu``) selects them there.
+ON_TORCH_DEVICE = ("tests/torch_bridge/",)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` selects by the markers added here
 def pytest_collection_modifyitems(config, items):
-    """``gpu`` tests skip without a GPU. ``slow`` tests (minutes of compiling on a CPU, where a
+    """``gpu`` tests skip without a GPU; on a GPU machine the torch tests (``ON_TORCH_DEVICE``)
+    are ``gpu`` tests too. ``slow`` tests (minutes of compiling on a CPU, where a
     smaller test of the default run checks the same rule) run where a GPU is, or with
     ``JAXKV_LONG=1``: the default run stays within CI's budget. ``exhaustive`` tests (every
     case of an identity, seconds natively) skip under compute-sanitizer, where they would take
@@ -61,6 +68,8 @@ def pytest_collection_modifyitems(config, items):
     long = pytest.mark.skip(reason="long on a CPU: runs with JAXKV_LONG=1 (and where a GPU is)")
     sanitized = pytest.mark.skip(reason="exhaustive: not under compute-sanitizer (JAXKV_SANITIZE=1)")
     for item in items:
+        if HAS_GPU and item.nodeid.startswith(ON_TORCH_DEVICE):
+            item.add_marker(pytest.mark.gpu)
         if "gpu" in item.keywords and not HAS_GPU:
             item.add_marker(no_gpu)
         elif "slow" in item.keywords and not (HAS_GPU or LONG):
