@@ -157,12 +157,13 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     NS, ps = s.num_special, s.page_size
     bufs = {name: list(getattr(state, name)) for name in ROW_BUFFERS}
     error = state.error
+    stored = _stored(s, k, v)  # all layers at once for append: an FP8 frame is quantized by one fusion, not L
     if layer is None:
-        targets = [(l, True, k[l], v[l]) for l in range(s.num_layers)]
+        targets = [(l, True, {name: x[l] for name, x in stored.items()}) for l in range(s.num_layers)]
     elif isinstance(layer, int):
-        targets = [(layer, True, k, v)]
+        targets = [(layer, True, stored)]
     else:
-        targets = [(l, layer == l, k, v) for l in range(s.num_layers)]
+        targets = [(l, layer == l, stored) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
     finite = jnp.ones(state.write_patch_row.shape, bool)
@@ -170,13 +171,13 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
         finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
         error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
-    for l, hit, kl, vl in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
+    for l, hit, rows_of in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
         hit = hit & finite
         rows = dict(
             special_row=jnp.where(hit, state.write_special_row, s.trash_row),
             patch_row=jnp.where(hit, state.write_patch_row, s.trash_row),
         )
-        for name, x in _stored(s, kl, vl).items():
+        for name, x in rows_of.items():
             bufs[name][l] = write_rows(bufs[name][l], x, num_special=NS, page_size=ps, **rows)
     return state.replace(**{name: tuple(b) for name, b in bufs.items()}, error=error)
 
