@@ -50,6 +50,11 @@ class FrameCacheModule(nnx.Module):
         """Start a frame on every layer: ``jaxkv.frame.begin_frame``."""
         self._apply(frame.begin_frame, defer)
 
+    def append(self, k, v, defer=False):
+        """Store one frame's K/V of every layer, k, v: [L, B, tokens_per_frame, H, D]:
+        ``jaxkv.frame.append`` (one write for all layers, not one a layer)."""
+        self._apply(frame.append, k, v, defer)
+
     def write(self, layer: int, k, v):
         """Store one layer's K/V of the current frame: ``jaxkv.frame.write_layer``."""
         self._apply(frame.write_layer, layer, k, v)

@@ -150,11 +150,9 @@ class Aggregator(nnx.Module):
 
         out = self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
         T, dt = c.tokens_per_frame, self.cache.spec.compute_dtype
-        for s in range(S):
-            self.cache.begin_frame()
-            for layer in range(c.depth):
-                k, v = kv[layer]
-                self.cache.write(layer, k[:, s * T : (s + 1) * T].astype(dt), v[:, s * T : (s + 1) * T].astype(dt))
+        for s in range(S):  # a frame's K/V of every layer in one append: one write (and quantization) each
+            k, v = (jnp.stack([kv[layer][i][:, s * T : (s + 1) * T] for layer in range(c.depth)]) for i in (0, 1))
+            self.cache.append(k.astype(dt), v.astype(dt))
         return out
 
     def stream_frame(self, image, keyframe):
