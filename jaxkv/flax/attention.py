@@ -59,6 +59,10 @@ class FrameCacheModule(nnx.Module):
         """Store one layer's K/V of the current frame: ``jaxkv.frame.write_layer``."""
         self._apply(frame.write_layer, layer, k, v)
 
+    def write_frames(self, layer: int, k, v, first_frame):
+        """Store one layer's K/V of several begun frames: ``jaxkv.frame.write_frames``."""
+        self._apply(frame.write_frames, layer, k, v, first_frame)
+
     def attend(self, q, layer: int, impl: str = "auto"):
         """``jaxkv.frame.attention`` over ``layer``'s visible keys."""
         return frame.attention(self.state.get_value(), layer, q, impl=impl)

@@ -27,6 +27,7 @@ from jaxkv.frame.ops import (
     resolve,
     resolve_moves,
     rollback,
+    write_frames,
     write_layer,
 )
 from jaxkv.frame.spec import FP8, FrameSpec
@@ -61,5 +62,6 @@ __all__ = [
     "rollback",
     "visible_mask",
     "visible_token_ids",
+    "write_frames",
     "write_layer",
 ]

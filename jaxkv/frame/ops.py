@@ -262,6 +262,71 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     return _write_layer_traced(state, jnp.asarray(layer, jnp.int32), k, v)
 
 
+@functools.partial(jax.jit, donate_argnums=0, static_argnames="layer")
+def _write_frames(state, k, v, first_frame, layer):
+    def local(state, k, v, first):
+        s = state.spec
+        T, S = s.tokens_per_frame, k.shape[1] // s.tokens_per_frame
+        # where each token of the S frames sits now: rows whose id is frame * T + token
+        pos = state.token_id - (first * T)[:, None]  # i32[B, rows]
+        pos = jnp.where((state.token_id >= 0) & (pos >= 0) & (pos < S * T), pos, S * T)
+        rows = jnp.arange(s.capacity, dtype=jnp.int32)
+        dst = jax.vmap(lambda p: jnp.full((S * T,), s.trash_row, jnp.int32).at[p].set(rows, mode="drop"))(pos)
+        finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]
+        error = record(state.error, ~finite, Fault.NONFINITE_KV)
+        dst = jnp.where(finite[:, None], dst, s.trash_row)
+        b = jnp.arange(s.num_streams)[:, None]
+        bufs = {}
+        for name, x in _stored(s, k, v).items():
+            buf = getattr(state, name)[layer]
+            bufs[name] = (
+                getattr(state, name)[:layer]
+                + (buf.at[b, dst].set(x.astype(buf.dtype)),)
+                + getattr(state, name)[layer + 1 :]
+            )
+        return state.replace(**bufs, error=error)
+
+    return on_devices(local, state, k, v, first_frame, axes=(KV, KV, STREAMS))
+
+
+def write_frames(state: FrameCacheState, layer: int, k, v, first_frame) -> FrameCacheState:
+    """Store one layer's K/V of S frames already begun (``begin_frame`` once for each),
+    found by their token ids: a model that runs S frames through its layers together
+    (lingbot-map's scale frames) writes each layer as it goes instead of keeping every
+    layer's K/V until the frames can be appended one by one.
+
+    k, v: dtype[B, S * tokens_per_frame, H, D]  frame-major, each frame's specials first
+    first_frame: i32[B]  ``num_frames`` before the first of the S ``begin_frame`` calls
+    A token whose frame was skipped (a fault) is not stored; a stream whose k or v holds
+    a NaN or Inf gets NONFINITE_KV and nothing stored. Padding rows of power-of-two pages
+    keep what they held (masked, as always).
+    """
+    s = state.spec
+    if not isinstance(layer, int) or not 0 <= layer < s.num_layers:
+        raise ValueError(f"layer: expected an int, 0 <= layer < {s.num_layers}, got {layer!r}")
+    T = s.tokens_per_frame
+    want = (s.num_streams, None, s.num_heads, s.head_dim)
+    for name, x in (("k", k), ("v", v)):
+        shape = tuple(getattr(x, "shape", ()))
+        if (
+            len(shape) != 4
+            or shape[0] != s.num_streams
+            or shape[2:] != want[2:]
+            or shape[1] % T
+            or not shape[1]
+            or getattr(x, "dtype", None) != s.compute_dtype
+        ):
+            raise ValueError(
+                f"{name}: expected {s.compute_dtype}[{s.num_streams}, S * {T}, {s.num_heads}, {s.head_dim}] "
+                f"([streams, frames x tokens_per_frame, heads, head_dim]), got "
+                f"{getattr(x, 'dtype', type(x).__name__)}{list(shape)}"
+            )
+    if k.shape != v.shape:
+        raise ValueError(f"v: expected the shape of k {list(k.shape)}, got {list(v.shape)}")
+    first = _as_streams(first_frame, s.num_streams, "first_frame", jnp.int32)
+    return _write_frames(state, k, v, first, layer=layer)
+
+
 def default_append_impl(dtype: str = "bfloat16") -> str:
     """``pallas`` on a GPU (one launch for every layer; docs/kernels/frame_append.md),
     ``xla`` elsewhere and for an FP8 cache (``jaxkv._backend``)."""

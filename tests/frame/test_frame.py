@@ -227,6 +227,46 @@ def test_per_layer_equals_all_layers(rng):
     np.testing.assert_array_equal(np.stack(a.v)[:, va], np.stack(b.v)[:, vb])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_frames_written_by_layer_equal_appends(rng, dtype):
+    """S frames begun together, then each layer's K/V of all S stored at once, leave the
+    cache an append per frame leaves: from empty (the scale frames) and from a cache whose
+    window overflows while the frames are begun, with two streams."""
+    spec = frame.FrameSpec(**dict(SMALL, dtype=dtype, num_streams=2))
+    kv = lambda: rand_frame(rng, frame.FrameSpec(**dict(SMALL, num_streams=2)))  # noqa: E731
+    cast = lambda x: x.astype(spec.compute_dtype)  # noqa: E731
+    a, b = frame.init(spec), frame.init(spec)
+    for S in (2, 4):  # the scale frames, then four frames through eviction
+        frames = [kv() for _ in range(S)]
+        first = np.asarray(b.num_frames)  # read before the begins donate the state
+        for k, v in frames:
+            a = frame.append(a, cast(k), cast(v))
+            b = frame.begin_frame(b)
+        for layer in range(spec.num_layers):
+            k, v = (jnp.concatenate([f[i][layer] for f in frames], axis=1) for i in (0, 1))  # [B, S*T, H, D]
+            b = frame.write_frames(b, layer, cast(k), cast(v), first)
+        np.testing.assert_array_equal(np.asarray(a.token_id), np.asarray(b.token_id))
+        mask = np.asarray(frame.visible_mask(a))
+        for name in ("k", "v", "k_scale", "v_scale"):
+            for x, y in zip(getattr(a, name), getattr(b, name)):
+                np.testing.assert_array_equal(np.asarray(x, np.float32)[mask], np.asarray(y, np.float32)[mask])
+    jaxkv.check(b)
+
+
+def test_write_frames_refuses_what_does_not_fit(rng):
+    spec = frame.FrameSpec(**SMALL)
+    state = frame.begin_frame(frame.init(spec))
+    k, v = rand_frame(rng, spec, per_layer=True)
+    with pytest.raises(ValueError, match=r"layer: expected an int"):
+        frame.write_frames(state, 2, k, v, 0)
+    with pytest.raises(ValueError, match=r"k: expected float32\[1, S \* 7, 2, 8\]"):
+        frame.write_frames(state, 0, k[:, 1:], v, 0)
+    bad = k.at[0, 3, 1, 0].set(jnp.inf)
+    out = frame.write_frames(state, 0, bad, v, 0)
+    assert int(out.error[0]) & Fault.NONFINITE_KV
+    np.testing.assert_array_equal(np.asarray(out.k[0])[np.asarray(frame.visible_mask(out))], 0)
+
+
 def test_streams_are_independent(rng):
     spec = frame.FrameSpec(**{**SMALL, "num_streams": 3})
     state = frame.init(spec)
