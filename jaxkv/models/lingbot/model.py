@@ -133,27 +133,24 @@ class Aggregator(nnx.Module):
         return out
 
     def scale_frames(self, images):
-        """Phase 1: images f32[B, S, H, W, 3] attend to each other, then enter the cache frame by frame."""
+        """Phase 1: images f32[B, S, H, W, 3] attend to each other; each layer stores its K/V of all S."""
         c = self.config
         S = images.shape[1]
         specials = jnp.stack([self._specials(first=s == 0, scale=True) for s in range(S)])
         x = self._embed(images, specials)
         start = self.cache.state.get_value().num_frames
-        kv = {}
+        for _ in range(S):  # the S frames' rows chosen first; each layer then stores its K/V as it goes
+            self.cache.begin_frame()
+        dt = self.cache.spec.compute_dtype
 
         def attend(layer):
             def run(q, k, v):
-                kv[layer] = (k, v)
+                self.cache.write_frames(layer, k.astype(dt), v.astype(dt), start)
                 return dense_attention(q, k, v, c.compute_dtype)
 
             return run
 
-        out = self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
-        T, dt = c.tokens_per_frame, self.cache.spec.compute_dtype
-        for s in range(S):  # a frame's K/V of every layer in one append: one write (and quantization) each
-            k, v = (jnp.stack([kv[layer][i][:, s * T : (s + 1) * T] for layer in range(c.depth)]) for i in (0, 1))
-            self.cache.append(k.astype(dt), v.astype(dt))
-        return out
+        return self._run(x, attend, self._global_rotation(start[:, None] + jnp.arange(S)))
 
     def stream_frame(self, image, keyframe):
         """Phase 2: image f32[B, 1, H, W, 3] against the cache; keyframe: bool[B]."""
