@@ -133,3 +133,25 @@ def host_parts(events: list[dict], jit_name: str) -> dict | None:
         other_thunks=thunks - update - launch,
         graphs=graphs,
     )
+
+
+def child_rows(script: str, modes: list[str], settings: dict, args: list[str]) -> dict:
+    """Run ``script --child MODE *args`` once per mode, each in its own process with the
+    mode's XLA flags appended to ``XLA_FLAGS`` (XLA reads its flags once per process); each
+    child prints one ``ROW <json>`` line. -> {mode: row}, a failed child said and skipped."""
+    import subprocess
+    import sys
+
+    rows = {}
+    for mode in modes:
+        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {settings[mode]}".strip())
+        run = subprocess.run(
+            [sys.executable, os.path.abspath(script), "--child", mode, *args], env=env, capture_output=True, text=True
+        )
+        line = next((ln for ln in run.stdout.splitlines() if ln.startswith("ROW ")), None)
+        if line is None:
+            print(f"{mode}: the child failed (rc {run.returncode}):\n{run.stderr[-2000:]}", flush=True)
+            continue
+        rows[mode] = json.loads(line[4:])
+        print(f"{mode}: {rows[mode]}", flush=True)
+    return rows

@@ -25,12 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 
-from _timing import host_parts, trace_events
+from _timing import child_rows, host_parts, trace_events
 
 SETTINGS = {
     "default": "",
@@ -108,18 +105,7 @@ def main():
     bad = [m for m in modes if m not in SETTINGS]
     if bad:
         raise SystemExit(f"--modes: expected names of {', '.join(SETTINGS)}, got {', '.join(bad)}")
-    rows = {}
-    for mode in modes:
-        env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {SETTINGS[mode]}".strip())
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--size", args.size]
-        cmd += ["--small"] * args.small
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = next((ln for ln in run.stdout.splitlines() if ln.startswith("ROW ")), None)
-        if line is None:
-            print(f"{mode}: the child failed (rc {run.returncode}):\n{run.stderr[-2000:]}", flush=True)
-            continue
-        rows[mode] = json.loads(line[4:])
-        print(f"{mode}: {rows[mode]}", flush=True)
+    rows = child_rows(__file__, modes, SETTINGS, ["--size", args.size] + ["--small"] * args.small)
     if not rows:
         raise SystemExit("no setting ran")
     first = next(iter(rows.values()))
