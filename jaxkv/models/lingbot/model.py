@@ -146,6 +146,10 @@ class Aggregator(nnx.Module):
         def attend(layer):
             def run(q, k, v):
                 self.cache.write_frames(layer, k.astype(dt), v.astype(dt), start)
+                # the write before this layer's attention, so its K/V die here: left free, XLA
+                # ran every layer's write last and held all 24 layers' K/V (docs/models.md)
+                state, q = jax.lax.optimization_barrier((self.cache.state.get_value(), q))
+                self.cache.state.set_value(state)
                 return dense_attention(q, k, v, c.compute_dtype)
 
             return run
