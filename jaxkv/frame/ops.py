@@ -18,6 +18,7 @@ from jaxkv.errors import Fault, finite_rows, record
 from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, ROW_BUFFERS, FrameCacheState
+from jaxkv.frame.views import visible_mask
 from jaxkv.kernels.frame_append import write_frame, write_rows
 from jaxkv.sharding import on_devices
 
@@ -267,15 +268,18 @@ def _write_frames(state, k, v, first_frame, layer):
     def local(state, k, v, first):
         s = state.spec
         T, S = s.tokens_per_frame, k.shape[1] // s.tokens_per_frame
-        # where each token of the S frames sits now: rows whose id is frame * T + token
+        # where each token of the S frames sits now: visible rows whose id is frame * T + token
+        # (rows past the valid prefix keep stale ids; a duplicate would race in the scatter)
         pos = state.token_id - (first * T)[:, None]  # i32[B, rows]
-        pos = jnp.where((state.token_id >= 0) & (pos >= 0) & (pos < S * T), pos, S * T)
-        rows = jnp.arange(s.capacity, dtype=jnp.int32)
-        dst = jax.vmap(lambda p: jnp.full((S * T,), s.trash_row, jnp.int32).at[p].set(rows, mode="drop"))(pos)
+        pos = jnp.where(visible_mask(state) & (pos >= 0) & (pos < S * T), pos, S * T)
+        # token -> row by one in-bounds scatter: rows holding none of the tokens go to an extra
+        # slot that is dropped after (no out-of-bounds indices, no vmap)
+        rows = jnp.broadcast_to(jnp.arange(s.capacity, dtype=jnp.int32), pos.shape)
+        b = jnp.arange(s.num_streams)[:, None]
+        dst = jnp.full((s.num_streams, S * T + 1), s.trash_row, jnp.int32).at[b, pos].set(rows)[:, : S * T]
         finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]
         error = record(state.error, ~finite, Fault.NONFINITE_KV)
         dst = jnp.where(finite[:, None], dst, s.trash_row)
-        b = jnp.arange(s.num_streams)[:, None]
         bufs = {}
         for name, x in _stored(s, k, v).items():
             buf = getattr(state, name)[layer]
