@@ -107,8 +107,12 @@ def begin_frame_moves(state: FrameCacheState, defer, finite=None):
     new = plan.begin(s, plan.counters(state), defer)
     patch_row = jnp.where(ok, new.patch_row, s.trash_row)  # where this frame goes (trash rows: skipped)
     special_row = jnp.where(ok, new.special_row, s.trash_row)
-    moves = [(b, new.move.src[b], new.move.dst[b], ok[b] & new.move.ok[b]) for b in range(B)]
-    moved = _move_rows(state, moves, ps)
+    if new.move.ok is False:  # a spec without specials: the rows stay, the report says trash
+        moves = [(b, new.move.src[b], new.move.dst[b], False) for b in range(B)]
+        moved = {name: getattr(state, name) for name in (*ROW_BUFFERS, "token_id")}
+    else:
+        moves = [(b, new.move.src[b], new.move.dst[b], ok[b] & new.move.ok[b]) for b in range(B)]
+        moved = _move_rows(state, moves, ps)
 
     # Token ids of the new frame: ps patch rows (padding rows of a page are -1), then specials.
     token_id = moved["token_id"]

@@ -86,7 +86,8 @@ def begin(spec, c: Counters, defer, xp: Xp = DEVICE) -> Begin:
     if W == 0:  # a committed frame's patches are never visible
         patch_row = xp.where(room | staged, patch_row, spec.trash_row)
     special_row = xp.where(room, (f + 1) * ps + ns, f * ps + ns)
-    move = Move(f * ps, xp.maximum((f + 1) * ps, f * ps + ns), room & (ns > 0))
+    # without specials nothing sits in a claimed slot: no move, known when tracing
+    move = Move(f * ps, xp.maximum((f + 1) * ps, f * ps + ns), room & (ns > 0) if NS else False)
     fill_scale = room & (c.num_scale < S)
     fill_window = room & xp.not_(fill_scale)
     evict = xp.not_(room) & xp.not_(defer) & (W > 0)

@@ -99,6 +99,33 @@ def test_visible_set_follows_seed_with_deferral(rng, pow2):
     jaxkv.check(state)
 
 
+@pytest.mark.parametrize("branch_free", [False, True])
+def test_cache_without_specials_keeps_its_rows(rng, monkeypatch, branch_free):
+    """num_special=0 (lingbot-map's camera head caches): a new frame moves no rows, so the
+    step has no copy for it; through scale frames, eviction, deferrals and rollbacks the
+    visible rows are the model's and hold their tokens' K."""
+    monkeypatch.setattr(frame_tuning, "SYNCING_CONTROL_FLOW", (jax.devices()[0].platform,) if branch_free else ())
+    jax.clear_caches()
+    spec = frame.FrameSpec(**{**SMALL, "num_special": 0})
+    state, model, kept = frame.init(spec), FrameModel(2, 3, 5, 0, 30), {}
+    for i, op in enumerate(["a", "a", "d+", "d-", "a", "a", "d-", "a", "d+", "a", "a", "d-", "d+", "a"]):
+        k, v = rand_frame(rng, spec)
+        state = frame.append(state, k, v, defer=op != "a")
+        assert model.append(op != "a")
+        kept[int(np.asarray(frame.num_frames(state))[0]) - 1] = np.asarray(k[0, 0])  # [tokens, H, D]
+        if op != "a":
+            state = frame.resolve(state, op == "d+")
+            model.resolve(op == "d+")
+        assert visible(state) == model.visible_ids(), (i, op)
+    jax.clear_caches()
+    jaxkv.check(state)
+    ids, mask = np.asarray(state.token_id)[0], np.asarray(frame.visible_mask(state))[0]
+    rows = np.asarray(state.k[0])[0]
+    T = spec.tokens_per_frame
+    for r in np.nonzero(mask)[0]:
+        np.testing.assert_array_equal(rows[r], kept[ids[r] // T][ids[r] % T])
+
+
 def test_page_table_covers_visible_rows(rng):
     spec = frame.FrameSpec(**SMALL)
     state = frame.init(spec)
