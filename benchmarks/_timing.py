@@ -138,10 +138,14 @@ def host_parts(events: list[dict], jit_name: str) -> dict | None:
 def child_rows(script: str, modes: list[str], settings: dict, args: list[str]) -> dict:
     """Run ``script --child MODE *args`` once per mode, each in its own process with the
     mode's XLA flags appended to ``XLA_FLAGS`` (XLA reads its flags once per process); each
-    child prints one ``ROW <json>`` line. -> {mode: row}, a failed child said and skipped."""
+    child prints one ``ROW <json>`` line. -> {mode: row}, a failed child said and skipped
+    (SystemExit for a mode not in ``settings``, or when none ran)."""
     import subprocess
     import sys
 
+    bad = [m for m in modes if m not in settings]
+    if bad:
+        raise SystemExit(f"--modes: expected names of {', '.join(settings)}, got {', '.join(bad)}")
     rows = {}
     for mode in modes:
         env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {settings[mode]}".strip())
@@ -154,4 +158,6 @@ def child_rows(script: str, modes: list[str], settings: dict, args: list[str]) -
             continue
         rows[mode] = json.loads(line[4:])
         print(f"{mode}: {rows[mode]}", flush=True)
+    if not rows:
+        raise SystemExit("no setting ran")
     return rows

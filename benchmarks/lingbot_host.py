@@ -102,12 +102,7 @@ def main():
         print("ROW", json.dumps(child(args)), flush=True)
         return
     modes = args.modes.split(",") + (["trace"] if args.trace else [])
-    bad = [m for m in modes if m not in SETTINGS]
-    if bad:
-        raise SystemExit(f"--modes: expected names of {', '.join(SETTINGS)}, got {', '.join(bad)}")
     rows = child_rows(__file__, modes, SETTINGS, ["--size", args.size] + ["--small"] * args.small)
-    if not rows:
-        raise SystemExit("no setting ran")
     first = next(iter(rows.values()))
     print(f"\nlingbot-map port, stream step, {first['size']}, {first['device']}: ms per frame, medians of {TIMED}")
     print(f"{'setting':<12}{'frames':<8}{'host':>8}{'sync':>8}{'streamed':>10}{'first s':>9}")

@@ -128,12 +128,7 @@ def main():
         print("ROW", json.dumps(child(args)), flush=True)
         return
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in SETTINGS]
-    if bad:
-        raise SystemExit(f"--modes: expected names of {', '.join(SETTINGS)}, got {', '.join(bad)}")
     rows = child_rows(__file__, modes, SETTINGS, ["--small"] * args.small)
-    if not rows:
-        raise SystemExit("no setting ran")
     device = next(iter(rows.values()))["device"]
     print(f"\n24 ViT-L blocks, one 518x378 frame, {device}: ms per call, medians of {ITERS}")
     print(f"{'setting':<11}{'contender':<16}{'host':>8}{'sync':>8}{'streamed':>10}{'compile s':>11}")
