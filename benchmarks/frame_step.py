@@ -14,6 +14,9 @@ window full), random bf16 data, warm, median of many frames:
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
 * jaxkv/append-only(/xla, -fp8): the same step without attention (what the cache update
   costs; -fp8: an FP8 cache's, quantizing as it writes).
+* moves/<impl>(-fp8): one page move alone (what ``begin_frame``, a commit or a rollback
+  makes) in every layer's buffers and token_id: ``kernels.ref_move_rows`` (XLA, a slice and
+  an update per buffer) against ``kernels.move_rows_cuda`` (one launch; ``auto`` on a GPU).
 * cudnn/bare: ``jax.nn.dot_product_attention`` on 24 separate contiguous K/V arrays with
   the same key count, no cache update (a floor for the attention part).
 * flashinfer/fa2, flashinfer/fa3: the seed's design — one page per frame, specials packed
@@ -38,7 +41,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from _timing import kernel_ms_per_step, times_ms  # noqa: E402
 
-from jaxkv import frame  # noqa: E402
+from jaxkv import frame, kernels  # noqa: E402
+from jaxkv.frame.state import ROW_BUFFERS  # noqa: E402
 
 RES = {"224x224": 256, "518x378": 999}
 # (name, frame.attention impl, K/V storage) of the jaxkv contenders
@@ -98,6 +102,34 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto",
     visible = int(np.asarray(box["state"].num_valid)[0])
     box.clear()
     return ms, visible
+
+
+def bench_moves(P, L, impl, iters, kv_dtype="bfloat16"):
+    """One page move (page 0 to the trash page) in every row buffer of an L-layer cache."""
+    spec = frame.FrameSpec(
+        dtype=kv_dtype,
+        num_layers=L,
+        num_heads=H,
+        head_dim=D,
+        patches_per_frame=P,
+        num_special=NS,
+        scale_frames=S,
+        sliding_window=W,
+        max_frames=128,
+    )
+    state = frame.init(spec)
+    box = {"bufs": (*(x for name in ROW_BUFFERS for x in getattr(state, name)), state.token_id)}
+    moves = jnp.asarray([[0, 0, spec.trash_row]], jnp.int32)
+    move = kernels.move_rows_cuda if impl == "cuda" else kernels.ref_move_rows
+    step = jax.jit(lambda bufs, m: move(bufs, m, rows=spec.page_size), donate_argnums=0)
+
+    def one(i):
+        box["bufs"] = step(box["bufs"], moves)
+        jax.block_until_ready(box["bufs"])
+
+    for i in range(5):
+        one(i)
+    return times_ms(one, iters)
 
 
 def bench_bare_cudnn(P, L, visible, iters):
@@ -259,6 +291,10 @@ def main(argv=None):
             ms, vis = bench_jaxkv(P, args.layers, "xla", args.warm, args.iters, attend=False, kv_dtype="float8_e4m3fn")
             record(res, "jaxkv/append-only-fp8", ms, vis)
         visible = visible or vis
+        for impl in ("xla", "cuda"):
+            for kv_dtype, tag in (("bfloat16", ""), ("float8_e4m3fn", "-fp8")):
+                if f"moves/{impl}{tag}" not in skip:
+                    record(res, f"moves/{impl}{tag}", bench_moves(P, args.layers, impl, args.iters, kv_dtype), 0)
         if "cudnn/bare" not in skip:
             record(res, "cudnn/bare", bench_bare_cudnn(P, args.layers, visible, args.iters), visible)
         for fa3 in (False, True):

@@ -13,6 +13,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; an FP8 cache: cuda on Hopper with nvcc and head_dim 64, else xla. ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 or FP8 storage and head_dim 64 |
 | ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
+| ``frame.move_rows`` | xla, cuda | cuda on a GPU with nvcc (``kernels.move_rows_cuda``: a frame's page moves in every buffer, one launch), else xla |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | cuda on a GPU with nvcc for bf16 queries (``kernels.index_query_cuda``), else xla |
@@ -261,6 +262,7 @@ OPERATIONS = {
             lambda **ctx: "pallas" if is_hopper() and not _float_cache_missing(**ctx) else "xla",
             {"pallas": _frame_kernel_missing(_sm90_missing)},
         ),
+        _cuda_op("frame.move_rows"),
         _cuda_op("hybrid.write"),
         _cuda_op("hybrid.gather"),
         Operation(

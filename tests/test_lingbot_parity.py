@@ -194,3 +194,27 @@ def test_fp8_cache_over_200_frames(no_tf32):
     ours8 = _run_port(config.replace(kv_dtype=frame.FP8), model, frames, interval=2)
     errors = {k: float(_rel_err(ours8[k], ours[k]).max()) for k in KEYS}
     assert all(errors[k] <= FP8_BOUND[k] for k in KEYS), errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="the FP8 cache read in place by the cuda kernel: on a GPU")
+def test_fp8_cache_in_bf16_over_200_frames(no_tf32):
+    """test_fp8_cache_over_200_frames in bfloat16 on a GPU, where the FP8 cache is written by
+    the port's append and read in place by the cuda attention kernel: the FP8 port's error
+    against the float32 port is within FP8_BOUND of the bf16-cache port's own error."""
+    config = LingbotConfig.small(
+        kv_cache_sliding_window=3, kv_cache_scale_frames=2, num_scale_frames=2, max_frame_num=256
+    )
+    frames = _frames(config, 200, seed=4)
+    model = _upstream(config, use_sdpa=True)
+    truth = _run_port(config, model, frames, interval=2)
+    bf16 = config.replace(dtype="bfloat16")
+    ours = _run_port(bf16, model, frames, interval=2)
+    ours8 = _run_port(bf16.replace(kv_dtype=frame.FP8), model, frames, interval=2)
+    failed = []
+    for k in KEYS:
+        e8, e16 = _rel_err(ours8[k], truth[k]).max(), _rel_err(ours[k], truth[k]).max()
+        print(f"{k}: FP8 cache {e8:.3g}, bf16 cache {e16:.3g} (FP8 vs bf16 {_rel_err(ours8[k], ours[k]).max():.3g})")
+        if e8 > e16 + FP8_BOUND[k]:
+            failed.append(f"{k}: FP8 cache {e8:.3g} > bf16 cache {e16:.3g} + {FP8_BOUND[k]}")
+    assert not failed, failed

@@ -32,6 +32,7 @@ FFI_TARGETS = {
     "jaxkv_index_scores": "JaxkvIndexScores",  # index_scores.cu
     "jaxkv_index_query": "JaxkvIndexQuery",  # index_query.cu
     "jaxkv_after": "JaxkvAfter",  # after.cu
+    "jaxkv_move_rows": "JaxkvMoveRows",  # move_rows.cu
 }
 
 

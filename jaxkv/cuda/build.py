@@ -46,6 +46,7 @@ SOURCES = (
     "index_scores.cu",
     "index_query.cu",
     "after.cu",
+    "move_rows.cu",
 )  # the kernels library
 HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "ptx.cuh", "write_entry.cuh")  # included by the sources
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch

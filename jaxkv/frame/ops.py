@@ -20,6 +20,7 @@ from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, ROW_BUFFERS, FrameCacheState
 from jaxkv.frame.views import visible_mask
 from jaxkv.kernels.frame_append import write_frame, write_rows
+from jaxkv.kernels.move_rows import move_rows_cuda, ref_move_rows
 from jaxkv.sharding import on_devices
 
 
@@ -27,11 +28,6 @@ from jaxkv.sharding import on_devices
 # A skipped write is not masked: it is sent to the trash rows at the end of the buffer
 # (``FrameSpec.trash_row``), which nothing reads. Every write stays one in-place
 # dynamic-update-slice with no read of the old rows.
-def _read(buf, b, start, n):
-    """Rows [start, start+n) of stream b of ``buf`` [B, T, ...] -> [1, n, ...]."""
-    return lax.dynamic_slice(buf, (b, start) + (0,) * (buf.ndim - 2), (1, n) + buf.shape[2:])
-
-
 def _write(buf, b, row, block):
     """Write ``block`` [1, n, ...] at rows [row, row+n) of stream b."""
     return lax.dynamic_update_slice(buf, block.astype(buf.dtype), (b, row) + (0,) * (buf.ndim - 2))
@@ -40,21 +36,21 @@ def _write(buf, b, row, block):
 def _move_rows(state, moves, n):
     """Copy ``n`` rows per ``(stream, src, dst, ok)`` in every K/V buffer and token_id.
 
-    A move that is not ``ok`` copies to the trash rows. Where control flow is free
-    (``tuning.branch_free`` false: CPU) the copies are skipped when no move is ``ok`` (the
-    steady state); on a GPU a ``cond`` would sync the frame step with the host, so the
-    copies always run. A state without K/V buffers (``k = v = ()``) moves only token_id,
-    never under a branch: its owner moves the K/V rows itself
-    (``torch_bridge.FlashInferKVCacheManager``).
+    A move that is not ``ok`` copies to the trash rows. On a GPU with nvcc every buffer's
+    rows move from one launch (``kernels.move_rows_cuda``, ``frame.move_rows``), else by a
+    slice and an update per buffer. Where control flow is free (``tuning.branch_free``
+    false: CPU) the copies are skipped when no move is ``ok`` (the steady state); on a GPU
+    a ``cond`` would sync the frame step with the host, so the copies always run. A state
+    without K/V buffers (``k = v = ()``) moves only token_id, never under a branch: its
+    owner moves the K/V rows itself (``torch_bridge.FlashInferKVCacheManager``).
     """
-    trash = state.spec.trash_row
     arrays = (*(x for name in ROW_BUFFERS for x in getattr(state, name)), state.token_id)
+    table = row_moves(moves, state.spec.trash_row)  # i32[M, 3]
+    impl = _backend.choose("frame.move_rows", "auto") if state.k else "xla"
+    move = move_rows_cuda if impl == "cuda" else ref_move_rows
 
     def run(arrays):
-        for b, src, dst, ok in moves:
-            dst = jnp.where(ok, dst, trash)
-            arrays = tuple(_write(x, b, dst, _read(x, b, src, n)) for x in arrays)
-        return arrays
+        return move(arrays, table, rows=n)
 
     if state.k and not tuning.branch_free():
         any_ok = jnp.any(jnp.stack([ok for *_, ok in moves]))

@@ -5,6 +5,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
   (Mosaic GPU bulk copies, Hopper).
+* ``move_rows_cuda``: a span of rows moved in many buffers at once (a frame cache's page
+  moves in every layer: ``jaxkv/cuda/move_rows.cu``, one launch; ``ref_move_rows``).
 * ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
   (``hybrid.gather_entries(impl="cuda")``; ``jaxkv/cuda/dequant_gather.cu`` through jax.ffi).
 * ``flush_write``: a CSA / HCA flush's quantize-and-scatter in either storage family
@@ -47,6 +49,7 @@ from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_
 from jaxkv.kernels.frame_append import ref_write_frame, write_frame
 from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores, index_scores_cuda, ref_index_scores
+from jaxkv.kernels.move_rows import move_rows_cuda, ref_move_rows
 from jaxkv.kernels.pool_attention import (
     pool_attention_cuda,
     pool_attention_flashmla,
@@ -67,6 +70,7 @@ __all__ = [
     "index_query_cuda",
     "index_scores",
     "index_scores_cuda",
+    "move_rows_cuda",
     "pool_attention_cuda",
     "pool_attention_flashmla",
     "pool_attention_pallas",
@@ -78,6 +82,7 @@ __all__ = [
     "ref_encode_rows",
     "ref_index_query",
     "ref_index_scores",
+    "ref_move_rows",
     "ref_pool_attention",
     "ref_prefix_attention",
     "ref_quantize_mxfp4",
