@@ -172,6 +172,13 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
         finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
         error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
+    if (
+        isinstance(layer, int) and state.k and default_append_impl(s.dtype) == "pallas"
+    ):  # one launch for the layer's K and V
+        special_row, patch_row = (
+            jnp.where(finite, r, s.trash_row) for r in (state.write_special_row, state.write_patch_row)
+        )
+        return _write_pallas(state.replace(error=error), [layer], k[None], v[None], special_row, patch_row)
     for l, hit, rows_of in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
         hit = hit & finite
         rows = dict(
@@ -253,7 +260,9 @@ def write_layer(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     k, v: dtype[B, tokens_per_frame, H, D]  specials first, then patches, RoPE applied
     layer: int, or a traced i32[] (out of range: LAYER_OUT_OF_RANGE, nothing written; it
       writes through a mask on every layer's buffer, so prefer an int where you can)
-    A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and nothing written.
+    A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and nothing written. An int
+    layer's K and V are written from one launch where ``append`` would use its kernel
+    (``default_append_impl``), else by XLA's updates.
     """
     _check_frame_kv(state, k, v, per_layer=True)
     if isinstance(layer, int):
@@ -337,21 +346,26 @@ def default_append_impl(dtype: str = "bfloat16") -> str:
     return _backend.choose("frame.append", "auto", dtype=dtype)
 
 
-def _write_all_pallas(state: FrameCacheState, k, v) -> FrameCacheState:
+def _write_pallas(state: FrameCacheState, layers, k, v, special_row, patch_row) -> FrameCacheState:
+    """K/V of ``layers`` (k, v: [len(layers), B, tokens_per_frame, H, D]) by the Mosaic GPU
+    kernel (``kernels.write_frame``): one launch for all their buffers."""
     s = state.spec
-    flat = lambda bufs: [b.reshape(b.shape[:2] + (-1,)) for b in bufs]  # noqa: E731 - a bitcast
+    flat = lambda b: b.reshape(b.shape[:2] + (-1,))  # noqa: E731 - a bitcast
     kb, vb = write_frame(
-        flat(state.k),
-        flat(state.v),
+        [flat(state.k[l]) for l in layers],
+        [flat(state.v[l]) for l in layers],
         k.reshape(k.shape[:3] + (-1,)),
         v.reshape(v.shape[:3] + (-1,)),
-        state.write_special_row,
-        state.write_patch_row,
+        special_row,
+        patch_row,
         num_special=s.num_special,
         page_size=s.page_size,
     )
     shape = state.k[0].shape
-    return state.replace(k=tuple(b.reshape(shape) for b in kb), v=tuple(b.reshape(shape) for b in vb))
+    ks, vs = list(state.k), list(state.v)
+    for i, l in enumerate(layers):
+        ks[l], vs[l] = kb[i].reshape(shape), vb[i].reshape(shape)
+    return state.replace(k=tuple(ks), v=tuple(vs))
 
 
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
@@ -360,7 +374,8 @@ def _append(state, k, v, defer, impl):
         finite = finite_rows(k, (0, 2, 3, 4)) & finite_rows(v, (0, 2, 3, 4))  # bool[B]
         state = begin_frame_moves(state, defer, finite)[0]
         if impl == "pallas":
-            return _write_all_pallas(state, k, v)
+            rows = state.write_special_row, state.write_patch_row
+            return _write_pallas(state, range(state.spec.num_layers), k, v, *rows)
         return _write_kv(state, None, k, v)
 
     return on_devices(local, state, k, v, _streams(state, defer, "defer"), axes=(LAYERS_KV, LAYERS_KV, STREAMS))
