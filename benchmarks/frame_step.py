@@ -8,12 +8,13 @@ window full), random bf16 data, warm, median of many frames:
   ``cuda`` (the same design in ``jaxkv/cuda/prefix_attention.cu``), ``cudnn`` (one cuDNN
   call with the key length) and ``xla``.
 * jaxkv/cuda-fp8: the same step on an FP8 cache (``FrameSpec(dtype="float8_e4m3fn")``):
-  the append quantizes as it writes (XLA), the cuda kernel reads the codes in place
+  the append quantizes as it writes (the cuda kernel, ``auto``), the cuda kernel reads the codes in place
   (``auto``); ``vs pallas`` compares it with the bf16 step of jaxkv/pallas.
   ``frame.append`` writes K/V with the Pallas kernel on a GPU (``impl="auto"``);
   jaxkv/cudnn+xla-append writes them with XLA's dynamic-update-slices instead.
-* jaxkv/append-only(/xla, -fp8): the same step without attention (what the cache update
-  costs; -fp8: an FP8 cache's, quantizing as it writes).
+* jaxkv/append-only(/xla, -fp8, -fp8/xla): the same step without attention (what the cache
+  update costs; -fp8: an FP8 cache's, quantizing as it writes: ``auto`` is the cuda kernel,
+  /xla XLA's fusions).
 * moves/<impl>(-fp8): one page move alone (what ``begin_frame``, a commit or a rollback
   makes) in every layer's buffers and token_id: ``kernels.ref_move_rows`` (XLA, a slice and
   an update per buffer) against ``kernels.move_rows_cuda`` (one launch; ``auto`` on a GPU).
@@ -287,9 +288,14 @@ def main(argv=None):
         for append_impl in ("auto", "xla"):
             ms, vis = bench_jaxkv(P, args.layers, "cudnn", args.warm, args.iters, attend=False, append_impl=append_impl)
             record(res, "jaxkv/append-only" + ("" if append_impl == "auto" else "/xla"), ms, vis)
-        if "jaxkv/append-only-fp8" not in skip:
-            ms, vis = bench_jaxkv(P, args.layers, "xla", args.warm, args.iters, attend=False, kv_dtype="float8_e4m3fn")
-            record(res, "jaxkv/append-only-fp8", ms, vis)
+        for append_impl in ("auto", "xla"):
+            name = "jaxkv/append-only-fp8" + ("" if append_impl == "auto" else "/xla")
+            if name not in skip:
+                ms, vis = bench_jaxkv(
+                    P, args.layers, "xla", args.warm, args.iters, attend=False, append_impl=append_impl,
+                    kv_dtype="float8_e4m3fn",
+                )  # fmt: skip
+                record(res, name, ms, vis)
         visible = visible or vis
         for impl in ("xla", "cuda"):
             for kv_dtype, tag in (("bfloat16", ""), ("float8_e4m3fn", "-fp8")):

@@ -12,7 +12,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | operation | names | auto |
 | --- | --- | --- |
 | ``frame.attention`` | reference, xla, cudnn, pallas, cuda | pallas on Hopper (head_dim % 64 == 0), cudnn on other NVIDIA GPUs, xla elsewhere or with pow2 pages / f32 caches; an FP8 cache: cuda on Hopper with nvcc and head_dim 64, else xla. ``cuda`` (``kernels.prefix_attention_cuda``) needs Hopper, nvcc, bf16 or FP8 storage and head_dim 64 |
-| ``frame.append`` | xla, pallas | pallas on Hopper (``kernels.frame_append``, Mosaic GPU), else xla; xla for an FP8 cache |
+| ``frame.append`` | xla, pallas, cuda | pallas on Hopper (``kernels.write_frame``, Mosaic GPU), else xla; an FP8 cache: cuda on a GPU with nvcc and head_dim 64 (``kernels.write_frame_fp8``, quantized as written), else xla |
 | ``frame.move_rows`` | xla, cuda | cuda on a GPU with nvcc (``kernels.move_rows_cuda``: a frame's page moves in every buffer, one launch), else xla |
 | ``hybrid.write`` | xla, cuda | cuda on a GPU with nvcc (``kernels.flush_write``; one token per request: ``kernels.compress_decode``), else xla |
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
@@ -158,13 +158,25 @@ def _cudnn_missing(*, dtype: str = "bfloat16", **_) -> str | None:
 def _float_cache_missing(*, dtype: str = "bfloat16", **_) -> str | None:
     if dtype == "float8_e4m3fn":  # the Pallas kernels read and write bf16 / f16 rows
         return (
-            "the Pallas kernels read and write bf16 / f16 rows: an FP8 cache takes impl='xla' (or 'cuda' for attention)"
+            "the Pallas kernels read and write bf16 / f16 rows: an FP8 cache takes impl='xla' or 'cuda'"
         )
     return None
 
 
 def _frame_kernel_missing(check):
     return lambda **ctx: _float_cache_missing(**ctx) or check(**ctx)
+
+
+def _fp8_append_missing(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str | None:
+    if dtype != "float8_e4m3fn" or head_dim != 64:  # the kernel quantizes bf16 rows of 64
+        return f"expected an FP8 cache (float8_e4m3fn) with head_dim 64, got {dtype}, head_dim {head_dim}"
+    return _cuda_missing()
+
+
+def _frame_append_auto(*, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
+    if dtype == "float8_e4m3fn":
+        return "xla" if _fp8_append_missing(dtype=dtype, head_dim=head_dim) else "cuda"
+    return "pallas" if is_hopper() else "xla"
 
 
 def _frame_attention_auto(*, pow2_pages: bool = False, dtype: str = "bfloat16", head_dim: int = 64, **_) -> str:
@@ -258,9 +270,9 @@ OPERATIONS = {
         ),
         Operation(
             "frame.append",
-            ("xla", "pallas"),
-            lambda **ctx: "pallas" if is_hopper() and not _float_cache_missing(**ctx) else "xla",
-            {"pallas": _frame_kernel_missing(_sm90_missing)},
+            ("xla", "pallas", "cuda"),
+            _frame_append_auto,
+            {"pallas": _frame_kernel_missing(_sm90_missing), "cuda": _fp8_append_missing},
         ),
         _cuda_op("frame.move_rows"),
         _cuda_op("hybrid.write"),

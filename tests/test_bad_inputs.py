@@ -180,7 +180,7 @@ RAISES = [
         "frame",
         lambda st, r: frame.append(st, _kv(r), _kv(r), impl="triton"),
         ValueError,
-        r"impl: expected one of \('auto', 'xla', 'pallas'\)",
+        r"impl: expected one of \('auto', 'xla', 'pallas', 'cuda'\)",
     ),
     (
         "frame.append: a state of another spec",

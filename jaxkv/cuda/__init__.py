@@ -33,6 +33,7 @@ FFI_TARGETS = {
     "jaxkv_index_query": "JaxkvIndexQuery",  # index_query.cu
     "jaxkv_after": "JaxkvAfter",  # after.cu
     "jaxkv_move_rows": "JaxkvMoveRows",  # move_rows.cu
+    "jaxkv_frame_write_fp8": "JaxkvFrameWriteFp8",  # frame_write_fp8.cu
 }
 
 

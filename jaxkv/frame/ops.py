@@ -19,7 +19,7 @@ from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.frame import plan, tuning
 from jaxkv.frame.state import NONE, ROW_BUFFERS, FrameCacheState
 from jaxkv.frame.views import visible_mask
-from jaxkv.kernels.frame_append import write_frame, write_rows
+from jaxkv.kernels.frame_append import write_frame, write_frame_fp8, write_rows
 from jaxkv.kernels.move_rows import move_rows_cuda, ref_move_rows
 from jaxkv.sharding import on_devices
 
@@ -172,13 +172,13 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
         finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
         error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
-    if (
-        isinstance(layer, int) and state.k and default_append_impl(s.dtype) == "pallas"
-    ):  # one launch for the layer's K and V
+    kernel = default_append_impl(s.dtype, s.head_dim) if isinstance(layer, int) and state.k else "xla"
+    if kernel != "xla":  # one launch for the layer's K and V (and scales)
         special_row, patch_row = (
             jnp.where(finite, r, s.trash_row) for r in (state.write_special_row, state.write_patch_row)
         )
-        return _write_pallas(state.replace(error=error), [layer], k[None], v[None], special_row, patch_row)
+        write = _write_pallas if kernel == "pallas" else _write_fp8_cuda
+        return write(state.replace(error=error), [layer], k[None], v[None], special_row, patch_row)
     for l, hit, rows_of in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
         hit = hit & finite
         rows = dict(
@@ -340,10 +340,11 @@ def write_frames(state: FrameCacheState, layer: int, k, v, first_frame) -> Frame
     return _write_frames(state, k, v, first, layer=layer)
 
 
-def default_append_impl(dtype: str = "bfloat16") -> str:
-    """``pallas`` on a GPU (one launch for every layer; docs/kernels/frame_append.md),
-    ``xla`` elsewhere and for an FP8 cache (``jaxkv._backend``)."""
-    return _backend.choose("frame.append", "auto", dtype=dtype)
+def default_append_impl(dtype: str = "bfloat16", head_dim: int = 64) -> str:
+    """``pallas`` on Hopper (one launch for every layer; docs/kernels/frame_append.md); an
+    FP8 cache ``cuda`` on a GPU with nvcc (quantized as written, one launch); else ``xla``
+    (``jaxkv._backend``)."""
+    return _backend.choose("frame.append", "auto", dtype=dtype, head_dim=head_dim)
 
 
 def _write_pallas(state: FrameCacheState, layers, k, v, special_row, patch_row) -> FrameCacheState:
@@ -368,14 +369,34 @@ def _write_pallas(state: FrameCacheState, layers, k, v, special_row, patch_row) 
     return state.replace(k=tuple(ks), v=tuple(vs))
 
 
+def _write_fp8_cuda(state: FrameCacheState, layers, k, v, special_row, patch_row) -> FrameCacheState:
+    """An FP8 cache's K/V of ``layers`` (k, v: bf16[len(layers), B, tokens_per_frame, H, 64])
+    quantized as written by ``kernels.write_frame_fp8``: one launch, codes and scales."""
+    s = state.spec
+    layers = list(layers)
+    codes = [state.k[l] for l in layers] + [state.v[l] for l in layers]
+    scales = [state.k_scale[l] for l in layers] + [state.v_scale[l] for l in layers]
+    codes, scales = write_frame_fp8(
+        codes, scales, k, v, special_row, patch_row, num_special=s.num_special, page_size=s.page_size
+    )
+    bufs = {name: list(getattr(state, name)) for name in ROW_BUFFERS}
+    n = len(layers)
+    for i, l in enumerate(layers):
+        bufs["k"][l], bufs["v"][l] = codes[i], codes[n + i]
+        bufs["k_scale"][l], bufs["v_scale"][l] = scales[i], scales[n + i]
+    return state.replace(**{name: tuple(b) for name, b in bufs.items()})
+
+
 @functools.partial(jax.jit, donate_argnums=0, static_argnames="impl")
 def _append(state, k, v, defer, impl):
     def local(state, k, v, defer):
         finite = finite_rows(k, (0, 2, 3, 4)) & finite_rows(v, (0, 2, 3, 4))  # bool[B]
         state = begin_frame_moves(state, defer, finite)[0]
+        rows = state.write_special_row, state.write_patch_row
         if impl == "pallas":
-            rows = state.write_special_row, state.write_patch_row
             return _write_pallas(state, range(state.spec.num_layers), k, v, *rows)
+        if impl == "cuda":
+            return _write_fp8_cuda(state, range(state.spec.num_layers), k, v, *rows)
         return _write_kv(state, None, k, v)
 
     return on_devices(local, state, k, v, _streams(state, defer, "defer"), axes=(LAYERS_KV, LAYERS_KV, STREAMS))
@@ -386,12 +407,19 @@ def append(state: FrameCacheState, k, v, defer=False, *, impl: str = "auto") -> 
 
     k, v: dtype[L, B, tokens_per_frame, H, D]
     impl: how the K/V rows are written — ``xla`` (dynamic-update-slices), ``pallas``
-      (``jaxkv.kernels.write_frame``: one launch; Mosaic GPU, Hopper),
+      (``jaxkv.kernels.write_frame``: one launch; Mosaic GPU, Hopper), ``cuda`` (an FP8
+      cache: ``jaxkv.kernels.write_frame_fp8``, quantized as written, one launch),
       ``auto`` (``default_append_impl()``). The bookkeeping is the same jnp code.
     A stream whose k or v holds a NaN or Inf gets NONFINITE_KV and no frame.
     """
     _check_frame_kv(state, k, v, per_layer=False)
-    return _append(state, k, v, defer, impl=_backend.choose("frame.append", impl, dtype=state.spec.dtype))
+    return _append(
+        state,
+        k,
+        v,
+        defer,
+        impl=_backend.choose("frame.append", impl, dtype=state.spec.dtype, head_dim=state.spec.head_dim),
+    )
 
 
 @_donate

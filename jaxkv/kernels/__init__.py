@@ -4,7 +4,8 @@ it on Hopper (row gathers and scatters, strided register slices; the module says
 A leaf layer: plain arrays and static parameters in, arrays out; no cache imported.
 
 * ``frame_append``: one frame's K/V into every layer of a frame cache, one launch
-  (Mosaic GPU bulk copies, Hopper).
+  (Mosaic GPU bulk copies, Hopper); ``write_frame_fp8``: the same into an FP8 cache,
+  quantized as written (``jaxkv/cuda/frame_write_fp8.cu``).
 * ``move_rows_cuda``: a span of rows moved in many buffers at once (a frame cache's page
   moves in every layer: ``jaxkv/cuda/move_rows.cu``, one launch; ``ref_move_rows``).
 * ``dequant_gather``: compressed entries picked through block tables, FP8 + UE8M0 -> BF16
@@ -46,7 +47,7 @@ from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
 from jaxkv.kernels.flush_write import encode_rows, flush_write, ref_encode_rows, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
-from jaxkv.kernels.frame_append import ref_write_frame, write_frame
+from jaxkv.kernels.frame_append import ref_write_frame, ref_write_frame_fp8, write_frame, write_frame_fp8
 from jaxkv.kernels.index_query import index_query_cuda, ref_index_query
 from jaxkv.kernels.index_scores import index_scores, index_scores_cuda, ref_index_scores
 from jaxkv.kernels.move_rows import move_rows_cuda, ref_move_rows
@@ -90,9 +91,11 @@ __all__ = [
     "ref_top_k",
     "ref_top_k_record",
     "ref_write_frame",
+    "ref_write_frame_fp8",
     "span_rows",
     "top_k",
     "top_k_record",
     "window_write",
     "write_frame",
+    "write_frame_fp8",
 ]

@@ -28,8 +28,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from jaxkv.cuda import register_ffi_targets
+from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.kernels.launch import launch
 
 
@@ -207,3 +210,71 @@ def write_frame(k_bufs, v_bufs, k, v, special_row, patch_row, *, num_special: in
     )
     out = [r[...] for r in bufs]
     return tuple(out[:L]), tuple(out[L:])
+
+
+# ---------------------------------------------------------------- an FP8 cache: quantized as written
+def _check_fp8(codes, scales, k, v, special_row, patch_row, num_special, page_size):
+    L, B, tpf, H, D = k.shape if k.ndim == 5 else (None,) * 5
+    if k.ndim != 5 or D != 64 or k.dtype != jnp.bfloat16 or v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(
+            f"k, v: expected bfloat16[L, B, tokens, H, 64] each, got {k.dtype}{list(k.shape)}, {v.dtype}{list(v.shape)}"
+        )
+    for name, bufs, want, dtype in (
+        ("codes", codes, (B, None, H, D), jnp.float8_e4m3fn),
+        ("scales", scales, (B, None, H), jnp.bfloat16),
+    ):
+        if len(bufs) != 2 * L:
+            raise ValueError(f"{name}: expected {2 * L} buffers (K for each layer, then V), got {len(bufs)}")
+        T = bufs[0].shape[1] if bufs[0].ndim > 1 else None
+        for i, b in enumerate(bufs):
+            if b.dtype != dtype or b.ndim != len(want) or b.shape != tuple(T if w is None else w for w in want):
+                raise ValueError(
+                    f"{name}[{i}]: expected {jnp.dtype(dtype).name}{[T if w is None else w for w in want]}, got {b.dtype}{list(b.shape)}"
+                )
+    if scales[0].shape[1] != codes[0].shape[1]:
+        raise ValueError(f"scales: expected {codes[0].shape[1]} rows as the codes, got {scales[0].shape[1]}")
+    for name, r in (("special_row", special_row), ("patch_row", patch_row)):
+        if r.shape != (B,) or r.dtype != jnp.int32:
+            raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
+    if not 0 <= num_special <= tpf or page_size < tpf - num_special or codes[0].shape[1] < max(page_size, num_special):
+        raise ValueError(
+            f"num_special, page_size: expected 0 <= {num_special} <= {tpf}, page_size >= {tpf - num_special} "
+            f"patches and buffers of at least {max(page_size, num_special)} rows, got page_size {page_size} "
+            f"and {codes[0].shape[1]} rows"
+        )
+
+
+def ref_write_frame_fp8(codes, scales, k, v, special_row, patch_row, *, num_special: int, page_size: int):
+    """The jnp reference of ``write_frame_fp8``: ``quantize_fp8_rows``, then ``write_rows``
+    into every buffer. -> (codes, scales), each K's L buffers then V's."""
+    _check_fp8(codes, scales, k, v, special_row, patch_row, num_special, page_size)
+    L = k.shape[0]
+    (kq, ks), (vq, vs) = quantize_fp8_rows(k), quantize_fp8_rows(v)
+    put = functools.partial(
+        write_rows, special_row=special_row, patch_row=patch_row, num_special=num_special, page_size=page_size
+    )
+    q, sc = [*kq, *vq], [*ks, *vs]
+    return tuple(put(codes[i], q[i]) for i in range(2 * L)), tuple(put(scales[i], sc[i]) for i in range(2 * L))
+
+
+def write_frame_fp8(codes, scales, k, v, special_row, patch_row, *, num_special: int, page_size: int):
+    """An FP8 cache's frame write from one launch (``jaxkv/cuda/frame_write_fp8.cu``): the
+    bf16 frame quantized per row and head as it is written; bytes equal ``ref_write_frame_fp8``'s.
+
+    codes: 2L x float8_e4m3fn[B, T, H, 64]  K's layers, then V's (the cache, in place)
+    scales: 2L x bf16[B, T, H]              the same order
+    k, v: bf16[L, B, NS + P, H, 64]          the frame, specials first
+    special_row, patch_row: i32[B]            where the specials / the patch page go (clipped here)
+    """
+    _check_fp8(codes, scales, k, v, special_row, patch_row, num_special, page_size)
+    L = k.shape[0]
+    T = codes[0].shape[1]
+    special_row, patch_row = clip_rows(special_row, patch_row, T, num_special=num_special, page_size=page_size)
+    register_ffi_targets()
+    bufs = (*codes, *scales)
+    out = jax.ffi.ffi_call(
+        "jaxkv_frame_write_fp8",
+        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
+        input_output_aliases={i + 4: i for i in range(len(bufs))},
+    )(k, v, special_row, patch_row, *bufs, num_special=np.int32(num_special), page_size=np.int32(page_size))
+    return tuple(out[: 2 * L]), tuple(out[2 * L :])
