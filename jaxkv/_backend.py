@@ -157,9 +157,7 @@ def _cudnn_missing(*, dtype: str = "bfloat16", **_) -> str | None:
 
 def _float_cache_missing(*, dtype: str = "bfloat16", **_) -> str | None:
     if dtype == "float8_e4m3fn":  # the Pallas kernels read and write bf16 / f16 rows
-        return (
-            "the Pallas kernels read and write bf16 / f16 rows: an FP8 cache takes impl='xla' or 'cuda'"
-        )
+        return "the Pallas kernels read and write bf16 / f16 rows: an FP8 cache takes impl='xla' or 'cuda'"
     return None
 
 
