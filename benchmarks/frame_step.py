@@ -59,18 +59,15 @@ H, D, NS, S, W = 16, 64, 6, 8, 64
 
 
 # ----------------------------------------------------------------------------- jaxkv
+def _spec(P, L, kv_dtype, max_frames):
+    return frame.FrameSpec(
+        dtype=kv_dtype, num_layers=L, num_heads=H, head_dim=D, patches_per_frame=P, num_special=NS,
+        scale_frames=S, sliding_window=W, max_frames=max_frames,
+    )  # fmt: skip
+
+
 def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto", kv_dtype="bfloat16"):
-    spec = frame.FrameSpec(
-        dtype=kv_dtype,
-        num_layers=L,
-        num_heads=H,
-        head_dim=D,
-        patches_per_frame=P,
-        num_special=NS,
-        scale_frames=S,
-        sliding_window=W,
-        max_frames=warm + iters + 8,
-    )
+    spec = _spec(P, L, kv_dtype, max_frames=warm + iters + 8)
     key = jax.random.key(0)
     sets = []
     for i in range(3):
@@ -107,17 +104,7 @@ def bench_jaxkv(P, L, impl, warm, iters, attend=True, top=0, append_impl="auto",
 
 def bench_moves(P, L, impl, iters, kv_dtype="bfloat16"):
     """One page move (page 0 to the trash page) in every row buffer of an L-layer cache."""
-    spec = frame.FrameSpec(
-        dtype=kv_dtype,
-        num_layers=L,
-        num_heads=H,
-        head_dim=D,
-        patches_per_frame=P,
-        num_special=NS,
-        scale_frames=S,
-        sliding_window=W,
-        max_frames=128,
-    )
+    spec = _spec(P, L, kv_dtype, max_frames=128)
     state = frame.init(spec)
     box = {"bufs": (*(x for name in ROW_BUFFERS for x in getattr(state, name)), state.token_id)}
     moves = jnp.asarray([[0, 0, spec.trash_row]], jnp.int32)

@@ -60,12 +60,35 @@ def register_ffi_targets() -> str:
     return arch
 
 
+def call_in_place(target: str, bufs, *, before=(), after=(), **attrs) -> tuple:
+    """``bufs`` through the FFI target ``target``, updated in place: the non-empty ones are
+    passed between ``before`` and ``after`` and aliased to the results (empty ones come back
+    as they are; XLA has no buffer for them). Registers the targets first."""
+    import jax
+
+    live = [i for i, b in enumerate(bufs) if b.size]
+    if not live:
+        return tuple(bufs)
+    register_ffi_targets()
+    passed = [bufs[i] for i in live]
+    out = jax.ffi.ffi_call(
+        target,
+        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in passed),
+        input_output_aliases={len(before) + k: k for k in range(len(passed))},
+    )(*before, *passed, *after, **attrs)
+    result = list(bufs)
+    for k, i in enumerate(live):
+        result[i] = out[k]
+    return tuple(result)
+
+
 __all__ = [
     "ARCHS",
     "BuildError",
     "FFI_TARGETS",
     "STORAGE_CODES",
     "arch_of",
+    "call_in_place",
     "check_compile",
     "device_arch",
     "library",

@@ -18,11 +18,10 @@ Both return the same values. docs/hybrid.md, "``after_reads``".
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxkv.cuda import register_ffi_targets
+from jaxkv.cuda import call_in_place
 
 
 def _check(values, deps):
@@ -51,20 +50,7 @@ def after_xla(values: tuple, deps: tuple) -> tuple:
 def after_cuda(values: tuple, deps: tuple) -> tuple:
     """``values`` through an FFI call that also takes ``deps`` and moves nothing."""
     _check(values, deps)
-    live = [i for i, v in enumerate(values) if v.size]
-    if not live:
-        return tuple(values)
-    register_ffi_targets()
-    passed = [values[i] for i in live]
-    out = jax.ffi.ffi_call(
-        "jaxkv_after",
-        tuple(jax.ShapeDtypeStruct(v.shape, v.dtype) for v in passed),
-        input_output_aliases={k: k for k in range(len(passed))},
-    )(*passed, *deps)
-    result = list(values)
-    for k, i in enumerate(live):
-        result[i] = out[k]
-    return tuple(result)
+    return call_in_place("jaxkv_after", values, after=deps)
 
 
 __all__ = ["after_cuda", "after_xla"]

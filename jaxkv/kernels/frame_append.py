@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cuda import register_ffi_targets
+from jaxkv.cuda import call_in_place
 from jaxkv.formats.fp8 import quantize_fp8_rows
 from jaxkv.kernels.launch import launch
 
@@ -270,11 +270,6 @@ def write_frame_fp8(codes, scales, k, v, special_row, patch_row, *, num_special:
     L = k.shape[0]
     T = codes[0].shape[1]
     special_row, patch_row = clip_rows(special_row, patch_row, T, num_special=num_special, page_size=page_size)
-    register_ffi_targets()
-    bufs = (*codes, *scales)
-    out = jax.ffi.ffi_call(
-        "jaxkv_frame_write_fp8",
-        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in bufs),
-        input_output_aliases={i + 4: i for i in range(len(bufs))},
-    )(k, v, special_row, patch_row, *bufs, num_special=np.int32(num_special), page_size=np.int32(page_size))
+    attrs = dict(num_special=np.int32(num_special), page_size=np.int32(page_size))
+    out = call_in_place("jaxkv_frame_write_fp8", (*codes, *scales), before=(k, v, special_row, patch_row), **attrs)
     return tuple(out[: 2 * L]), tuple(out[2 * L :])

@@ -19,12 +19,11 @@ caller keeps them inside, as the frame cache does (a skipped move targets its tr
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxkv.cuda import register_ffi_targets
+from jaxkv.cuda import call_in_place
 
 
 def _check(bufs, moves, rows):
@@ -63,20 +62,9 @@ def ref_move_rows(bufs: tuple, moves, *, rows: int) -> tuple:
 def move_rows_cuda(bufs: tuple, moves, *, rows: int) -> tuple:
     """``ref_move_rows`` from one launch (per 96 buffers): ``jaxkv/cuda/move_rows.cu``."""
     _check(bufs, moves, rows)
-    live = [i for i, b in enumerate(bufs) if b.size]
-    if not live or not moves.shape[0]:
+    if not moves.shape[0]:
         return tuple(bufs)
-    register_ffi_targets()
-    passed = [bufs[i] for i in live]
-    out = jax.ffi.ffi_call(
-        "jaxkv_move_rows",
-        tuple(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in passed),
-        input_output_aliases={k + 1: k for k in range(len(passed))},
-    )(moves, *passed, rows=np.int64(rows))
-    result = list(bufs)
-    for k, i in enumerate(live):
-        result[i] = out[k]
-    return tuple(result)
+    return call_in_place("jaxkv_move_rows", bufs, before=(moves,), rows=np.int64(rows))
 
 
 __all__ = ["move_rows_cuda", "ref_move_rows"]
