@@ -41,7 +41,7 @@ struct Fp8Buffers {
 __global__ void __launch_bounds__(kFp8WriteWarps * 32)
     frame_write_fp8_kernel(const Fp8Buffers bufs, const __nv_bfloat16* __restrict__ k,
                            const __nv_bfloat16* __restrict__ v, const int32_t* __restrict__ special_row,
-                           const int32_t* __restrict__ patch_row, int32_t first_layer, int32_t layers, int32_t streams,
+                           const int32_t* __restrict__ patch_row, int32_t first_layer, int32_t streams,
                            int32_t tpf, int32_t num_special, int32_t page_size, int32_t heads, int64_t rows) {
   const int lane = threadIdx.x & 31;
   const int64_t pair = static_cast<int64_t>(blockIdx.x) * kFp8WriteWarps + (threadIdx.x >> 5);
@@ -124,8 +124,8 @@ static ffi::Error frame_write_fp8(cudaStream_t stream, int32_t num_special, int3
     if (pairs && B)
       frame_write_fp8_kernel<<<grid, kFp8WriteWarps * 32, 0, stream>>>(
           bufs, static_cast<const __nv_bfloat16*>(k.untyped_data()), static_cast<const __nv_bfloat16*>(v.untyped_data()),
-          special_row.typed_data(), patch_row.typed_data(), static_cast<int32_t>(chunk), static_cast<int32_t>(n),
-          static_cast<int32_t>(B), static_cast<int32_t>(tpf), num_special, page_size, static_cast<int32_t>(H), rows);
+          special_row.typed_data(), patch_row.typed_data(), static_cast<int32_t>(chunk), static_cast<int32_t>(B),
+          static_cast<int32_t>(tpf), num_special, page_size, static_cast<int32_t>(H), rows);
   }
   return launch_status(cudaGetLastError(), "write_frame_fp8");
 }

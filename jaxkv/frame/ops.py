@@ -156,8 +156,20 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
     """
     s = state.spec
     NS, ps = s.num_special, s.page_size
-    bufs = {name: list(getattr(state, name)) for name in ROW_BUFFERS}
     error = state.error
+    finite = jnp.ones(state.write_patch_row.shape, bool)
+    if layer is not None:  # write_layer: a frame must be open (a skipped frame has its own fault already)
+        error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
+        finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
+        error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
+    kernel = default_append_impl(s.dtype, s.head_dim) if isinstance(layer, int) and state.k else "xla"
+    if kernel != "xla":  # one launch for the layer's K and V (and scales), which quantizes itself
+        special_row, patch_row = (
+            jnp.where(finite, r, s.trash_row) for r in (state.write_special_row, state.write_patch_row)
+        )
+        write = _write_pallas if kernel == "pallas" else _write_fp8_cuda
+        return write(state.replace(error=error), [layer], k[None], v[None], special_row, patch_row)
+    bufs = {name: list(getattr(state, name)) for name in ROW_BUFFERS}
     stored = _stored(s, k, v)  # all layers at once for append: an FP8 frame is quantized by one fusion, not L
     if layer is None:
         targets = [(l, True, {name: x[l] for name, x in stored.items()}) for l in range(s.num_layers)]
@@ -167,18 +179,6 @@ def _write_kv(state: FrameCacheState, layer, k, v) -> FrameCacheState:
         targets = [(l, layer == l, stored) for l in range(s.num_layers)]
         bad = (layer < 0) | (layer >= s.num_layers)
         error = record(error, jnp.broadcast_to(bad, error.shape), Fault.LAYER_OUT_OF_RANGE)
-    finite = jnp.ones(state.write_patch_row.shape, bool)
-    if layer is not None:  # write_layer: a frame must be open (a skipped frame has its own fault already)
-        error = record(error, (state.write_special_row == s.trash_row) & (state.error == 0), Fault.WRITE_WITHOUT_FRAME)
-        finite = finite_rows(k, (1, 2, 3)) & finite_rows(v, (1, 2, 3))  # bool[B]: append checks in begin_frame
-        error = record(error, ~finite & (state.write_special_row != s.trash_row), Fault.NONFINITE_KV)
-    kernel = default_append_impl(s.dtype, s.head_dim) if isinstance(layer, int) and state.k else "xla"
-    if kernel != "xla":  # one launch for the layer's K and V (and scales)
-        special_row, patch_row = (
-            jnp.where(finite, r, s.trash_row) for r in (state.write_special_row, state.write_patch_row)
-        )
-        write = _write_pallas if kernel == "pallas" else _write_fp8_cuda
-        return write(state.replace(error=error), [layer], k[None], v[None], special_row, patch_row)
     for l, hit, rows_of in targets:  # a missed layer's rows (and a stream's non-finite K/V) go to the trash
         hit = hit & finite
         rows = dict(

@@ -46,6 +46,12 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
     for b in (*k_bufs, *v_bufs):
         if b.ndim != 3 or b.shape[0] != B or b.shape[1] != T or b.shape[2] != hd or b.dtype != k.dtype:
             raise ValueError(f"k_bufs, v_bufs: expected {k.dtype}[{B}, {T}, {hd}] each, got {b.dtype}{list(b.shape)}")
+    _check_placement(special_row, patch_row, B, tpf, T if k_bufs else None, num_special, page_size, "k_bufs, v_bufs")
+
+
+def _check_placement(special_row, patch_row, B, tpf, T, num_special, page_size, bufs_name):
+    """Both writers' rule for where a frame goes: i32[B] rows, a page that holds the
+    patches, and buffers of ``T`` rows (None: none to check) that hold a page and the specials."""
     for name, r in (("special_row", special_row), ("patch_row", patch_row)):
         if r.shape != (B,) or r.dtype != jnp.int32:
             raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
@@ -54,9 +60,9 @@ def _check(k_bufs, v_bufs, k, v, special_row, patch_row, num_special, page_size)
             f"num_special, page_size: expected 0 <= {num_special} <= {tpf} and page_size >= "
             f"{tpf - num_special} patches, got page_size {page_size}"
         )
-    if k_bufs and T < max(page_size, num_special):
+    if T is not None and T < max(page_size, num_special):
         raise ValueError(
-            f"k_bufs, v_bufs: expected at least {max(page_size, num_special)} rows (a page, the specials), got {T}"
+            f"{bufs_name}: expected at least {max(page_size, num_special)} rows (a page, the specials), got {T}"
         )
 
 
@@ -233,15 +239,7 @@ def _check_fp8(codes, scales, k, v, special_row, patch_row, num_special, page_si
                 )
     if scales[0].shape[1] != codes[0].shape[1]:
         raise ValueError(f"scales: expected {codes[0].shape[1]} rows as the codes, got {scales[0].shape[1]}")
-    for name, r in (("special_row", special_row), ("patch_row", patch_row)):
-        if r.shape != (B,) or r.dtype != jnp.int32:
-            raise ValueError(f"{name}: expected int32[{B}], got {r.dtype}{list(r.shape)}")
-    if not 0 <= num_special <= tpf or page_size < tpf - num_special or codes[0].shape[1] < max(page_size, num_special):
-        raise ValueError(
-            f"num_special, page_size: expected 0 <= {num_special} <= {tpf}, page_size >= {tpf - num_special} "
-            f"patches and buffers of at least {max(page_size, num_special)} rows, got page_size {page_size} "
-            f"and {codes[0].shape[1]} rows"
-        )
+    _check_placement(special_row, patch_row, B, tpf, codes[0].shape[1], num_special, page_size, "codes, scales")
 
 
 def ref_write_frame_fp8(codes, scales, k, v, special_row, patch_row, *, num_special: int, page_size: int):
