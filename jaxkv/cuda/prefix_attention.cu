@@ -5,8 +5,8 @@
 // through ctypes on torch's stream (torch_bridge.kernels.prefix_attention), so the drop-in
 // manager attends the visible prefix of jaxkv's buffers with no JAX dispatch in between.
 //
-// Design (FlashAttention-3's warp specialization): one CTA of 3 warpgroups per (128 queries,
-// query head, key split).
+// Design (FlashAttention-3's warp specialization): one CTA of 3 warpgroups (FP8: 4) per (128
+// queries, query head, key split).
 //   * a producer warpgroup streams K and V blocks of kBlockKV rows into a ring of kStages
 //     shared-memory stages by cp.async (rows at or past the length are zero-filled, so nothing
 //     past the prefix is read), each stage's arrival counted on an mbarrier; it gives its
@@ -21,8 +21,8 @@
 // sm_90a only (wgmma, setmaxnreg); the launcher refuses other devices.
 //
 // FP8 storage (jaxkv.formats.quantize_fp8_rows: E4M3 codes, one bf16 scale per row and head):
-// the producer cp.asyncs a block's codes and scales into a ring of kRaw raw stages (half a bf16
-// block's bytes), then decodes them (integer ops and bf16 multiplies, codes.cuh) into the same
+// two producer warpgroups cp.async a block's codes and scales into a ring of kRaw raw stages (half
+// a bf16 block's bytes), then decode them (integer ops and bf16 multiplies, codes.cuh) into the same
 // swizzled bf16 stages the consumers read, so the consumers are the bf16 kernel's. Each producer
 // thread decodes exactly the bytes it copied: its own cp.async.wait_group orders the two, no
 // barrier. A decoded value is bf16(code * scale), one rounding, as dequantize_fp8_rows rounds
@@ -42,7 +42,21 @@ namespace {
 
 constexpr int kD = 64;           // head dim: one 128-byte swizzle row per key
 constexpr int kBQ = 64;          // queries per consumer warpgroup (the wgmma M)
-constexpr int kThreads = 384;  // 2 consumer warpgroups, then the producer warpgroup
+// 2 consumer warpgroups, then the producer warpgroups: one for bf16 (its copies are cp.async),
+// kFp8Producers for FP8, whose decode in registers bounded one producer (frame_cache_fp8.md)
+#ifndef JAXKV_FP8_PRODUCERS  // a build knob (-DJAXKV_FP8_PRODUCERS=1 or 2)
+#define JAXKV_FP8_PRODUCERS 2
+#endif
+constexpr int kFp8Producers = JAXKV_FP8_PRODUCERS;
+static_assert(kFp8Producers == 1 || kFp8Producers == 2, "JAXKV_FP8_PRODUCERS: 1 or 2 warpgroups");
+template <bool kFp8>
+__host__ __device__ constexpr int producers() {
+  return kFp8 ? kFp8Producers : 1;
+}
+template <bool kFp8>
+__host__ __device__ constexpr int threads() {
+  return 128 * (2 + producers<kFp8>());
+}
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kQBytes = kBQ * kD * 2;  // one warpgroup's Q tile
 constexpr int kRaw = 2;                // FP8: raw (code + scale) stages in flight
@@ -80,19 +94,25 @@ struct PrefixArgs {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define JAXKV_PREFIX_SM90 1
-// registers per thread after setmaxnreg: 128 x producer + 256 x consumer <= 64 K
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+// registers per thread after setmaxnreg: 128 x producers x 40 + 256 x consumer <= 64 K
+constexpr int kProducerRegs = 40;
+template <bool kFp8>
+__host__ __device__ constexpr int consumer_regs() {
+  return producers<kFp8>() == 1 ? 232 : 216;
+}
 constexpr int kTurn0 = 1, kTurn1 = 2, kQReady0 = 3;  // named barriers (0 is __syncthreads)
 #endif
 
 #ifdef JAXKV_PREFIX_SM90
-// The FP8 producer (file comment): thread t copies, then decodes, 16-byte code chunk t % 4 of
-// rows t / 4 + 32 j of each block, and the scale word of those rows.
+// The FP8 producers (file comment): producer thread t of kN copies, then decodes, 16-byte code
+// chunk t % 4 of rows t / 4 + kN / 4 j of each block, and the scale word of those rows.
 template <int kBlockKV, int kStages>
 __device__ __forceinline__ void produce_fp8(const PrefixArgs& a, uint8_t* Ks, uint8_t* Vs, uint8_t* raw, uint32_t k_full,
                                             uint32_t v_full, uint32_t k_free, uint32_t v_free, int b, int kvh,
                                             int start, int length, int steps, int t) {
-  constexpr int kKVBytes = kBlockKV * kD * 2, kRows = kBlockKV / 32, kCodes = kBlockKV * kD;
+  constexpr int kN = 128 * kFp8Producers, kStride = kN / 4;  // producer threads; rows between a thread's rows
+  constexpr int kKVBytes = kBlockKV * kD * 2, kRows = kBlockKV / kStride, kCodes = kBlockKV * kD;
+  static_assert(kBlockKV % kStride == 0, "a block's rows split evenly over the producer threads");
   const int r0 = t >> 2, ch = t & 3;
   const uint8_t* kc = static_cast<const uint8_t*>(a.k) + b * a.kv_batch + int64_t(start + r0) * a.kv_row + kvh * kD + ch * 16;
   const uint8_t* vc = static_cast<const uint8_t*>(a.v) + (kc - static_cast<const uint8_t*>(a.k));
@@ -103,9 +123,9 @@ __device__ __forceinline__ void produce_fp8(const PrefixArgs& a, uint8_t* Ks, ui
       const int left = length - i * kBlockKV - r0;
 #pragma unroll
       for (int j = 0; j < kRows; ++j) {
-        const bool ok = 32 * j < left;  // rows past the prefix are zero-filled: code 0, scale 0
-        const int64_t row = ok ? int64_t(i) * kBlockKV + 32 * j : 0;
-        const int r = r0 + 32 * j;
+        const bool ok = kStride * j < left;  // rows past the prefix are zero-filled: code 0, scale 0
+        const int64_t row = ok ? int64_t(i) * kBlockKV + kStride * j : 0;
+        const int r = r0 + kStride * j;
         cp_async<16>(st + r * kD + ch * 16, kc + row * a.kv_row, ok);
         cp_async<16>(st + kCodes + r * kD + ch * 16, vc + row * a.kv_row, ok);
         const int64_t e = (s0 + row * a.s_row) & ~int64_t(1);  // the aligned pair (T is even: in bounds)
@@ -119,10 +139,10 @@ __device__ __forceinline__ void produce_fp8(const PrefixArgs& a, uint8_t* Ks, ui
   auto decode = [&](int i, const uint8_t* codes, const uint32_t* scales, uint8_t* dst) {
 #pragma unroll
     for (int j = 0; j < kRows; ++j) {
-      const int r = r0 + 32 * j;
+      const int r = r0 + kStride * j;
       const uint4 w = *reinterpret_cast<const uint4*>(codes + r * kD + ch * 16);
       const uint32_t pair = scales[r * 4 + ch];
-      const bool hi = (s0 + (int64_t(i) * kBlockKV + 32 * j) * a.s_row) & 1;
+      const bool hi = (s0 + (int64_t(i) * kBlockKV + kStride * j) * a.s_row) & 1;
       const uint32_t h = hi ? pair >> 16 : pair & 0xFFFFu, s2 = h | (h << 16);
       const uint32_t x[4] = {w.x, w.y, w.z, w.w};
       uint32_t o[8];
@@ -157,7 +177,7 @@ __device__ __forceinline__ void produce_fp8(const PrefixArgs& a, uint8_t* Ks, ui
 #endif
 
 template <int kBlockKV, int kStages, bool kFp8>
-__global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __grid_constant__ PrefixArgs a) {
+__global__ void __launch_bounds__(threads<kFp8>(), 1) prefix_attention_kernel(const __grid_constant__ PrefixArgs a) {
 #ifdef JAXKV_PREFIX_SM90
   constexpr int kKVBytes = kBlockKV * kD * 2;  // one K or V stage
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -169,7 +189,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
   const uint32_t k_full = smem_addr(bars), v_full = k_full + 8 * kStages;
   const uint32_t k_free = v_full + 8 * kStages, v_free = k_free + 8 * kStages;
 
-  const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;  // wg 2: the producer warp
+  const int wg = threadIdx.x >> 7, t = threadIdx.x & 127;  // wg 2 (and 3): the producers
   const int head = blockIdx.y, b = blockIdx.z / a.splits, split = blockIdx.z % a.splits;
   const int start = split * a.chunk;
   const int visible = max(0, min(a.kv_len ? __ldg(a.kv_len + b) : a.kv_len_value, a.T));  // no overflow below
@@ -178,8 +198,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(k_full + 8 * s, 128);
-      mbar_init(v_full + 8 * s, 128);
+      mbar_init(k_full + 8 * s, 128 * producers<kFp8>());
+      mbar_init(v_full + 8 * s, 128 * producers<kFp8>());
       mbar_init(k_free + 8 * s, 256);
       mbar_init(v_free + 8 * s, 256);
     }
@@ -187,11 +207,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
   }
   __syncthreads();
 
-  if (wg == 2) {  // the producer: K and V blocks into the ring
+  if (wg >= 2) {  // the producers: K and V blocks into the ring
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegs));
     if constexpr (kFp8) {
       produce_fp8<kBlockKV, kStages>(a, Ks, Vs, reinterpret_cast<uint8_t*>(bars) + 4 * kStages * 8, k_full, v_full,
-                                     k_free, v_free, b, head / (a.Hq / a.H), start, length, steps, t);
+                                     k_free, v_free, b, head / (a.Hq / a.H), start, length, steps, threadIdx.x - 256);
       return;
     }
     // thread t copies 16-byte chunk t % 8 of rows t / 8 + 16 j of each block
@@ -221,7 +241,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefix_attention_kernel(const __g
     return;
   }
 
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegs));
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(consumer_regs<kFp8>()));
   const int c = wg, warp = t >> 5, lane = t & 31;
   const int q0 = blockIdx.x * (2 * kBQ) + c * kBQ;  // this warpgroup's first query
   uint8_t* Q = Qs + c * kQBytes;
@@ -357,7 +377,7 @@ void start_as(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
   // per launch, not once: the attribute belongs to the current device's context
   cudaFuncSetAttribute(prefix_attention_kernel<kBlockKV, kStages, kFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                        smem);
-  prefix_attention_kernel<kBlockKV, kStages, kFp8><<<ctas, kThreads, smem, stream>>>(a);
+  prefix_attention_kernel<kBlockKV, kStages, kFp8><<<ctas, threads<kFp8>(), smem, stream>>>(a);
 }
 template <int kBlockKV, int kStages>
 void start(dim3 ctas, cudaStream_t stream, const PrefixArgs& a) {
