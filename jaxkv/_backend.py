@@ -18,6 +18,7 @@ explicit kernel name raises a ``ValueError`` that says why.
 | ``hybrid.gather`` | xla, cuda | cuda on a GPU with nvcc (``kernels.dequant_gather``, ``cuda/``), else xla |
 | ``hybrid.index_query`` | xla, cuda | cuda on a GPU with nvcc for bf16 queries (``kernels.index_query_cuda``), else xla |
 | ``hybrid.after_reads`` | xla, cuda | as hybrid.write (``kernels.after_cuda``: an FFI call that moves nothing) |
+| ``hybrid.entry_rows`` | xla, cuda | as hybrid.write (``kernels.entry_rows_cuda``: a CSA layer's row list for the attention kernels, one launch); chosen by ``hybrid.attention``'s kernel paths |
 | ``hybrid.index_scores`` | xla, pallas, cuda | cuda on Hopper with nvcc, 64 or 128 index heads, index_dim 128, block_size a multiple of 64 (``kernels.index_scores_cuda``, ``cuda/``); else pallas on Hopper with index heads a multiple of 64 (``kernels.index_scores``, Mosaic GPU); else xla |
 | ``hybrid.index_topk`` (``select=``) | xla, cuda | cuda on a GPU with nvcc and k up to the kernel's bound (``kernels.top_k``: a radix select, ``cuda/``), else xla (``lax.top_k``, which sorts) |
 | ``hybrid.attention`` | xla, pallas, cuda, flashmla | cuda on Hopper with nvcc, heads a multiple of 64, block_size and window multiples of 32 (``kernels.pool_attention_cuda``, ``cuda/``; both storage families); else pallas on Hopper with jax >= 0.11 and official storage (``kernels.pool_attention_pallas``, Mosaic GPU); else xla. ``flashmla`` (never auto: ``kernels.pool_attention_flashmla``) needs Hopper, nvcc, ``$FLASHMLA_SRC``, 64 or 128 heads and official storage |
@@ -282,6 +283,7 @@ OPERATIONS = {
             {"cuda": _query_cuda_missing},
         ),
         _cuda_op("hybrid.after_reads"),
+        _cuda_op("hybrid.entry_rows"),
         Operation(
             "hybrid.index_scores",
             ("xla", "pallas", "cuda"),

@@ -34,6 +34,7 @@ FFI_TARGETS = {
     "jaxkv_after": "JaxkvAfter",  # after.cu
     "jaxkv_move_rows": "JaxkvMoveRows",  # move_rows.cu
     "jaxkv_frame_write_fp8": "JaxkvFrameWriteFp8",  # frame_write_fp8.cu
+    "jaxkv_entry_rows": "JaxkvEntryRows",  # entry_rows.cu
 }
 
 

@@ -48,6 +48,7 @@ SOURCES = (
     "after.cu",
     "move_rows.cu",
     "frame_write_fp8.cu",
+    "entry_rows.cu",
 )  # the kernels library
 HEADERS = ("codes.cuh", "div_rn.cuh", "ffi_handler.cuh", "ptx.cuh", "write_entry.cuh")  # included by the sources
 ARCHS = ("90a", "100a")  # what CI compiles; a build for a device uses that device's arch

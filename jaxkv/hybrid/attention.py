@@ -39,6 +39,7 @@ from jaxkv.hybrid.ops import (
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.kernels.after import after_cuda, after_xla
+from jaxkv.kernels.entry_rows import entry_rows_cuda, ref_entry_rows
 from jaxkv.kernels.flush_write import encode_rows, ref_encode_rows
 from jaxkv.kernels.launch import pool_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
@@ -238,8 +239,8 @@ def _entry_blocks(state, step, layer, entry):
 def _masked(ids, valid):
     """Ids where valid, -1 elsewhere (the kernels mask ids outside their pool), padded to whole
     64-row blocks with -1; and the count up to the last valid one, so the blocks after it are
-    skipped: (i32[N, k'], count i32[N]). No sort: a CSA layer's picks and an HCA layer's
-    visible entries are valid first already, and a hole is one masked row."""
+    skipped: (i32[N, k'], count i32[N]). No sort: a hole before the last valid id is one
+    masked row (``kernels.entry_rows`` follows the same rule for compressed entries)."""
     ids = jnp.where(valid, ids, -1)
     pad = -ids.shape[-1] % BLOCK
     count = jnp.max(jnp.where(valid, jnp.arange(1, ids.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
@@ -261,24 +262,16 @@ def _pool_rows(pool, layer, block, item, items: int):
 
 
 def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
-    """The kernel path: each part's row ids (through the block tables), then ``kernel``."""
+    """The kernel path: each part's row ids (through the block tables), then ``kernel``. The
+    ring's and the own tokens' lists do not depend on the layer (one computation a step);
+    a compressed layer's entries go in front of them through ``entry_rows``: for a CSA
+    layer's picks one launch on a GPU (``kernels.entry_rows_cuda``), for an HCA layer's
+    every entry the jnp rule, which XLA computes once for the layers sharing a table."""
     c = state.config
     B, T, H, D = q.shape
     N = B * T
     W = c.window
-    parts = []  # (pool u8[P, bs * E], span, ids i32[N, k], count i32[N])
-
-    if kind != SWA:
-        ratio = c.compress_ratios[layer]
-        g, j = state.group(layer)
-        if kind == CSA:
-            e = idx
-        else:
-            e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (B, T, c.max_entries(ratio)))
-        blk, item, in_pool = _entry_blocks(state, step, layer, e)
-        valid = entry_visible(e, step, T, ratio) & in_pool
-        pool, span, ids = _pool_rows(state.entries[g], j, blk, item, c.block_size)
-        parts.append((pool, span) + _masked(ids.reshape(N, -1), valid.reshape(N, -1)))
+    parts = []  # (pool u8[P, bs * E], span, ids i32[N, k], count i32[N]): the ring, the own tokens
 
     # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
     seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
@@ -304,10 +297,33 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
     parts.append((own, (0, own.shape[0]), own_ids, own_count.astype(jnp.int32)))
 
-    pools = tuple(p for p, _, _, _ in parts)
-    part_blocks = tuple(ids.shape[1] // BLOCK for _, _, ids, _ in parts)
     rows = jnp.concatenate([ids for _, _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)
+    pools = tuple(p for p, _, _, _ in parts)
+    part_blocks = tuple(ids.shape[1] // BLOCK for _, _, ids, _ in parts)
+    spans = tuple(span for _, span, _, _ in parts)
+    if kind != SWA:
+        ratio = c.compress_ratios[layer]
+        g, j = state.group(layer)
+        if kind == CSA:
+            e = idx.reshape(N, -1)
+            cuda = _backend.choose("hybrid.entry_rows", "auto") == "cuda"
+        else:
+            e = jnp.broadcast_to(jnp.arange(c.max_entries(ratio), dtype=jnp.int32), (N, c.max_entries(ratio)))
+            cuda = False
+        rows, nvalid = (entry_rows_cuda if cuda else ref_entry_rows)(
+            e,
+            state.alloc[g].table,
+            step.slot,
+            visible_entries(step, T, ratio).reshape(N).astype(jnp.int32),
+            rows,
+            nvalid,
+            block_size=c.block_size,
+            pool_blocks=state.entries[g].shape[1],
+        )
+        pool, span, _ = _pool_rows(state.entries[g], j, 0, 0, c.block_size)
+        pools, spans = (pool,) + pools, (span,) + spans
+        part_blocks = (-(-e.shape[1] // BLOCK),) + part_blocks
     out = kernel(
         map_stack(lambda x: x.reshape(x.shape[0], N, H, D), q),  # a Stacked row stays one
         pools,
@@ -318,7 +334,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
         storage=c.storage,
         scale=scale,
         splits=pool_splits(N, H, rows.shape[1] // BLOCK),
-        spans=tuple(span for _, span, _, _ in parts),
+        spans=spans,
     )
     return out.reshape(B, T, H, D)
 

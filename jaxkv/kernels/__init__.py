@@ -26,6 +26,8 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
   formats' bytes (``jaxkv/cuda/fp4_pack.cu``).
 * ``index_query_cuda``: the indexer's query rotated and rounded through the FP4 key format,
   one launch (``hybrid.index_query(impl="cuda")``; ``jaxkv/cuda/index_query.cu``).
+* ``entry_rows_cuda``: a CSA layer's picks through the block table into pool attention's row
+  list, one launch (``jaxkv/cuda/entry_rows.cu``; ``ref_entry_rows``, the rule).
 * ``pool_attention_cuda``: DeepSeek-V4 MQA with a sink over FP8 pool rows read in place,
   ``jaxkv/cuda/pool_attention.cu`` (``hybrid.attention(impl="cuda")``, auto on Hopper);
   ``pool_attention_pallas``: the same contract in Mosaic GPU (Hopper, official storage;
@@ -45,6 +47,7 @@ A leaf layer: plain arrays and static parameters in, arrays out; no cache import
 from jaxkv.kernels.after import after_cuda, after_xla
 from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather, ref_dequant_gather
+from jaxkv.kernels.entry_rows import entry_rows_cuda, ref_entry_rows
 from jaxkv.kernels.flush_write import encode_rows, flush_write, ref_encode_rows, window_write
 from jaxkv.kernels.fp4_pack import quantize_mxfp4, quantize_nvfp4, ref_quantize_mxfp4, ref_quantize_nvfp4
 from jaxkv.kernels.frame_append import ref_write_frame, ref_write_frame_fp8, write_frame, write_frame_fp8
@@ -67,6 +70,7 @@ __all__ = [
     "compress_decode",
     "dequant_gather",
     "encode_rows",
+    "entry_rows_cuda",
     "flush_write",
     "index_query_cuda",
     "index_scores",
@@ -81,6 +85,7 @@ __all__ = [
     "quantize_nvfp4",
     "ref_dequant_gather",
     "ref_encode_rows",
+    "ref_entry_rows",
     "ref_index_query",
     "ref_index_scores",
     "ref_move_rows",
