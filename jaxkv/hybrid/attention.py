@@ -39,7 +39,7 @@ from jaxkv.hybrid.ops import (
 from jaxkv.hybrid.state import HybridCacheState
 from jaxkv.hybrid.step import Step, on_requests, query_positions
 from jaxkv.kernels.after import after_cuda, after_xla
-from jaxkv.kernels.entry_rows import entry_rows_cuda, ref_entry_rows
+from jaxkv.kernels.entry_rows import block_counts, entry_rows_cuda, masked_ids, ref_entry_rows
 from jaxkv.kernels.flush_write import encode_rows, ref_encode_rows
 from jaxkv.kernels.launch import pool_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
@@ -236,22 +236,6 @@ def _entry_blocks(state, step, layer, entry):
     return blk, item, (blk >= 0) & (blk < state.entries[g].shape[1])
 
 
-def _masked(ids, valid):
-    """Ids where valid, -1 elsewhere (the kernels mask ids outside their pool), padded to whole
-    64-row blocks with -1; and the count up to the last valid one, so the blocks after it are
-    skipped: (i32[N, k'], count i32[N]). No sort: a hole before the last valid id is one
-    masked row (``kernels.entry_rows`` follows the same rule for compressed entries)."""
-    ids = jnp.where(valid, ids, -1)
-    pad = -ids.shape[-1] % BLOCK
-    count = jnp.max(jnp.where(valid, jnp.arange(1, ids.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1)
-    return jnp.pad(ids, ((0, 0), (0, pad)), constant_values=-1), count.astype(jnp.int32)
-
-
-def _block_counts(count, blocks: int):
-    """i32[N, blocks]: valid rows of each 64-row block of a list whose first ``count`` are valid."""
-    return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
-
-
 def _pool_rows(pool, layer, block, item, items: int):
     """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]; the
     span of layer ``layer``'s blocks in it; and the row of item ``item`` of block ``block``
@@ -279,7 +263,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
         state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W
     )
     ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
-    parts.append((pool, span) + _masked(ring_ids.reshape(N, W), seen.reshape(N, W)))
+    parts.append((pool, span) + masked_ids(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
@@ -298,7 +282,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     parts.append((own, (0, own.shape[0]), own_ids, own_count.astype(jnp.int32)))
 
     rows = jnp.concatenate([ids for _, _, ids, _ in parts], axis=1).astype(jnp.int32)
-    nvalid = jnp.concatenate([_block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)
+    nvalid = jnp.concatenate([block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)
     pools = tuple(p for p, _, _, _ in parts)
     part_blocks = tuple(ids.shape[1] // BLOCK for _, _, ids, _ in parts)
     spans = tuple(span for _, span, _, _ in parts)

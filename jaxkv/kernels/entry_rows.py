@@ -63,6 +63,20 @@ def _check(entry, table, slot, limit, rest, rest_valid, block_size, pool_blocks)
             raise ValueError(f"{name}: expected an int >= {1 if name == 'block_size' else 0}, got {v!r}")
 
 
+def masked_ids(ids, valid):
+    """i32[N, n] ids, bool[N, n] -> (ids where valid, -1 elsewhere, padded to whole 64-row
+    blocks with -1: i32[N, n'], the count up to the last valid one: i32[N]). No sort: a hole
+    before the last valid id is one masked row."""
+    ids = jnp.where(valid, ids, -1)
+    count = jnp.max(jnp.where(valid, jnp.arange(1, ids.shape[-1] + 1, dtype=jnp.int32), 0), axis=-1, initial=0)
+    return jnp.pad(ids, ((0, 0), (0, -ids.shape[-1] % BLOCK)), constant_values=-1), count.astype(jnp.int32)
+
+
+def block_counts(count, blocks: int):
+    """i32[N, blocks]: valid rows of each 64-row block of a list whose first ``count`` are valid."""
+    return jnp.clip(count[:, None] - BLOCK * jnp.arange(blocks)[None, :], 0, BLOCK).astype(jnp.int32)
+
+
 def ref_entry_rows(entry, table, slot, limit, rest, rest_valid, *, block_size: int, pool_blocks: int):
     """``(rows, nvalid)`` in jnp: the module docstring's rule."""
     _check(entry, table, slot, limit, rest, rest_valid, block_size, pool_blocks)
@@ -72,12 +86,9 @@ def ref_entry_rows(entry, table, slot, limit, rest, rest_valid, *, block_size: i
     s = jnp.repeat(slot, T)[:, None]
     blk = table[s, jnp.clip(e // block_size, 0, table.shape[1] - 1)]  # clamped like the kernel
     valid = (entry >= 0) & (entry < limit[:, None]) & (blk >= 0) & (blk < pool_blocks)
-    ids = jnp.where(valid, jnp.maximum(blk, 0) * block_size + e % block_size, -1)
-    count = jnp.max(jnp.where(valid, jnp.arange(1, k + 1, dtype=jnp.int32), 0), axis=-1, initial=0)
-    K = -(-k // BLOCK) * BLOCK
-    counts = jnp.clip(count[:, None] - BLOCK * jnp.arange(K // BLOCK)[None, :], 0, BLOCK)
-    rows = jnp.concatenate([jnp.pad(ids, ((0, 0), (0, K - k)), constant_values=-1), rest], axis=1)
-    return rows.astype(jnp.int32), jnp.concatenate([counts.astype(jnp.int32), rest_valid], axis=1)
+    ids, count = masked_ids(jnp.maximum(blk, 0) * block_size + e % block_size, valid)
+    rows = jnp.concatenate([ids, rest], axis=1)
+    return rows.astype(jnp.int32), jnp.concatenate([block_counts(count, ids.shape[1] // BLOCK), rest_valid], axis=1)
 
 
 def entry_rows_cuda(entry, table, slot, limit, rest, rest_valid, *, block_size: int, pool_blocks: int):
@@ -97,4 +108,4 @@ def entry_rows_cuda(entry, table, slot, limit, rest, rest_valid, *, block_size: 
     )  # fmt: skip
 
 
-__all__ = ["entry_rows_cuda", "ref_entry_rows"]
+__all__ = ["block_counts", "entry_rows_cuda", "masked_ids", "ref_entry_rows"]
