@@ -31,7 +31,6 @@ from jaxkv.hybrid.ops import (
     all_entries,
     check_layer,
     check_tokens,
-    entry_address,
     gather_entries,
     ring_positions,
     window_keys,
@@ -43,6 +42,7 @@ from jaxkv.kernels.entry_rows import block_counts, entry_rows_cuda, masked_ids, 
 from jaxkv.kernels.flush_write import encode_rows, ref_encode_rows
 from jaxkv.kernels.launch import pool_splits
 from jaxkv.kernels.pool_attention import BLOCK, pool_attention_cuda, pool_attention_flashmla, pool_attention_pallas
+from jaxkv.math.paging import entry_address
 from jaxkv.stacked import Stacked, map_stack, row
 
 _HI = lax.Precision.HIGHEST
@@ -236,13 +236,12 @@ def _entry_blocks(state, step, layer, entry):
     return blk, item, (blk >= 0) & (blk < state.entries[g].shape[1])
 
 
-def _pool_rows(pool, layer, block, item, items: int):
-    """A stacked pool u8[L, NB, items * E] as the kernels read it, u8[L * NB, items * E]; the
-    span of layer ``layer``'s blocks in it; and the row of item ``item`` of block ``block``
-    in that span (block clamped at 0). The rows do not depend on the layer, so the layers
-    that share a table share one computation of them."""
+def _pool_span(pool, layer):
+    """A stacked pool u8[L, NB, width] as the kernels read it, u8[L * NB, width], and the
+    span of layer ``layer``'s blocks in it. Row ids within the span do not depend on the
+    layer, so the layers that share a table share one computation of them."""
     L, NB, width = pool.shape
-    return pool.reshape(L * NB, width), (layer * NB, NB), jnp.maximum(block, 0) * items + item
+    return pool.reshape(L * NB, width), (layer * NB, NB)
 
 
 def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
@@ -259,9 +258,8 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
 
     # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
     seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
-    pool, span, ring_ids = _pool_rows(
-        state.window, layer, step.slot[:, None], jnp.arange(W, dtype=jnp.int32)[None, :], W
-    )
+    pool, span = _pool_span(state.window, layer)
+    ring_ids = step.slot[:, None] * W + jnp.arange(W, dtype=jnp.int32)[None, :]  # a ring is one block
     ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
     parts.append((pool, span) + masked_ids(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
@@ -305,7 +303,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
             block_size=c.block_size,
             pool_blocks=state.entries[g].shape[1],
         )
-        pool, span, _ = _pool_rows(state.entries[g], j, 0, 0, c.block_size)
+        pool, span = _pool_span(state.entries[g], j)
         pools, spans = (pool,) + pools, (span,) + spans
         part_blocks = (-(-e.shape[1] // BLOCK),) + part_blocks
     out = kernel(

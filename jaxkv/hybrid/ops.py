@@ -25,6 +25,7 @@ from jaxkv.kernels.compress_decode import compress_decode
 from jaxkv.kernels.dequant_gather import dequant_gather
 from jaxkv.kernels.flush_write import window_write
 from jaxkv.math.compressor import finalize, fold_chunk, next_tail
+from jaxkv.math.paging import entry_address
 from jaxkv.math.rotation import rope_freqs
 from jaxkv.stacked import check_stacked, map_stack, row
 
@@ -87,16 +88,6 @@ def ring_positions(step: Step, window: int):
     p = step.start[:, None]
     pos = p - 1 - jnp.mod(p - 1 - jnp.arange(window)[None, :], window)
     return jnp.where(pos >= 0, pos, -1)
-
-
-def entry_address(table, slot, entry, block_size: int):
-    """(block, item): where compressed entry ``entry`` of request ``slot`` sits in the pools
-    of its ratio: block ``table[slot, entry // block_size]`` (-1 where ``entry`` < 0 or no
-    block is allocated), item ``entry % block_size``. ``slot`` broadcasts against ``entry``
-    (i32[B, 1, ...] against i32[B, ...]); ``table``: the ratio's i32[R, max_blocks]."""
-    e = jnp.maximum(entry, 0)
-    blk = table[slot, jnp.clip(e // block_size, 0, table.shape[1] - 1)]
-    return jnp.where(entry >= 0, blk, -1), e % block_size
 
 
 # --- sliding window -----------------------------------------------------------------------
@@ -516,7 +507,6 @@ __all__ = [
     "CompressorParams",
     "all_entries",
     "compress",
-    "entry_address",
     "entry_count",
     "gather_entries",
     "index_keys",

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.cuda import register_ffi_targets
+from jaxkv.math.paging import entry_address
 
 BLOCK = 64  # rows per block of pool attention's list
 
@@ -82,11 +83,9 @@ def ref_entry_rows(entry, table, slot, limit, rest, rest_valid, *, block_size: i
     _check(entry, table, slot, limit, rest, rest_valid, block_size, pool_blocks)
     N, k = entry.shape
     T = N // slot.shape[0]
-    e = jnp.maximum(entry, 0)
-    s = jnp.repeat(slot, T)[:, None]
-    blk = table[s, jnp.clip(e // block_size, 0, table.shape[1] - 1)]  # clamped like the kernel
-    valid = (entry >= 0) & (entry < limit[:, None]) & (blk >= 0) & (blk < pool_blocks)
-    ids, count = masked_ids(jnp.maximum(blk, 0) * block_size + e % block_size, valid)
+    blk, item = entry_address(table, jnp.repeat(slot, T)[:, None], entry, block_size)
+    valid = (entry < limit[:, None]) & (blk >= 0) & (blk < pool_blocks)
+    ids, count = masked_ids(jnp.maximum(blk, 0) * block_size + item, valid)
     rows = jnp.concatenate([ids, rest], axis=1)
     return rows.astype(jnp.int32), jnp.concatenate([block_counts(count, ids.shape[1] // BLOCK), rest_valid], axis=1)
 

@@ -13,8 +13,9 @@ import pytest
 
 from jaxkv import hybrid as H
 from jaxkv._backend import is_hopper
-from jaxkv.hybrid.ops import entry_address, ring_item, ring_positions
+from jaxkv.hybrid.ops import ring_item, ring_positions
 from jaxkv.kernels.pool_attention import ref_pool_attention
+from jaxkv.math.paging import entry_address
 
 attention = importlib.import_module("jaxkv.hybrid.attention")  # the package exports a function by that name
 
