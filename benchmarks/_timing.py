@@ -135,6 +135,41 @@ def host_parts(events: list[dict], jit_name: str) -> dict | None:
     )
 
 
+def gpu_timeline(events: list[dict], jit_name: str, gap_us: float = 5.0) -> dict | None:
+    """The last synchronized call of ``jit_name`` on the GPU's clock, from ``trace_events``:
+    ms from the call's start to its first kernel (``lead``), from first kernel start to last
+    kernel end (``span``), kernels busy within it (``busy``, overlaps merged), the idle rest
+    (``idle``) and, of that, gaps longer than ``gap_us`` (``gaps``: count, ms) with the five
+    longest as (us, kernel before, kernel after). Tells a step bound by its kernels from one
+    whose GPU waits on the host or on launches between kernels."""
+    host = [e for e in events if not _on_gpu(e) and e["name"] == f"PjitFunction({jit_name})"]
+    if not host:
+        return None
+    start = max(e["ts"] for e in host)
+    gpu = sorted((e for e in events if _on_gpu(e) and e["ts"] >= start and e.get("dur", 0) > 0), key=lambda e: e["ts"])
+    if not gpu:
+        return None
+    busy, gaps, end = 0.0, [], gpu[0]["ts"]
+    prev = None
+    for e in gpu:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, (prev or {}).get("name", "?")[:48], e["name"][:48]))
+        busy += max(0.0, e["ts"] + e["dur"] - max(e["ts"], end))
+        if e["ts"] + e["dur"] > end:
+            end, prev = e["ts"] + e["dur"], e
+    span = end - gpu[0]["ts"]
+    long = [g for g in gaps if g[0] > gap_us]
+    return dict(
+        lead=(gpu[0]["ts"] - start) / 1e3,
+        span=span / 1e3,
+        busy=busy / 1e3,
+        idle=(span - busy) / 1e3,
+        gaps=(len(long), sum(g[0] for g in long) / 1e3),
+        longest=sorted(long, key=lambda g: -g[0])[:5],
+        kernels=len(gpu),
+    )
+
+
 def child_rows(script: str, modes: list[str], settings: dict, args: list[str]) -> dict:
     """Run ``script --child MODE *args`` once per mode, each in its own process with the
     mode's XLA flags appended to ``XLA_FLAGS`` (XLA reads its flags once per process); each

@@ -28,7 +28,9 @@ Beside every row, the floor: the cache bytes the step must read (``step_bytes``:
 keys, CSA top-k entries, HCA entries, windows) at the copy bandwidth measured in the same run.
 
 The differences split the step: indexer = ``indexer`` - ``bookkeeping``, attention =
-``step`` - ``indexer``. Wall is per synchronized step (median); kernel is the sum of GPU
+``step`` - ``indexer``. Wall is per synchronized step (median); streamed, per step of as
+many queued with one sync at the end (a serving loop that overlaps its host); host, until
+a queued call returns; kernel is the sum of GPU
 kernel time in a profiler trace of the same steps (``--top N`` also lists the whole step's
 N costliest kernels). A (requests, context) pair whose cache does not fit is reported as
 such. Each contender is a 43-layer compile (about a minute or more on a fresh machine):
@@ -45,6 +47,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gzip
 import json
 import statistics
 import time
@@ -52,7 +55,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import copy_gbps, kernel_ms_per_step, times_ms
+from _timing import copy_gbps, gpu_timeline, host_parts, kernel_ms_per_step, times_ms, trace_events
 from hybrid_step import make_inputs, make_params, stack_layers, unstack_layers
 from jax import lax
 
@@ -214,10 +217,9 @@ def run_case(B, context, args):
     extra = make_extra(cfg, B, key)
     slots = jnp.arange(B, dtype=jnp.int32)
     rng = np.random.default_rng(0)
-    margin = 8 + len(args.contenders) * (
-        args.iters + 6
-    )  # steps this run takes after the prefill positions (each contender:
-    # compile, 2 warm-up, iters timed, 3 profiled)
+    # steps this run takes after the prefill positions (each contender: compile, 2 warm-up,
+    # iters synchronized, iters streamed, 3 profiled, 3 traced)
+    margin = 8 + len(args.contenders) * (2 * args.iters + 9)
     start = rng.integers(context * 3 // 4, context - margin, size=B).astype(np.int32)
     need = step_bytes(cfg, start)
     floor_ms = sum(need.values()) / args.gbps / 1e6
@@ -256,11 +258,25 @@ def run_case(B, context, args):
         )
         with jax.transfer_guard("disallow"):
             ms = statistics.median(times_ms(run, args.iters, warmup=2))
+            t0, hosts = time.perf_counter(), []
+            for _ in range(args.iters):  # streamed: the steps queued, one sync at the end
+                t = time.perf_counter()
+                box["s"], acc = fn(box["s"], slots, stacked, extra)
+                hosts.append((time.perf_counter() - t) * 1e3)  # host: until the queued call returns
+            acc.block_until_ready()
+            streamed = (time.perf_counter() - t0) * 1e3 / args.iters
+            host = statistics.median(hosts)
         top = args.top if kw["attend"] else 0
         kern = kernel_ms_per_step(run, 3, top=top) if jax.default_backend() == "gpu" else None
-        rows.append((name, ms, kern, sum(need.values()) / 1e9, floor_ms))
+        if args.trace is not None and jax.default_backend() == "gpu":
+            events = trace_events(run, 3)
+            print_trace(name, events)
+            if args.trace:
+                with gzip.open(f"{args.trace}/{cname}-{B}x{context}.events.json.gz", "wt") as f:
+                    json.dump(events, f)
+        rows.append((name, ms, streamed, host, kern, sum(need.values()) / 1e9, floor_ms))
         print(
-            f"  {B} requests, context {context}: {name}: {ms:.3f} ms"
+            f"  {B} requests, context {context}: {name}: {ms:.3f} ms synchronized, {streamed:.3f} streamed, host {host:.3f}"
             + ("" if kern is None else f" ({kern:.3f} ms of kernels)"),
             flush=True,
         )
@@ -270,6 +286,26 @@ def run_case(B, context, args):
     for st in states.values():
         jaxkv.check(st)
     return gib, rows
+
+
+def print_trace(name, events):
+    """``--trace``: one synchronized step's host time by part and its GPU timeline."""
+    parts, line = host_parts(events, "decode_step"), gpu_timeline(events, "decode_step")
+    if parts:
+        print(
+            f"  {name}: host ms: call {parts['call']:.3f} = dispatch {parts['dispatch']:.3f} + arguments "
+            f"{parts['arguments']:.3f} + graph updates {parts['graph_update']:.3f} + launches "
+            f"{parts['graph_launch']:.3f} + other thunks {parts['other_thunks']:.3f}; graphs (commands, update, "
+            f"launch): {[(n, round(u, 3), round(x, 3)) for n, u, x in parts['graphs']]}"
+        )
+    if line:
+        print(
+            f"  {name}: GPU ms: first kernel {line['lead']:.3f} after the call; span {line['span']:.3f} = busy "
+            f"{line['busy']:.3f} + idle {line['idle']:.3f} ({line['gaps'][0]} gaps over 5 us: {line['gaps'][1]:.3f}); "
+            f"{line['kernels']} kernels"
+        )
+        for us, before, after in line["longest"]:
+            print(f"    gap {us:8.1f} us after {before} before {after}")
 
 
 def prefill_flops(cfg, start: int, T: int, B: int) -> tuple[float, float]:
@@ -374,6 +410,15 @@ def main():
         help=f"comma-separated, in order, from {', '.join(CONTENDERS)}",
     )
     ap.add_argument("--top", type=int, default=0, help="list the whole step's N costliest kernels")
+    ap.add_argument(
+        "--trace",
+        nargs="?",
+        const="",
+        metavar="DIR",
+        help="per contender, one step's host time by part and GPU timeline, the trace's events saved in DIR "
+        "if given (set XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true, or the profiler turns "
+        "the step's graphs off)",
+    )
     ap.add_argument("--quick", action="store_true", help="CPU smoke run: 4 layers, 4 requests, context 2048")
     ap.add_argument("--prefill", action="store_true", help="chunked prefill instead of decode (run_prefill)")
     ap.add_argument("--prefill-requests", type=int, default=8)
@@ -402,21 +447,36 @@ def main():
                 if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
                     raise
                 print(f"  {B} requests, context {context}: does not fit ({str(e).splitlines()[0][:160]})")
-                table.append((B, context, None, "does not fit", None, None, None, None))
+                table.append((B, context, None, "does not fit", None, None, None, None, None, None))
                 continue
             table += [(B, context, gib, *row) for row in rows]
-    fields = ("requests", "context", "cache_gib", "contender", "ms", "kernel_ms", "read_gb", "floor_ms")
+    fields = (
+        "requests",
+        "context",
+        "cache_gib",
+        "contender",
+        "ms",
+        "streamed_ms",
+        "host_ms",
+        "kernel_ms",
+        "read_gb",
+        "floor_ms",
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(zip(fields, r)) for r in table], f, indent=1)
     print(f"\ncopy bandwidth {args.gbps:.0f} GB/s; floor: the cache bytes a step reads at it")
-    print("| requests | context | cache GiB | contender | wall ms | kernel ms | GB read | floor ms | wall / floor |")
-    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
-    for B, context, gib, name, ms, kern, gb, floor in table:
+    print(
+        "| requests | context | cache GiB | contender | wall ms | streamed ms | host ms | kernel ms | GB read | floor ms "
+        "| wall / floor |"
+    )
+    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for B, context, gib, name, ms, streamed, host, kern, gb, floor in table:
         f = lambda x: "" if x is None else f"{x:.3f}"  # noqa: E731
         ratio = "" if ms is None or not floor else f"{ms / floor:.1f}x"
         print(
-            f"| {B} | {context} | {'' if gib is None else f'{gib:.2f}'} | {name} | {f(ms)} | {f(kern)} | {f(gb)} "
+            f"| {B} | {context} | {'' if gib is None else f'{gib:.2f}'} | {name} | {f(ms)} | {f(streamed)} | {f(host)} "
+            f"| {f(kern)} | {f(gb)} "
             f"| {f(floor)} | {ratio} |"
         )
 
