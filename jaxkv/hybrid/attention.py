@@ -65,7 +65,13 @@ def attention(
 
     q: bf16[B, T, H, 512] (RoPE applied to the last 64 dims)
     sink: f32[H] the layer's attention-sink logits
-    kv: bf16[B, T, 512] the step's own tokens (what ``write_window`` stores; call before it)
+    kv: bf16[B, T, 512] the step's own tokens (what ``write_window`` stores; call before it),
+      or None in a decode step (T = 1) whose ``write_window`` ran first: the ring then holds
+      the token, which the query sees as stored, and the kernel path reads the ring alone
+      (no encoding of the token a layer, one key block fewer). Writing first is exact at
+      T = 1 only: the slot the token overwrites held the position one window back, which
+      the query does not see. (A row whose token was not finite wrote nothing; its request
+      is faulted and its output is not the token's.)
     (q, sink and kv may be ``Stacked`` rows, which the cuda kernels read in place)
     idx: i32[B, T, k] the entries a CSA layer attends to (``index_topk``; -1: none;
       entries a query may not see yet are skipped); None for SWA and HCA layers
@@ -73,8 +79,18 @@ def attention(
     Returns bf16[B, T, H, 512]; rows past ``num_tokens`` are padding.
     """
     kind = check_layer(state, layer)
-    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
-    B, T = step.slot.shape[0], row(kv).shape[1]
+    B = step.slot.shape[0]
+    if kv is None:
+        T = q.shape[1] if q.ndim == 4 else None
+        if T != 1:
+            raise ValueError(
+                f"kv: None (the step's tokens already in the ring: write_window before attention) needs a "
+                f"decode step, q of bf16[{B}, 1, H, {state.config.head_dim}]; got q {list(q.shape)}: pass kv "
+                f"and call write_window after attention"
+            )
+    else:
+        check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+        T = row(kv).shape[1]
     if q.ndim != 4 or q.shape[:2] != (B, T) or q.shape[3] != state.config.head_dim or q.dtype != jnp.bfloat16:
         raise ValueError(f"q: expected bf16[{B}, {T}, H, {state.config.head_dim}], got {q.dtype}{list(q.shape)}")
     H = q.shape[2]
@@ -114,14 +130,14 @@ def attention(
     else:  # the kernel looked up now: tests swap pool_attention_pallas for its reference
         kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
         fn = functools.partial(_in_place, kernel=kernel)
-    args = (step, q, kv) + (() if idx is None else (jnp.asarray(idx, jnp.int32),))
-    return on_requests(
-        lambda st, step, q, kv, *i: fn(st, step, layer, kind, q, kv, i[0] if i else None, sink, scale),
-        state,
-        *args,
-        axes=("batch",) * len(args),
-        out="batch",
-    )
+    rest = tuple(x for x in (kv, None if idx is None else jnp.asarray(idx, jnp.int32)) if x is not None)
+
+    def local(st, step, q, *rest):
+        rest = iter(rest)
+        kv_, idx_ = (None if kv is None else next(rest)), (None if idx is None else next(rest))
+        return fn(st, step, layer, kind, q, kv_, idx_, sink, scale)
+
+    return on_requests(local, state, step, q, *rest, axes=("batch",) * (2 + len(rest)), out="batch")
 
 
 def after_reads(state: HybridCacheState, *outs, impl: str = "auto") -> HybridCacheState:
@@ -244,6 +260,27 @@ def _pool_span(pool, layer):
     return pool.reshape(L * NB, width), (layer * NB, NB)
 
 
+def _own_part(step, kv, B, T, W, storage):
+    """The step's own tokens as a part of the kernel path's row list: (rows u8[B * T, E], the
+    span, ids i32[N, K'], count i32[N])."""
+    N = B * T
+    # the step's own tokens in query t's window: t' from first to t (positions start + t'),
+    # encoded as write_window will store them
+    encode = encode_rows if _backend.choose("hybrid.write", "auto") == "cuda" else ref_encode_rows  # one launch
+    own = encode(kv, OWN_BLOCK, storage=storage)  # its N rows; a Stacked kv read in place
+    K = min(T, W)
+    t = jnp.arange(T, dtype=jnp.int32)[None, :]
+    first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]
+    own_ids = (
+        jnp.arange(B, dtype=jnp.int32)[:, None, None] * T
+        + first[..., None]
+        + jnp.arange(K, dtype=jnp.int32)[None, None, :]
+    )  # [B, T, K]
+    own_count = (t - first + 1).reshape(N)
+    own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
+    return own, (0, own.shape[0]), own_ids, own_count.astype(jnp.int32)
+
+
 def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     """The kernel path: each part's row ids (through the block tables), then ``kernel``. The
     ring's and the own tokens' lists do not depend on the layer (one computation a step);
@@ -256,28 +293,16 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     W = c.window
     parts = []  # (pool u8[P, bs * E], span, ids i32[N, k], count i32[N]): the ring, the own tokens
 
-    # the ring as it was before this step: item i of block ``slot`` holds ring_positions[:, i]
-    seen = window_mask(ring_positions(step, W), step, T, W)  # [B, T, W]
+    # the ring as it was before this step (after its write with kv None): item i of block
+    # ``slot`` holds ring_positions[:, i]
+    seen = window_mask(ring_positions(step, W, written=kv is None), step, T, W)  # [B, T, W]
     pool, span = _pool_span(state.window, layer)
     ring_ids = step.slot[:, None] * W + jnp.arange(W, dtype=jnp.int32)[None, :]  # a ring is one block
     ring_ids = jnp.broadcast_to(ring_ids[:, None, :], (B, T, W))
     parts.append((pool, span) + masked_ids(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
-    # the step's own tokens in query t's window: t' from first to t (positions start + t'),
-    # encoded as write_window will store them
-    encode = encode_rows if _backend.choose("hybrid.write", "auto") == "cuda" else ref_encode_rows  # one launch
-    own = encode(kv, OWN_BLOCK, storage=c.storage)  # its N rows; a Stacked kv read in place
-    K = min(T, W)
-    t = jnp.arange(T, dtype=jnp.int32)[None, :]
-    first = jnp.maximum(window_first(step, T, W) - step.start[:, None], 0)  # i32[B, T]
-    own_ids = (
-        jnp.arange(B, dtype=jnp.int32)[:, None, None] * T
-        + first[..., None]
-        + jnp.arange(K, dtype=jnp.int32)[None, None, :]
-    )  # [B, T, K]
-    own_count = (t - first + 1).reshape(N)
-    own_ids = jnp.pad(jnp.minimum(own_ids, N - 1).reshape(N, K), ((0, 0), (0, -K % BLOCK)))
-    parts.append((own, (0, own.shape[0]), own_ids, own_count.astype(jnp.int32)))
+    if kv is not None:
+        parts.append(_own_part(step, kv, B, T, W, c.storage))
 
     rows = jnp.concatenate([ids for _, _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)

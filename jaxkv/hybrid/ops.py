@@ -82,10 +82,11 @@ def ring_item(pos, window: int):
     return pos % window
 
 
-def ring_positions(step: Step, window: int):
+def ring_positions(step: Step, window: int, *, written: bool = False):
     """i32[B, window]: the position ring item i holds before the step (the latest one
-    before ``start`` whose ``ring_item`` is i), -1 where empty."""
-    p = step.start[:, None]
+    before ``start`` whose ``ring_item`` is i), -1 where empty; ``written``: after the
+    step's ``write_window`` (the latest before ``start + num_tokens``)."""
+    p = (step.start + step.num_tokens if written else step.start)[:, None]
     pos = p - 1 - jnp.mod(p - 1 - jnp.arange(window)[None, :], window)
     return jnp.where(pos >= 0, pos, -1)
 
@@ -377,13 +378,22 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     """The raw keys the step's queries may see in layer ``layer``: the ring as it was
     before this step, then the step's own tokens, both as stored (quantized, dequantized).
 
-    kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store; or a ``Stacked`` row)
+    kv: bf16[B, T, head_dim] (the tokens ``write_window`` will store; or a ``Stacked`` row),
+      or None: the step's ``write_window`` has run, so the ring holds them (the ring alone,
+      at its positions after the write; right for a decode step, ``attention``'s check)
     Returns keys bf16[B, window + T, head_dim] and their positions i32[B, window + T]
-    (-1: empty). Query at position p sees the keys with ``p - window < pos <= p``.
-    Call before ``write_window`` of the same step. impl: how the ring is read, as in
-    ``gather_entries``.
+    (-1: empty; window keys with kv None). Query at position p sees the keys with
+    ``p - window < pos <= p``. impl: how the ring is read, as in ``gather_entries``.
     """
     check_layer(state, layer)
+    if kv is None:
+        return on_requests(
+            lambda st, step: _window_keys(st, step, layer, None, impl),
+            state,
+            step,
+            axes=("batch",),
+            out=("batch", "batch"),
+        )
     check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
     return on_requests(
         lambda st, step, kv: _window_keys(st, step, layer, kv, impl),
@@ -398,13 +408,16 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
 def _window_keys(state, step, layer, kv, impl):
     c = state.config
     fmt = c.storage_format
-    B, T, _ = kv.shape
+    B = step.slot.shape[0]
     j = jnp.arange(c.window)[None, :]
-    ring_pos = ring_positions(step, c.window)
+    ring_pos = ring_positions(step, c.window, written=kv is None)
     rows = jnp.broadcast_to(step.slot[:, None], (B, c.window))  # a request's ring is block ``slot``
     ring = _read(
         state.window, layer, rows, jnp.broadcast_to(j, (B, c.window)), fmt.entry, c.storage, _gather_impl(impl)
     )
+    if kv is None:
+        return ring, ring_pos
+    T = row(kv).shape[1]
     own = fmt.entry.decode(fmt.entry.encode(row(kv)))
     t = jnp.arange(T)[None, :]
     own_pos = jnp.where(t < step.num_tokens[:, None], query_positions(step, T), -1)

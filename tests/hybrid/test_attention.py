@@ -204,6 +204,33 @@ def test_xla_path_is_the_driver_reference(rng, filled):
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("impl", ["xla", "pallas", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_decode_reads_its_token_from_the_written_ring(rng, filled, request, impl):
+    """A decode step whose write_window ran first (``kv=None``) gives the attention of the
+    step with its tokens passed: the ring then holds the token where the position a window
+    back was, which the query does not see. Every layer kind."""
+    if impl == "pallas" and not is_hopper():
+        request.getfixturevalue("reference_kernel")  # the kernel path's rows through the reference
+    elif impl != "xla" and _missing(impl):
+        pytest.skip(_missing(impl))
+    state, step, T, params = next(_steps(filled, chunk=False))
+    run = jax.jit(
+        lambda *a, layer, impl: H.attention(a[0], a[1], layer, *a[2:], impl=impl), static_argnames=("layer", "impl")
+    )
+    for layer in range(state.config.num_layers):
+        st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
+        sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+        want = run(st, step, q, sink, kv, idx, layer=layer, impl=impl)
+        written = H.write_window(_copy(st), step, layer, kv)
+        got = run(written, step, q, sink, None, idx, layer=layer, impl=impl)
+        stale = run(st, step, q, sink, None, idx, layer=layer, impl=impl)  # the ring without the token
+        for a, b, c in zip(_valid_rows(want, step), _valid_rows(got, step), _valid_rows(stale, step)):
+            # the same keys in another order: float32 sums apart by rounding, bf16 out
+            np.testing.assert_allclose(b, a, atol=1e-2, rtol=1e-2, err_msg=f"layer {layer}, {impl}")
+            near, stale_by = np.abs(b - a).max(), np.abs(c - a).max()
+            assert stale_by > 4 * near + 2e-3, f"layer {layer}: without the token {stale_by}, with it {near}"
+
+
 def test_bad_inputs(rng, filled):
     state, step, _, params = next(_steps(filled, chunk=False))
     st, q, kv, idx = _layer_inputs(state, rng, step, 1, params, 1)
@@ -223,6 +250,8 @@ def test_bad_inputs(rng, filled):
         H.attention(st, step, 1, q, sink, kv[:, :, :100], idx, impl="xla")
     with pytest.raises(ValueError, match="layer: expected"):
         H.attention(st, step, 7, q, sink, kv, None, impl="xla")
+    with pytest.raises(ValueError, match=r"kv: None \(the step's tokens already in the ring"):
+        H.attention(st, step, 1, jnp.concatenate([q, q], 1), sink, None, idx, impl="xla")
     with pytest.raises(ValueError, match="impl"):
         H.attention(st, step, 0, q, sink, kv, None, impl="flashmla-nope")
     if not is_hopper():
@@ -255,8 +284,9 @@ def test_cuda_kernel_reads_per_entry_caches(rng):
     _assert_paths_agree(rng, _filled(np.random.default_rng(22), LENGTHS, cfg), "cuda")
 
 
-def _decode_step(state, slots, inputs, params, q, ordered):
-    """A decode step in model order: compress -> top-k -> attention -> (after_reads) -> window write."""
+def _decode_step(state, slots, inputs, params, q, ordered, write_first=False):
+    """A decode step in model order: compress -> top-k -> attention -> (after_reads) -> window
+    write; ``write_first``: the window written before attention, which reads the token from it."""
     c = state.config
     state, step = H.prepare_forward(state, slots, state.position[slots], chunk=1)
     outs = []
@@ -270,11 +300,14 @@ def _decode_step(state, slots, inputs, params, q, ordered):
             state, idx = H.index_topk(state, step, layer, H.index_query(state, x["iq"]), x["iw"])
         elif c.kind(layer) == H.HCA:
             state = H.compress(state, step, layer, x["ckv"], x["cscore"], p["main"])
-        out = H.attention(state, step, layer, q, p["sink"], x["kv"], idx, impl="xla")
+        if write_first:
+            state = H.write_window(state, step, layer, x["kv"])
+        out = H.attention(state, step, layer, q, p["sink"], None if write_first else x["kv"], idx, impl="xla")
         outs.append(out)
         if ordered:
             state = H.after_reads(state, out)
-        state = H.write_window(state, step, layer, x["kv"])
+        if not write_first:
+            state = H.write_window(state, step, layer, x["kv"])
     return state, jnp.stack(outs)  # every layer's output, not a sum: a GPU sum may take another order
 
 
@@ -289,14 +322,15 @@ def test_after_reads_keeps_the_pools_in_place(rng, filled):
     inputs = D.make_inputs(c, rng, 3, 1)
     q = jnp.asarray(rng.normal(size=(3, 1, D.Q_HEADS, c.head_dim)), jnp.bfloat16)  # the params' sinks: Q_HEADS
     pools = {tuple(x.shape) for x in (state.window, *state.entries, state.index_keys)}
-    step = jax.jit(_decode_step, donate_argnums=0, static_argnames="ordered")
-    text = step.lower(_copy(state), slots, inputs, params, q, ordered=True).compile().as_text()
-    copies = [
-        line
-        for line in text.splitlines()
-        if " copy(" in line and any(f"u8[{','.join(map(str, s))}]" in line for s in pools)
-    ]
-    assert not copies, copies[:3]
+    step = jax.jit(_decode_step, donate_argnums=0, static_argnames=("ordered", "write_first"))
+    for first in (False, True):  # both orders of the window write
+        text = step.lower(_copy(state), slots, inputs, params, q, ordered=True, write_first=first).compile().as_text()
+        copies = [
+            line
+            for line in text.splitlines()
+            if " copy(" in line and any(f"u8[{','.join(map(str, s))}]" in line for s in pools)
+        ]
+        assert not copies, (first, copies[:3])
     out = jnp.asarray(rng.normal(size=(3, 1, D.Q_HEADS, c.head_dim)), jnp.bfloat16)
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(H.after_reads(_copy(state), out))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
