@@ -2,11 +2,13 @@
 
 One token per request. Per layer, in model order: the compressor update (``compress``:
 tail append, flush where a block of ``ratio`` tokens completes), for a CSA layer the
-indexer's top-k (``index_query`` + ``index_topk``), attention over the cache
-(``hybrid.attention``: the window ring + the token itself + the top-k / every visible HCA
-entry, with the sink; its whole output written, as a model's output projection would read
-it), ``after_reads`` (so the writes that follow stay in place), then the
-window write (``write_window``). ``prepare_forward`` opens the step. One jitted call per step, state donated, no host sync.
+indexer's top-k (``index_query`` + ``index_topk``), the window write (``write_window``),
+attention over the cache (``hybrid.attention`` with ``kv=None``: the window ring, which now
+holds the token, + the top-k / every visible HCA entry, with the sink; its whole output
+written, as a model's output projection would read it), then ``after_reads`` (so the
+writes that follow stay in place). A prefill chunk (``--prefill``) attends to its tokens
+before writing them. ``prepare_forward`` opens the step. One jitted call per step, state
+donated, no host sync.
 
 Requests sit at scattered positions in the last quarter of ``--contexts``; every pool (the
 windows, the compressed entries, the indexer keys) holds random rows in the storage
@@ -152,7 +154,8 @@ def decode_step(
     state, slots, stacked, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto", chunk=1
 ):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
-    -> window write. ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
+    -> window write (a decode step writes the window before attention, which then reads the
+    token from the ring: ``attention(kv=None)``). ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
     them (a few arrays, not one argument per layer and tensor); ``extra``: ``make_extra``'s.
     Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
     device's rows are its own requests). ``chunk``: tokens a request (1: decode; more: a
@@ -175,13 +178,18 @@ def decode_step(
         if (index or attend) and cfg.kind(layer) == H.CSA:
             state, idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx
+        first = chunk == 1  # decode: the window written first, attention reads the token from the ring
+        if first:
+            state = H.write_window(state, step, layer, x["kv"])
         if attend:  # a model's output projection reads every element: the barrier has the step write the
             # whole output (and any split merge), as after_reads' use of it does too
-            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], x["kv"], idx, impl=impl))
+            kv = None if first else x["kv"]
+            out = lax.optimization_barrier(H.attention(state, step, layer, e["q"], e["sink"], kv, idx, impl=impl))
         if out is not None:
             state = H.after_reads(state, out)
             reads = out
-        state = H.write_window(state, step, layer, x["kv"])
+        if not first:
+            state = H.write_window(state, step, layer, x["kv"])
     acc = jnp.zeros(slots.shape, jnp.float32)
     if reads is not None:
         acc = reads.astype(jnp.float32).reshape(reads.shape[0], -1).sum(1)

@@ -161,9 +161,14 @@ class V4Attention(nnx.Module):
             iq = H.index_query(state, apply_rope_tail(iq, pos[..., None], freqs, rd))
             w = self.index_weights(x).astype(jnp.float32) * (hc.index_dim**-0.5 * hc.index_heads**-0.5)
             state, idx = H.index_topk(state, step, layer, iq, w)
-        o = H.attention(state, step, layer, q, self.sink[...], kv, idx, impl=impl)
-        state = H.after_reads(state, o)
-        state = H.write_window(state, step, layer, kv)
+        if T == 1:  # decode: the window written first, attention reads the token from the ring
+            state = H.write_window(state, step, layer, kv)
+            o = H.attention(state, step, layer, q, self.sink[...], None, idx, impl=impl)
+            state = H.after_reads(state, o)
+        else:  # a chunk's tokens would overwrite ring slots its earlier queries see
+            o = H.attention(state, step, layer, q, self.sink[...], kv, idx, impl=impl)
+            state = H.after_reads(state, o)
+            state = H.write_window(state, step, layer, kv)
 
         o = apply_rope_tail(o, pos[..., None], -freqs, rd)  # the inverse rotation
         o = jnp.einsum(
