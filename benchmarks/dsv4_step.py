@@ -22,6 +22,8 @@ Contenders per (requests, context), in one process:
 * ``indexer``: the step without attention (bookkeeping + the indexer's top-k);
 * ``indexer-xla`` (opt-in): the same with the indexer's scores on XLA instead of the kernel;
 * ``bookkeeping``: the step without indexer and attention;
+* ``step-kv`` (opt-in): ``step`` in the prefill order: the token passed to attention (encoded
+  for it by a kernel of its own) and the window written after;
 * ``step-shared`` (opt-in): ``step`` on a cache whose requests share their first tokens'
   blocks (``hybrid.share`` of slot 0's prefix, the CSA-block-aligned minimum position, then
   each request's own tokens): the same reads through block tables that name shared blocks.
@@ -74,6 +76,7 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),
     "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),
     "step-shared": ("step, prefix blocks shared", dict(index=True, attend=True, impl="auto")),
+    "step-kv": ("step, token passed, window written after", dict(index=True, attend=True, impl="auto", kv_first=True)),
 }
 
 
@@ -151,11 +154,22 @@ def fill_random(state, key):
 
 
 def decode_step(
-    state, slots, stacked, extra, *, index: bool, attend: bool, impl: str, index_impl: str = "auto", chunk=1
+    state,
+    slots,
+    stacked,
+    extra,
+    *,
+    index: bool,
+    attend: bool,
+    impl: str,
+    index_impl: str = "auto",
+    chunk=1,
+    kv_first: bool = False,
 ):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write (a decode step writes the window before attention, which then reads the
-    token from the ring: ``attention(kv=None)``). ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
+    token from the ring: ``attention(kv=None)``; ``kv_first``: the prefill order, the token
+    passed to attention and written after it). ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
     them (a few arrays, not one argument per layer and tensor); ``extra``: ``make_extra``'s.
     Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
     device's rows are its own requests). ``chunk``: tokens a request (1: decode; more: a
@@ -178,7 +192,7 @@ def decode_step(
         if (index or attend) and cfg.kind(layer) == H.CSA:
             state, idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx
-        first = chunk == 1  # decode: the window written first, attention reads the token from the ring
+        first = chunk == 1 and not kv_first  # decode: the window written first, attention reads it from the ring
         if first:
             state = H.write_window(state, step, layer, x["kv"])
         if attend:  # a model's output projection reads every element: the barrier has the step write the
