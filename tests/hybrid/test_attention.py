@@ -132,15 +132,26 @@ def test_kernel_rows_equal_the_xla_path(rng, filled, reference_kernel):
     _assert_paths_agree(rng, filled)
 
 
-def _assert_stacked_rows_are_the_arrays(rng, filled, impls):
-    state, step, T, params = next(_steps(filled, chunk=False))
-    # jitted: eager dispatch of the attention's many small ops is most of the CPU time
-    run = jax.jit(
+def _jit_attention():
+    """``H.attention`` jitted, layer and impl static (eager dispatch of its many small ops is
+    most of the CPU time)."""
+    return jax.jit(
         lambda *a, layer, impl: H.attention(a[0], a[1], layer, *a[2:], impl=impl), static_argnames=("layer", "impl")
     )
+
+
+def _decode_layers(rng, filled):
+    """Per layer of a decode step: (step, layer, the state after the layer's compress, q, kv,
+    idx, sink), fresh random inputs."""
+    state, step, T, params = next(_steps(filled, chunk=False))
     for layer in range(state.config.num_layers):
         st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
-        sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+        yield step, layer, st, q, kv, idx, jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+
+
+def _assert_stacked_rows_are_the_arrays(rng, filled, impls):
+    run = _jit_attention()
+    for step, layer, st, q, kv, idx, sink in _decode_layers(rng, filled):
         kvs, qs, sinks = (jnp.stack([-x, x, 2 * x]) for x in (kv, q, sink))
         for impl in impls:
             want = run(st, step, q, sink, kv, idx, layer=layer, impl=impl)
@@ -161,10 +172,7 @@ def test_table_cell_outside_the_pool_is_no_key(rng, filled, reference_kernel):
     (the kernel replaced by its reference), and equals the same step with those entries
     never picked."""
     state, step, T, params = next(_steps(filled, chunk=False))
-    # jitted once per layer and path for both cells (eager dispatch is most of the CPU time)
-    run = jax.jit(
-        lambda *a, layer, impl: H.attention(a[0], a[1], layer, *a[2:], impl=impl), static_argnames=("layer", "impl")
-    )
+    run = _jit_attention()  # once per layer and path for both cells
     for layer in (1, 2):  # CSA, HCA
         st0, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
         g, _ = st0.group(layer)
@@ -213,13 +221,8 @@ def test_decode_reads_its_token_from_the_written_ring(rng, filled, request, impl
         request.getfixturevalue("reference_kernel")  # the kernel path's rows through the reference
     elif impl != "xla" and _missing(impl):
         pytest.skip(_missing(impl))
-    state, step, T, params = next(_steps(filled, chunk=False))
-    run = jax.jit(
-        lambda *a, layer, impl: H.attention(a[0], a[1], layer, *a[2:], impl=impl), static_argnames=("layer", "impl")
-    )
-    for layer in range(state.config.num_layers):
-        st, q, kv, idx = _layer_inputs(state, rng, step, T, params, layer)
-        sink = jnp.asarray(rng.normal(size=(HEADS,)), jnp.float32)
+    run = _jit_attention()
+    for step, layer, st, q, kv, idx, sink in _decode_layers(rng, filled):
         want = run(st, step, q, sink, kv, idx, layer=layer, impl=impl)
         written = H.write_window(_copy(st), step, layer, kv)
         got = run(written, step, q, sink, None, idx, layer=layer, impl=impl)
