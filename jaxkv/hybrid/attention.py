@@ -130,14 +130,17 @@ def attention(
     else:  # the kernel looked up now: tests swap pool_attention_pallas for its reference
         kernel = {"cuda": pool_attention_cuda, "flashmla": pool_attention_flashmla}.get(impl, pool_attention_pallas)
         fn = functools.partial(_in_place, kernel=kernel)
-    rest = tuple(x for x in (kv, None if idx is None else jnp.asarray(idx, jnp.int32)) if x is not None)
-
-    def local(st, step, q, *rest):
-        rest = iter(rest)
-        kv_, idx_ = (None if kv is None else next(rest)), (None if idx is None else next(rest))
-        return fn(st, step, layer, kind, q, kv_, idx_, sink, scale)
-
-    return on_requests(local, state, step, q, *rest, axes=("batch",) * (2 + len(rest)), out="batch")
+    idx = None if idx is None else jnp.asarray(idx, jnp.int32)
+    return on_requests(
+        lambda st, step, q, kv, idx: fn(st, step, layer, kind, q, kv, idx, sink, scale),
+        state,
+        step,
+        q,
+        kv,
+        idx,
+        axes=("batch",) * 4,
+        out="batch",
+    )
 
 
 def after_reads(state: HybridCacheState, *outs, impl: str = "auto") -> HybridCacheState:

@@ -386,15 +386,8 @@ def window_keys(state: HybridCacheState, step: Step, layer: int, kv, *, impl: st
     ``p - window < pos <= p``. impl: how the ring is read, as in ``gather_entries``.
     """
     check_layer(state, layer)
-    if kv is None:
-        return on_requests(
-            lambda st, step: _window_keys(st, step, layer, None, impl),
-            state,
-            step,
-            axes=("batch",),
-            out=("batch", "batch"),
-        )
-    check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
+    if kv is not None:
+        check_tokens("kv", kv, step, state.config.head_dim, (jnp.bfloat16,))
     return on_requests(
         lambda st, step, kv: _window_keys(st, step, layer, kv, impl),
         state,

@@ -68,12 +68,18 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
 
     axes: per arg, "batch" (leading axis: the batch rows, split like the requests; a
       ``Stacked`` array's second axis; every field of a ``Step``) or None (replicated).
+      An arg that is None (an optional input not given) reaches ``fn`` as None.
     out: the same for the result ("state" for a state), or a tuple of them.
     """
     lay = state.layout
     if lay is None:
         return fn(state, *args)
     R = state.config.max_requests
+    given = tuple(x is not None for x in args)
+
+    def in_place_of_none(a):  # the given args, with the None ones back where they were
+        a = iter(a)
+        return tuple(next(a) if g else None for g in given)
 
     def is_step(x):
         return isinstance(x, Step)
@@ -91,7 +97,7 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
     def on_shard(st, *a):
         Rl = st.config.max_requests
         base = lay.index("requests") * Rl
-        return steps(fn(st, *steps(a, base, Rl, True)), base, Rl, False)
+        return steps(fn(st, *in_place_of_none(steps(a, base, Rl, True))), base, Rl, False)
 
     def logical(kind, x=None):  # "batch" as logical axes (jaxkv.sharding)
         if kind in ("state", None):
@@ -100,11 +106,12 @@ def on_requests(fn, state: HybridCacheState, *args, axes=(), out="state"):
             return Stacked(PartitionSpec(None, "requests"), x.index)
         return ("requests",)
 
+    kept = [(k, x) for k, x in zip(axes, args) if x is not None]
     return on_devices(
         on_shard,
         state,
-        *args,
-        axes=tuple(logical(k, x) for k, x in zip(axes, args)),
+        *(x for _, x in kept),
+        axes=tuple(logical(k, x) for k, x in kept),
         out=[logical(k) for k in out] if isinstance(out, tuple) else logical(out),
     )
 

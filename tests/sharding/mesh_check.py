@@ -156,6 +156,12 @@ def hybrid_layers(state, step, x, params, ops):
             step,
             xl["kv"],
         )
+        if xl["kv"].shape[1] == 1:  # a decode step's ring after its write (kv=None: no kv to split)
+            outs.append(
+                ops(
+                    f"window_keys(written)/{layer}", lambda st, sp, l=layer: H.window_keys(st, sp, l, None), state, step
+                )
+            )
         if c.kind(layer) == H.CSA:
             state = ops(
                 f"compress/{layer}",
