@@ -76,7 +76,10 @@ CONTENDERS = {  # name on the command line: (row label, decode_step flags)
     "indexer-xla": ("bookkeeping + indexer impl=xla", dict(index=True, attend=False, impl="auto", index_impl="xla")),
     "bookkeeping": ("bookkeeping alone", dict(index=False, attend=False, impl="auto")),
     "step-shared": ("step, prefix blocks shared", dict(index=True, attend=True, impl="auto")),
-    "step-kv": ("step, token passed, window written after", dict(index=True, attend=True, impl="auto", kv_first=True)),
+    "step-kv": (
+        "step, token passed, window written after",
+        dict(index=True, attend=True, impl="auto", write_after=True),
+    ),
 }
 
 
@@ -164,11 +167,11 @@ def decode_step(
     impl: str,
     index_impl: str = "auto",
     chunk=1,
-    kv_first: bool = False,
+    write_after: bool = False,
 ):
     """prepare_forward, then per layer compress -> (indexer top-k) -> (attention) -> after_reads
     -> window write (a decode step writes the window before attention, which then reads the
-    token from the ring: ``attention(kv=None)``; ``kv_first``: the prefill order, the token
+    token from the ring: ``attention(kv=None)``; ``write_after``: the prefill order, the token
     passed to attention and written after it). ``stacked``: the compressor inputs and weights as ``stack_layers`` gives
     them (a few arrays, not one argument per layer and tensor); ``extra``: ``make_extra``'s.
     Row b is slot ``slots[b]`` = b (every slot, in order: on a mesh each
@@ -192,7 +195,7 @@ def decode_step(
         if (index or attend) and cfg.kind(layer) == H.CSA:
             state, idx = H.index_topk(state, step, layer, H.index_query(state, e["iq"]), e["iw"], impl=index_impl)
             out = idx
-        first = chunk == 1 and not kv_first  # decode: the window written first, attention reads it from the ring
+        first = chunk == 1 and not write_after  # decode: the window written first, attention reads it from the ring
         if first:
             state = H.write_window(state, step, layer, x["kv"])
         if attend:  # a model's output projection reads every element: the barrier has the step write the

@@ -263,9 +263,10 @@ def _pool_span(pool, layer):
     return pool.reshape(L * NB, width), (layer * NB, NB)
 
 
-def _own_part(step, kv, B, T, W, storage):
+def _own_part(step, kv, W, storage):
     """The step's own tokens as a part of the kernel path's row list: (rows u8[B * T, E], the
     span, ids i32[N, K'], count i32[N])."""
+    B, T = kv.shape[:2]  # a Stacked row's shape
     N = B * T
     # the step's own tokens in query t's window: t' from first to t (positions start + t'),
     # encoded as write_window will store them
@@ -305,7 +306,7 @@ def _in_place(state, step, layer, kind, q, kv, idx, sink, scale, *, kernel):
     parts.append((pool, span) + masked_ids(ring_ids.reshape(N, W), seen.reshape(N, W)))
 
     if kv is not None:
-        parts.append(_own_part(step, kv, B, T, W, c.storage))
+        parts.append(_own_part(step, kv, W, c.storage))
 
     rows = jnp.concatenate([ids for _, _, ids, _ in parts], axis=1).astype(jnp.int32)
     nvalid = jnp.concatenate([block_counts(n, ids.shape[1] // BLOCK) for _, _, ids, n in parts], axis=1)
